@@ -1,0 +1,29 @@
+"""linbackprop: gradients of neural networks as the solution of a sparse, unit lower block
+triangular linear system.
+
+    ℒ Z = ℳ* h        (forward mode: forward substitution)
+    ℒ* Λ = ∇_Uℓ,  ∇_θJ = ℳ Λ + ∇_θℓ     (reverse mode: back substitution)
+
+with ℒ = I − D_UΦ and ℳ* = D_θΦ for a network U = Φ(U, θ) given as a DAG of layers.
+"""
+
+from ._network import GraphError, Layer, Network
+from ._operators import Block, Linearization, ParamOperator, StateOperator, linearize
+from ._transforms import grad_by_solve, jvp_by_solve, solving, value_and_grad_by_solve
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Block",
+    "GraphError",
+    "Layer",
+    "Linearization",
+    "Network",
+    "ParamOperator",
+    "StateOperator",
+    "grad_by_solve",
+    "jvp_by_solve",
+    "linearize",
+    "solving",
+    "value_and_grad_by_solve",
+]

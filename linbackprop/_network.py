@@ -1,0 +1,299 @@
+"""Layers and networks: the static DAG U_i = Φ_i(S_i(θ), U_j for j in reads(i)).
+
+A :class:`Network` only knows names and functions; shapes are looked at when it is called.
+Called plainly it is ordinary JAX code (a Python loop over its layers in topological order),
+so ``jax.grad`` of a function that calls it is the independent reference for the solve.
+Inside :func:`linbackprop.grad_by_solve` and friends the same call is differentiated by
+solving with ℒ = I − D_UΦ instead (see ``_transforms.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from typing import Any
+
+import jax
+
+__all__ = ["GraphError", "Layer", "Network"]
+
+
+class GraphError(ValueError):
+    """An invalid network graph, raised at :class:`Network` construction."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Layer:
+    """One layer U_name = fn(theta, *inputs) of a :class:`Network`.
+
+    Args:
+        name: any hashable, unique among the network's inputs and layers.
+        fn: ``fn(theta, *inputs) -> state``; ``theta`` is the tuple of the parameter blocks named
+            in ``params`` (in that order), ``inputs`` the states named in ``reads``.
+        reads: names of the states this layer reads (network inputs or other layers).
+        params: names of the parameter blocks this layer uses (S_i of the seed). A block may be
+            shared by several layers, or appear twice in one layer.
+
+    Example:
+        >>> import jax.numpy as jnp, linbackprop as lbp
+        >>> dense = lbp.Layer("h", lambda th, x: jnp.tanh(x @ th[0] + th[1]),
+        ...                   reads=("x",), params=("W", "b"))
+    """
+
+    name: Hashable
+    fn: Callable[..., Any]
+    reads: tuple[Hashable, ...] = ()
+    params: tuple[Hashable, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not callable(self.fn):
+            raise TypeError(f"Layer {self.name!r}: fn must be callable, got {type(self.fn).__name__}.")
+        for field in ("reads", "params"):
+            value = getattr(self, field)
+            if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+                raise TypeError(
+                    f"Layer {self.name!r}: {field} must be a sequence of names, got {value!r}; "
+                    f"write {field}=({value!r},) for a single name."
+                )
+            object.__setattr__(self, field, tuple(value))
+        try:
+            hash((self.name, self.reads, self.params))
+        except TypeError as err:
+            raise TypeError(f"Layer {self.name!r}: names must be hashable ({err}).") from None
+
+
+def _topological_order(layers: Sequence[Layer], inputs: tuple[Hashable, ...]) -> tuple[int, ...]:
+    """Kahn's algorithm; ties broken by the order the layers were given."""
+    index = {layer.name: n for n, layer in enumerate(layers)}
+    pending = [sum(1 for r in set(layer.reads) if r in index) for layer in layers]
+    readers: dict[Hashable, list[int]] = {}
+    for n, layer in enumerate(layers):
+        for r in set(layer.reads):
+            if r in index:
+                readers.setdefault(r, []).append(n)
+    import heapq
+
+    ready = [n for n, count in enumerate(pending) if count == 0]
+    heapq.heapify(ready)
+    order: list[int] = []
+    while ready:
+        n = heapq.heappop(ready)
+        order.append(n)
+        for m in readers.get(layers[n].name, ()):
+            pending[m] -= 1
+            if pending[m] == 0:
+                heapq.heappush(ready, m)
+    if len(order) < len(layers):
+        stuck = [layers[n].name for n in range(len(layers)) if pending[n] > 0]
+        raise GraphError(
+            f"The layers {stuck!r} form a cycle (or read one): a layer may only read network "
+            "inputs and layers that do not depend on it."
+        )
+    return tuple(order)
+
+
+class Network:
+    """A static DAG of layers: U_i = Φ_i(S_i(θ), U_j for j in reads(i)).
+
+    Args:
+        layers: :class:`Layer` objects in any order; they are sorted topologically (ties keep
+            the order given).
+        inputs: names of the input states (U_0 of the seed); several are allowed.
+        outputs: a single name (``net(...)`` returns that state) or a sequence of names
+            (``net(...)`` returns a tuple).
+
+    Raises:
+        GraphError: duplicate names, reads of unknown states, cycles (self-reads included),
+            unknown outputs, a layer named like an input.
+
+    A network is immutable and hashable: close over it or pass it as a static argument.
+
+    Example:
+        >>> import jax.numpy as jnp, linbackprop as lbp
+        >>> dense = lambda th, x: jnp.tanh(x @ th[0] + th[1])
+        >>> net = lbp.Network([lbp.Layer("h", dense, ("x",), ("W1", "b1")),
+        ...                    lbp.Layer("y", dense, ("h",), ("W2", "b2"))],
+        ...                   inputs=["x"], outputs="y")
+        >>> net.order, net.param_names
+        (('h', 'y'), ('W1', 'b1', 'W2', 'b2'))
+    """
+
+    def __init__(
+        self,
+        layers: Iterable[Layer],
+        inputs: Sequence[Hashable],
+        outputs: Hashable | Sequence[Hashable],
+    ) -> None:
+        layers = tuple(layers)
+        for layer in layers:
+            if not isinstance(layer, Layer):
+                raise TypeError(f"Network layers must be lbp.Layer objects, got {layer!r}.")
+        if isinstance(inputs, (str, bytes)) or not isinstance(inputs, Iterable):
+            raise GraphError(f"inputs must be a sequence of names, got {inputs!r}; write [{inputs!r}].")
+        inputs = tuple(inputs)
+        if not inputs:
+            raise GraphError("A network needs at least one input state.")
+        if not layers:
+            raise GraphError("A network needs at least one layer.")
+        self._single_output = isinstance(outputs, (str, bytes)) or not isinstance(outputs, (list, tuple))
+        outputs_t = (outputs,) if self._single_output else tuple(outputs)
+
+        seen: set[Hashable] = set()
+        for name in inputs:
+            if name in seen:
+                raise GraphError(f"Duplicate input name {name!r}: input names must be unique.")
+            seen.add(name)
+        for layer in layers:
+            if layer.name in seen:
+                what = "an input" if layer.name in inputs else "another layer"
+                raise GraphError(
+                    f"Layer name {layer.name!r} is already used by {what}: names must be unique "
+                    "among inputs and layers."
+                )
+            seen.add(layer.name)
+        for layer in layers:
+            for r in layer.reads:
+                if r == layer.name:
+                    raise GraphError(f"Layer {layer.name!r} reads itself: a cycle. A layer reads earlier states only.")
+                if r not in seen:
+                    raise GraphError(
+                        f"Layer {layer.name!r} reads unknown state {r!r}; known states are the inputs "
+                        f"{list(inputs)!r} and the layers."
+                    )
+        if not outputs_t:
+            raise GraphError("A network needs at least one output.")
+        for o in outputs_t:
+            if o not in seen:
+                raise GraphError(f"Unknown output {o!r}: outputs must name inputs or layers.")
+
+        order = _topological_order(layers, inputs)
+        self._layers = tuple(layers[n] for n in order)
+        self._given_layers = layers
+        self._inputs = inputs
+        self._outputs = outputs_t
+        self._outputs_arg = outputs if self._single_output else outputs_t
+        names: list[Hashable] = []
+        for layer in self._layers:
+            for p in layer.params:
+                if p not in names:
+                    names.append(p)
+        self._param_names = tuple(names)
+        self._hash = hash((self._given_layers, self._inputs, self._outputs, self._single_output))
+
+    # -- the graph ---------------------------------------------------------------------------
+    @property
+    def layers(self) -> tuple[Layer, ...]:
+        """The layers in topological order."""
+        return self._layers
+
+    @property
+    def order(self) -> tuple[Hashable, ...]:
+        """Layer names in topological order (ties: the order given)."""
+        return tuple(layer.name for layer in self._layers)
+
+    @property
+    def param_names(self) -> tuple[Hashable, ...]:
+        """Parameter block names in order of first use along :attr:`order`."""
+        return self._param_names
+
+    @property
+    def inputs(self) -> tuple[Hashable, ...]:
+        return self._inputs
+
+    @property
+    def outputs(self) -> tuple[Hashable, ...]:
+        return self._outputs
+
+    @property
+    def single_output(self) -> bool:
+        """True when ``outputs`` was given as one name, so that a call returns one state."""
+        return self._single_output
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Network):
+            return NotImplemented
+        return (self._given_layers, self._inputs, self._outputs, self._single_output) == (
+            other._given_layers,
+            other._inputs,
+            other._outputs,
+            other._single_output,
+        )
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __repr__(self) -> str:
+        from ._render import network_repr
+
+        return network_repr(self)
+
+    # -- evaluation ----------------------------------------------------------------------------
+    def select_params(self, params: Mapping[Hashable, Any]) -> dict[Hashable, Any]:
+        """The blocks of ``params`` this network uses, checked to be present."""
+        if not isinstance(params, Mapping):
+            raise TypeError(
+                f"params must be a mapping from block name to block, got {type(params).__name__}."
+            )
+        missing = [p for p in self._param_names if p not in params]
+        if missing:
+            users = {p: [layer.name for layer in self._layers if p in layer.params] for p in missing}
+            detail = "; ".join(f"block {p!r} used by layer(s) {u!r}" for p, u in users.items())
+            raise KeyError(f"Missing parameter block(s): {detail}. Add them to the params mapping.")
+        return {p: params[p] for p in self._param_names}
+
+    def check_inputs(self, inputs: tuple[Any, ...]) -> None:
+        if len(inputs) != len(self._inputs):
+            raise TypeError(
+                f"The network has {len(self._inputs)} input(s) {list(self._inputs)!r} but was called "
+                f"with {len(inputs)}: call net(params, {', '.join(map(str, self._inputs))})."
+            )
+
+    def states(self, params: Mapping[Hashable, Any], *inputs: Any) -> dict[Hashable, Any]:
+        """All states by name, inputs included: the plain forward substitution U = Φ(U, θ)."""
+        self.check_inputs(inputs)
+        theta = self.select_params(params)
+        states: dict[Hashable, Any] = dict(zip(self._inputs, inputs))
+        for layer in self._layers:
+            states[layer.name] = call_layer(layer, tuple(theta[p] for p in layer.params),
+                                            tuple(states[r] for r in layer.reads))
+        return states
+
+    def __call__(self, params: Mapping[Hashable, Any], *inputs: Any) -> Any:
+        """The output state(s). Differentiated by the solve inside ``grad_by_solve``."""
+        from ._transforms import network_call
+
+        return network_call(self, params, inputs)
+
+    def pick_outputs(self, states: Mapping[Hashable, Any]) -> Any:
+        outs = tuple(states[o] for o in self._outputs)
+        return outs[0] if self._single_output else outs
+
+
+def call_layer(layer: Layer, theta: tuple[Any, ...], inputs: tuple[Any, ...]) -> Any:
+    """``layer.fn(theta, *inputs)`` with errors that name the layer."""
+    try:
+        return layer.fn(theta, *inputs)
+    except Exception as err:
+        if not _reraisable(err):
+            raise
+        shapes = ", ".join(_describe(x) for x in inputs)
+        pshapes = ", ".join(f"{p!r}: {_describe(t)}" for p, t in zip(layer.params, theta))
+        raise type(err)(
+            f"Layer {layer.name!r} failed: {err}\n  reads {list(layer.reads)!r} with shapes "
+            f"[{shapes}]; params {{{pshapes}}}."
+        ) from err
+
+
+def _reraisable(err: Exception) -> bool:
+    try:
+        type(err)("probe")
+    except Exception:
+        return False
+    return True
+
+
+def _describe(x: Any) -> str:
+    leaves = jax.tree.leaves(x)
+    if len(leaves) == 1 and leaves[0] is x:
+        return f"{getattr(x, 'dtype', type(x).__name__)}{list(getattr(x, 'shape', ()))}"
+    return str(jax.tree.map(lambda v: f"{getattr(v, 'dtype', type(v).__name__)}{list(getattr(v, 'shape', ()))}", x))

@@ -1,0 +1,272 @@
+"""ℒ = I − D_UΦ and ℳ* = D_θΦ as block-sparse operators over named states and blocks.
+
+Vectors of 𝒰 are dicts {layer name: state}; vectors of Θ are dicts {block name: block}.
+Every product and solve visits only the stored blocks (the pattern); nothing is materialised
+except by ``todense()``, which is meant for tiny networks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.flatten_util import ravel_pytree
+
+from ._network import Network, call_layer
+from ._plan import Plan
+from ._solve import Primal, back_substitution, forward_substitution, param_adjoint, param_forward, state_product
+from ._transforms import prepare
+
+
+class Block:
+    """One block of ℒ or ℳ*: a linear map together with its adjoint (as in the seed)."""
+
+    def __init__(self, symbol: str, row: Hashable, col: Hashable, fn: Callable, adjoint: Callable):
+        self.symbol, self.row, self.col = symbol, row, col
+        self._fn, self._adjoint = fn, adjoint
+
+    def mv(self, x: Any) -> Any:
+        return self._fn(x)
+
+    @property
+    def T(self) -> Block:  # noqa: N802 - the mathematical name
+        return Block(self.symbol + "′", self.col, self.row, self._adjoint, self._fn)
+
+    def __repr__(self) -> str:
+        return f"{self.symbol}[{self.row!r}, {self.col!r}]"
+
+
+class _Operator:
+    def __init__(self, lin: Linearization, adjoint: bool):
+        self._lin = lin
+        self._adjoint = adjoint
+
+    @property
+    def _plan(self) -> Plan:
+        return self._lin._plan
+
+    @property
+    def _prim(self) -> Primal:
+        return self._lin._prim
+
+    def _check(self, x: Mapping, names: tuple, space: str) -> None:
+        if not isinstance(x, Mapping):
+            raise TypeError(f"Vectors of {space} are dicts keyed by name, got {type(x).__name__}.")
+        missing = [n for n in names if n not in x]
+        extra = [n for n in x if n not in names]
+        if missing or extra:
+            raise KeyError(f"A vector of {space} needs exactly the keys {list(names)!r}; "
+                           f"missing {missing!r}, unexpected {extra!r}.")
+
+    def _states_in(self, e: Mapping) -> list[Any]:
+        net = self._plan.net
+        self._check(e, net.order, "𝒰 (states)")
+        bufs = self._plan.pack_states(dict(e))
+        return [b if g.differentiable else None for b, g in zip(bufs, self._plan.state_groups)]
+
+    def _states_out(self, bufs: list[Any]) -> dict:
+        return self._plan.unpack(bufs, self._plan.net.order, self._plan.state_loc)
+
+    def _params_in(self, h: Mapping) -> list[Any]:
+        self._check(h, self._plan.net.param_names, "Θ (parameters)")
+        return self._plan.pack_params(dict(h))
+
+    def _params_out(self, bufs: list[Any]) -> dict:
+        return self._plan.unpack(bufs, self._plan.net.param_names, self._plan.param_loc)
+
+    def _dense(self, fn: Callable[[dict], dict], in_example: dict, in_names: tuple) -> jax.Array:
+        flat, unravel = ravel_pytree([in_example[n] for n in in_names])
+
+        def flat_fn(v):
+            out = fn(dict(zip(in_names, unravel(v))))
+            return ravel_pytree([out[n] for n in self._out_names])[0]
+
+        return jax.jacfwd(flat_fn)(jnp.zeros_like(flat))
+
+
+class StateOperator(_Operator):
+    """ℒ = I − D_UΦ (unit lower block triangular), or its adjoint ℒ* with ``.T``.
+
+    Block (i, j) is −∂Φ_i/∂U_j, stored only where layer i reads layer j: the pattern below the
+    diagonal is the DAG.
+    """
+
+    @property
+    def T(self) -> StateOperator:  # noqa: N802
+        return StateOperator(self._lin, not self._adjoint)
+
+    @property
+    def _out_names(self) -> tuple:
+        return self._plan.net.order
+
+    def mv(self, e: Mapping) -> dict:
+        """ℒ E (or ℒ* E): every layer at once."""
+        return self._states_out(state_product(self._plan, self._prim, self._states_in(e), self._adjoint))
+
+    def solve(self, g: Mapping) -> dict:
+        """Z with ℒ Z = G by forward substitution, or Λ with ℒ* Λ = G by back substitution."""
+        sub = back_substitution if self._adjoint else forward_substitution
+        return self._states_out(sub(self._plan, self._prim, self._states_in(g)))
+
+    @property
+    def pattern(self) -> np.ndarray:
+        """N x N bool over ``net.order``: True where a block is stored (identity included)."""
+        p = state_pattern(self._plan.net)
+        return p.T.copy() if self._adjoint else p
+
+    def todense(self) -> jax.Array:
+        """The dense matrix: states flattened (C order), concatenated along ``net.order``."""
+        return self._dense(self.mv, self._lin.layer_states, self._plan.net.order)
+
+    def block(self, i: Hashable, j: Hashable) -> Block:
+        """Block (i, j) as a linear map with its adjoint (ℒ* blocks with ``.T``)."""
+        if self._adjoint:
+            return self.T.block(j, i).T
+        net = self._plan.net
+        if i == j and i in net.order:
+            return Block("ℐ", i, j, lambda x: x, lambda x: x)
+        layer = _layer(net, i)
+        if j not in layer.reads:
+            raise KeyError(f"Block ({i!r}, {j!r}) of ℒ is zero: layer {i!r} does not read {j!r}.")
+        vjp, out_aval = self._lin._layer_vjp(layer)
+        r = layer.reads.index(j)
+
+        def adjoint(lam):
+            return jax.tree.map(jnp.negative, vjp(lam)[1 + r])
+
+        return Block("ℒ", i, j, lambda e: jax.linear_transpose(adjoint, out_aval)(e)[0], adjoint)
+
+    def __repr__(self) -> str:
+        from ._render import pattern_text
+
+        return pattern_text(self)
+
+
+class ParamOperator(_Operator):
+    """ℳ : 𝒰 → Θ (the adjoint of ℳ* = D_θΦ), or ℳ* with ``.T``.
+
+    ℳ Λ sums, for every block θ_k, (∂Φ_i/∂θ_k)* Λ_i over the layers i that use θ_k.
+    """
+
+    @property
+    def T(self) -> ParamOperator:  # noqa: N802
+        return ParamOperator(self._lin, not self._adjoint)
+
+    @property
+    def _out_names(self) -> tuple:
+        return self._plan.net.order if self._adjoint else self._plan.net.param_names
+
+    def mv(self, x: Mapping) -> dict:
+        """ℳ Λ (dict over blocks), or ℳ* h (dict over layers) with ``.T``."""
+        plan, prim = self._plan, self._prim
+        if self._adjoint:
+            zero = [g.zeros() if g.differentiable else None for g in plan.state_groups]
+            return self._states_out(param_forward(plan, prim, self._params_in(x), zero))
+        return self._params_out(param_adjoint(plan, prim, self._states_in(x)))
+
+    @property
+    def pattern(self) -> np.ndarray:
+        """K x N bool over (``net.param_names``, ``net.order``); N x K for ℳ*."""
+        p = param_pattern(self._plan.net)
+        return p.T.copy() if self._adjoint else p
+
+    def todense(self) -> jax.Array:
+        if self._adjoint:
+            return self._dense(self.mv, self._lin.params, self._plan.net.param_names)
+        return self._dense(self.mv, self._lin.layer_states, self._plan.net.order)
+
+    def block(self, k: Hashable, i: Hashable) -> Block:
+        """Block (k, i) of ℳ: Λ_i ↦ (∂Φ_i/∂θ_k)* Λ_i (ℳ* blocks with ``.T``)."""
+        if self._adjoint:
+            return self.T.block(i, k).T
+        layer = _layer(self._plan.net, i)
+        if k not in layer.params:
+            raise KeyError(f"Block ({k!r}, {i!r}) of ℳ is zero: layer {i!r} does not use block {k!r}.")
+        vjp, out_aval = self._lin._layer_vjp(layer)
+        slots = [n for n, p in enumerate(layer.params) if p == k]
+
+        def adjoint(lam):
+            cts = vjp(lam)[0]
+            return jax.tree.map(lambda *c: sum(c), *[cts[n] for n in slots])
+
+        return Block("ℳ", k, i, adjoint, lambda h: jax.linear_transpose(adjoint, out_aval)(h)[0])
+
+    def __repr__(self) -> str:
+        from ._render import pattern_text
+
+        return pattern_text(self)
+
+
+def _layer(net: Network, name: Hashable):
+    for layer in net.layers:
+        if layer.name == name:
+            return layer
+    raise KeyError(f"No layer named {name!r}; the layers are {list(net.order)!r}.")
+
+
+def state_pattern(net: Network) -> np.ndarray:
+    index = {name: n for n, name in enumerate(net.order)}
+    p = np.eye(len(index), dtype=bool)
+    for layer in net.layers:
+        for r in layer.reads:
+            if r in index:
+                p[index[layer.name], index[r]] = True
+    return p
+
+
+def param_pattern(net: Network) -> np.ndarray:
+    index = {name: n for n, name in enumerate(net.param_names)}
+    p = np.zeros((len(index), len(net.order)), dtype=bool)
+    for i, layer in enumerate(net.layers):
+        for k in layer.params:
+            p[index[k], i] = True
+    return p
+
+
+class Linearization:
+    """The network linearised at (θ, U₀): its states and the operators ℒ and ℳ.
+
+    ``L`` and ``M`` act on dicts; ``L.T.solve(g)`` is the back substitution of the adjoint
+    equation, so ``lin.M.mv(lin.L.T.solve(grad_U))`` is the gradient ℳ (ℒ*)⁻¹ ∇_Uℓ.
+    """
+
+    def __init__(self, net: Network, params: Mapping, inputs: tuple[Any, ...]):
+        net.check_inputs(inputs)
+        self.params = net.select_params(params)
+        self._plan, self._prim = prepare(net, self.params, tuple(inputs))
+        self.states = {**dict(zip(net.inputs, inputs)),
+                       **self._plan.unpack(self._prim.states, net.order, self._plan.state_loc)}
+        self.L = StateOperator(self, adjoint=False)
+        self.M = ParamOperator(self, adjoint=False)
+
+    @property
+    def net(self) -> Network:
+        return self._plan.net
+
+    @property
+    def layer_states(self) -> dict:
+        return {name: self.states[name] for name in self.net.order}
+
+    def _layer_vjp(self, layer):
+        theta = tuple(self.params[p] for p in layer.params)
+        inputs = tuple(self.states[r] for r in layer.reads)
+        out, vjp = jax.vjp(lambda t, *u: call_layer(layer, t, u), theta, *inputs)
+        return vjp, jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), out)
+
+
+def linearize(net: Network, params: Mapping, *inputs: Any) -> Linearization:
+    """Linearise ``net`` at ``params`` and ``inputs``: ``lin.states``, ``lin.L``, ``lin.M``.
+
+    Example:
+        >>> import jax.numpy as jnp, linbackprop as lbp
+        >>> dense = lambda th, x: jnp.tanh(x @ th[0])
+        >>> net = lbp.Network([lbp.Layer(1, dense, (0,), ("W1",)), lbp.Layer(2, dense, (1,), ("W2",))],
+        ...                   inputs=[0], outputs=2)
+        >>> lin = lbp.linearize(net, {"W1": jnp.eye(2), "W2": jnp.eye(2)}, jnp.ones((3, 2)))
+        >>> lin.L.pattern.astype(int).tolist()
+        [[1, 0], [1, 1]]
+    """
+    return Linearization(net, params, inputs)

@@ -1,0 +1,287 @@
+"""The static layout of a network at given shapes: buffers, kinds of layer, index tables.
+
+The solve runs one ``lax.fori_loop`` step per layer. To keep the compiled program independent of
+depth, layers are grouped into *kinds* (same function, same parameter and input shapes): the loop
+body holds one branch per kind, not per layer. Same-shaped states (and parameter blocks) are
+stacked into one buffer per *group*, and static integer tables say, for every step, which kind
+runs, which rows of which buffers it reads, and where its results go.
+
+Each kind is linearised once abstractly (``jax.eval_shape`` of ``jax.vjp``) to learn the pytree
+structure of its residuals. Residuals that are the layer's own arguments verbatim (weights,
+input states) are not stored again: they are re-read from the parameter and state buffers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import types
+from collections.abc import Hashable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ._network import Layer, Network, call_layer
+
+Aval = jax.ShapeDtypeStruct
+
+
+def leaf_aval(x: Any, where: str) -> Aval:
+    """The shape and dtype of one leaf, or a clear error for a non-array leaf."""
+    if isinstance(x, (jax.Array, np.ndarray, np.generic, Aval)) or hasattr(x, "aval"):
+        return Aval(np.shape(x), jnp.result_type(x))
+    if isinstance(x, (bool, int, float, complex)):
+        return Aval((), jnp.result_type(x))
+    raise TypeError(
+        f"{where} has a leaf of type {type(x).__name__} ({x!r}); states, inputs and parameter "
+        "blocks must be arrays or pytrees of arrays."
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Group:
+    """Same-shaped states (or parameter blocks), stacked along a new leading axis."""
+
+    treedef: Any
+    leaves: tuple[Aval, ...]
+    names: tuple[Hashable, ...]
+    pad: bool  # one extra row that absorbs the writes of inactive kinds (state groups only)
+
+    @property
+    def rows(self) -> int:
+        return len(self.names) + int(self.pad)
+
+    @property
+    def differentiable(self) -> bool:
+        return all(jnp.issubdtype(a.dtype, jnp.inexact) for a in self.leaves)
+
+    def zeros(self) -> Any:
+        return self.treedef.unflatten([jnp.zeros((self.rows, *a.shape), a.dtype) for a in self.leaves])
+
+    def stack(self, values: list[Any]) -> Any:
+        """Stack the given members (a pad row of zeros appended where the group has one)."""
+        leaves = [self.treedef.flatten_up_to(v) for v in values]
+        out = []
+        for n, a in enumerate(self.leaves):
+            column = [jnp.asarray(row[n], a.dtype) for row in leaves]
+            if self.pad:
+                column.append(jnp.zeros(a.shape, a.dtype))
+            out.append(jnp.stack(column))
+        return self.treedef.unflatten(out)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Kind:
+    """Layers that share a function and the shapes of their parameters and inputs.
+
+    Tables have one row per member layer plus a pad row (valid indices, never used for data);
+    ``step_*`` tables have one entry per step of the loop (the pad for steps of other kinds).
+    """
+
+    fn: Any
+    layers: tuple[Layer, ...]
+    param_groups: tuple[int, ...]
+    read_groups: tuple[int, ...]
+    out_group: int
+    param_slots: np.ndarray  # [n + 1, P]
+    read_slots: np.ndarray  # [n + 1, R]
+    out_slots: np.ndarray  # [n + 1]
+    step_pos: np.ndarray  # [N] -> member row, n for other kinds' steps
+    step_out_slot: np.ndarray  # [N] -> state row written, the group's pad for other kinds
+    step_read_slots: np.ndarray  # [N, R] -> rows read, the pad for other kinds
+    out_aval: Any
+    vjp_treedef: Any
+    res_sources: tuple[int | None, ...]  # per residual leaf: None (own) or an argument leaf
+    own_avals: tuple[Aval, ...]
+
+    @property
+    def size(self) -> int:
+        return len(self.layers)
+
+    def own_zeros(self, rows: int | None = None) -> tuple[jax.Array, ...]:
+        lead = () if rows is None else (rows,)
+        return tuple(jnp.zeros((*lead, *a.shape), a.dtype) for a in self.own_avals)
+
+    def split_residuals(self, vjp: Any) -> tuple[Any, ...]:
+        leaves = jax.tree.leaves(vjp)
+        return tuple(leaf for leaf, src in zip(leaves, self.res_sources) if src is None)
+
+    def rebuild(self, own: tuple[Any, ...], theta: tuple[Any, ...], inputs: tuple[Any, ...]) -> Any:
+        """The layer's VJP from its stored residuals and its (re-read) arguments."""
+        args = jax.tree.leaves((theta, inputs))
+        own_iter = iter(own)
+        leaves = [next(own_iter) if src is None else args[src] for src in self.res_sources]
+        return self.vjp_treedef.unflatten(leaves)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Plan:
+    net: Network
+    state_groups: tuple[Group, ...]
+    param_groups: tuple[Group, ...]
+    state_loc: dict[Hashable, tuple[int, int]]
+    param_loc: dict[Hashable, tuple[int, int]]
+    kinds: tuple[Kind, ...]
+    step_kind: np.ndarray  # [N]
+
+    @property
+    def depth(self) -> int:
+        return len(self.step_kind)
+
+    # -- packing --------------------------------------------------------------------------------
+    def pack_params(self, theta: dict[Hashable, Any]) -> list[Any]:
+        return [g.stack([theta[name] for name in g.names]) for g in self.param_groups]
+
+    def pack_states(self, values: dict[Hashable, Any]) -> list[Any]:
+        """State-layout buffers holding ``values`` (by name) and zeros elsewhere."""
+        out = []
+        for g in self.state_groups:
+            if not any(name in values for name in g.names):
+                out.append(g.zeros())
+                continue
+            zero = g.treedef.unflatten([jnp.zeros(a.shape, a.dtype) for a in g.leaves])
+            out.append(g.stack([values.get(name, zero) for name in g.names]))
+        return out
+
+    def unpack(self, bufs: list[Any], names: tuple[Hashable, ...], loc: dict) -> dict[Hashable, Any]:
+        out = {}
+        for name in names:
+            g, slot = loc[name]
+            out[name] = jax.tree.map(lambda b, s=slot: b[s], bufs[g])
+        return out
+
+
+def function_key(fn: Any) -> Any:
+    """Equal for functions that behave identically: same code, globals, defaults, closure.
+
+    Lambdas written inside a loop are distinct objects with the same code; keying on what they
+    are made of lets them share one kind (one branch of the loop) instead of one per layer.
+    """
+    if isinstance(fn, types.FunctionType):
+        cells = tuple(id(c.cell_contents) for c in fn.__closure__ or ())
+        kw = tuple(sorted((fn.__kwdefaults__ or {}).items(), key=lambda kv: kv[0]))
+        try:
+            hash((fn.__defaults__, kw))
+        except TypeError:
+            return fn
+        return (fn.__code__, id(fn.__globals__), fn.__defaults__, kw, cells)
+    return fn
+
+
+def _avals_of(tree: Any, where: str) -> tuple[Any, tuple[Aval, ...]]:
+    leaves, treedef = jax.tree.flatten(tree)
+    return treedef, tuple(leaf_aval(x, where) for x in leaves)
+
+
+def _analyse_kind(layer: Layer, theta_avals: tuple[Any, ...], input_avals: tuple[Any, ...]):
+    """Abstractly linearise one layer: its output shape and the structure of its residuals."""
+    found: dict[str, Any] = {}
+
+    def probe(theta, *inputs):
+        out, vjp = jax.vjp(lambda t, *u: call_layer(layer, t, u), theta, *inputs)
+        leaves, treedef = jax.tree.flatten(vjp)
+        args = jax.tree.leaves((theta, inputs))
+        sources = []
+        for leaf in leaves:
+            sources.append(next((n for n, a in enumerate(args) if leaf is a), None))
+        found.update(treedef=treedef, sources=tuple(sources))
+        return out, tuple(leaf for leaf, s in zip(leaves, sources) if s is None)
+
+    out_aval, own = jax.eval_shape(probe, theta_avals, *input_avals)
+    _avals_of(out_aval, f"The output of layer {layer.name!r}")
+    return out_aval, found["treedef"], found["sources"], tuple(own)
+
+
+@functools.lru_cache(maxsize=256)
+def make_plan(net: Network, param_structs: tuple, input_structs: tuple) -> Plan:
+    """The layout for ``net`` at the given shapes (``param_structs`` follows ``net.param_names``)."""
+    params = {p: _unstruct(s) for p, s in zip(net.param_names, param_structs)}
+    avals: dict[Hashable, Any] = {name: _unstruct(s) for name, s in zip(net.inputs, input_structs)}
+    kind_info: dict[Any, tuple] = {}
+    layer_kind: list[Any] = []
+    for layer in net.layers:
+        theta = tuple(params[p] for p in layer.params)
+        ins = tuple(avals[r] for r in layer.reads)
+        key = (function_key(layer.fn), _structure(theta), _structure(ins))
+        if key not in kind_info:
+            kind_info[key] = _analyse_kind(layer, theta, ins)
+        avals[layer.name] = kind_info[key][0]
+        layer_kind.append(key)
+
+    state_groups, state_loc = _group(list(avals.items()), pad=True)
+    param_groups, param_loc = _group(list(params.items()), pad=False)
+
+    keys = list(dict.fromkeys(layer_kind))
+    n_steps = len(net.layers)
+    step_kind = np.array([keys.index(k) for k in layer_kind], dtype=np.int32)
+    kinds = []
+    for k, key in enumerate(keys):
+        members = [n for n in range(n_steps) if step_kind[n] == k]
+        layers = tuple(net.layers[n] for n in members)
+        first = layers[0]
+        out_aval, treedef, sources, own = kind_info[key]
+        pgroups = tuple(param_loc[p][0] for p in first.params)
+        rgroups = tuple(state_loc[r][0] for r in first.reads)
+        ogroup = state_loc[first.name][0]
+        pslots = np.array([[param_loc[p][1] for p in layer.params] for layer in layers] + [[0] * len(pgroups)],
+                          dtype=np.int32).reshape(len(layers) + 1, len(pgroups))
+        rslots = np.array([[state_loc[r][1] for r in layer.reads] for layer in layers] + [[0] * len(rgroups)],
+                          dtype=np.int32).reshape(len(layers) + 1, len(rgroups))
+        oslots = np.array([state_loc[layer.name][1] for layer in layers] + [0], dtype=np.int32)
+        step_pos = np.full(n_steps, len(layers), dtype=np.int32)
+        step_pos[members] = np.arange(len(layers))
+        pad_row = lambda g: state_groups[g].rows - 1  # noqa: E731
+        step_out = np.full(n_steps, pad_row(ogroup), dtype=np.int32)
+        step_out[members] = oslots[:-1]
+        step_reads = np.array([[pad_row(g) for g in rgroups]] * n_steps, dtype=np.int32).reshape(n_steps, len(rgroups))
+        step_reads[members] = rslots[:-1]
+        kinds.append(Kind(
+            fn=first.fn, layers=layers, param_groups=pgroups, read_groups=rgroups, out_group=ogroup,
+            param_slots=pslots, read_slots=rslots, out_slots=oslots, step_pos=step_pos,
+            step_out_slot=step_out, step_read_slots=step_reads, out_aval=out_aval,
+            vjp_treedef=treedef, res_sources=sources,
+            own_avals=tuple(Aval(a.shape, a.dtype) for a in own),
+        ))
+    return Plan(net=net, state_groups=state_groups, param_groups=param_groups, state_loc=state_loc,
+                param_loc=param_loc, kinds=tuple(kinds), step_kind=step_kind)
+
+
+def _structure(tree: Any) -> Any:
+    leaves, treedef = jax.tree.flatten(tree)
+    return treedef, tuple((tuple(a.shape), np.dtype(a.dtype)) for a in leaves)
+
+
+def _group(items: list[tuple[Hashable, Any]], pad: bool) -> tuple[tuple[Group, ...], dict]:
+    by_key: dict[Any, list[Hashable]] = {}
+    avals: dict[Any, Any] = {}
+    for name, aval in items:
+        key = _structure(aval)
+        by_key.setdefault(key, []).append(name)
+        avals[key] = aval
+    groups, loc = [], {}
+    for g, (key, names) in enumerate(by_key.items()):
+        treedef, leaves = key
+        groups.append(Group(treedef=treedef, leaves=tuple(Aval(s, d) for s, d in leaves),
+                            names=tuple(names), pad=pad))
+        for slot, name in enumerate(names):
+            loc[name] = (g, slot)
+    return tuple(groups), loc
+
+
+def plan_for(net: Network, theta: dict[Hashable, Any], inputs: tuple[Any, ...]) -> Plan:
+    """Validate the arguments' leaves and return the (cached) plan for their shapes."""
+    param_structs = tuple(_struct_of(theta[p], f"Parameter block {p!r}") for p in net.param_names)
+    input_structs = tuple(_struct_of(x, f"Network input {name!r}") for name, x in zip(net.inputs, inputs))
+    return make_plan(net, param_structs, input_structs)
+
+
+def _struct_of(tree: Any, where: str) -> Any:
+    treedef, avals = _avals_of(tree, where)
+    return treedef, tuple((tuple(a.shape), np.dtype(a.dtype)) for a in avals)
+
+
+def _unstruct(struct: Any) -> Any:
+    treedef, leaves = struct
+    return treedef.unflatten([Aval(s, d) for s, d in leaves])

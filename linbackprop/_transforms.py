@@ -1,0 +1,205 @@
+"""grad_by_solve, value_and_grad_by_solve, jvp_by_solve: JAX's transforms, with every Network
+call differentiated by the linear solve.
+
+How a Network call is differentiated:
+
+    ℒ Z = ℳ* h + E₀ dU₀        (forward substitution; E₀ places the input tangents)
+    outputs' tangents = 𝒫 Z
+
+is the call's JVP rule (a ``jax.custom_jvp``), and the solve is a ``lax.custom_linear_solve``
+whose transpose is the back substitution ℒ* Λ = 𝒫* ḡ. Reverse mode is JAX transposing that
+rule: the back substitution runs, then ℳ Λ — the transpose of the batched ℳ* h — is applied to
+all layers of a kind at once, after the loop. Because everything is a JVP rule plus
+transposition, jit, vmap, jvp-of-grad (Hessian-vector products) and jax.hessian all compose.
+
+Outside these transforms a Network call is plain JAX code, so ``jax.grad`` of the same function
+is the independent reference. The mode is a JAX configuration state included in the jit key,
+so ``grad_by_solve(jax.jit(f))`` traces ``f`` again instead of reusing a plain trace.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax import lax
+from jax.custom_derivatives import SymbolicZero
+
+from ._network import Network
+from ._plan import Plan, plan_for
+from ._solve import Primal, back_substitution, forward, forward_substitution, param_forward, state_product
+
+try:  # A config state keyed into jit's cache: the mode changes what a trace contains.
+    from jax._src import config as _jax_config
+
+    _SOLVE_MODE = _jax_config.bool_state(
+        "linbackprop_differentiate_by_solve",
+        False,
+        "Inside linbackprop's transforms: differentiate Network calls by the linear solve.",
+        include_in_jit_key=True,
+        include_in_trace_context=True,
+    )
+except Exception:  # pragma: no cover - a JAX without the private API: documented fallback
+    import contextlib
+    import threading
+
+    class _ThreadLocalMode(threading.local):
+        value = False
+
+        @contextlib.contextmanager
+        def __call__(self, value: bool):
+            old, self.value = self.value, value
+            try:
+                yield
+            finally:
+                self.value = old
+
+    _SOLVE_MODE = _ThreadLocalMode()
+
+
+def solving() -> bool:
+    """True inside grad_by_solve / value_and_grad_by_solve / jvp_by_solve."""
+    return bool(_SOLVE_MODE.value)
+
+
+def network_call(net: Network, params: Any, inputs: tuple[Any, ...]) -> Any:
+    net.check_inputs(inputs)
+    theta = net.select_params(params)
+    if not solving():
+        return net.pick_outputs(net.states(theta, *inputs))
+    outs = _call_by_solve(net, theta, tuple(inputs))
+    return outs[0] if net.single_output else outs
+
+
+def _outputs(plan: Plan, bufs: list[Any]) -> tuple[Any, ...]:
+    net = plan.net
+    return tuple(plan.unpack(bufs, net.outputs, plan.state_loc)[o] for o in net.outputs)
+
+
+def prepare(net: Network, theta: dict[Hashable, Any], inputs: tuple[Any, ...]) -> tuple[Plan, Primal]:
+    """The plan at these shapes and the forward pass with every layer's residuals."""
+    plan = plan_for(net, theta, inputs)
+    prim = forward(plan, plan.pack_params(theta), plan.pack_states(dict(zip(net.inputs, inputs))))
+    return plan, prim
+
+
+def solve_forward(plan: Plan, prim: Primal, rhs: list[Any]) -> list[Any]:
+    """Z with ℒ Z = rhs, differentiable in rhs (transpose: back substitution) and in prim."""
+    return lax.custom_linear_solve(
+        lambda x: state_product(plan, prim, x),
+        rhs,
+        solve=lambda _, b: forward_substitution(plan, prim, b),
+        transpose_solve=lambda _, b: back_substitution(plan, prim, b),
+    )
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+def _call_by_solve(net: Network, theta: dict, inputs: tuple) -> tuple[Any, ...]:
+    plan = plan_for(net, theta, inputs)
+    prim = forward(plan, plan.pack_params(theta), plan.pack_states(dict(zip(net.inputs, inputs))),
+                   residuals=False)
+    return _outputs(plan, prim.states)
+
+
+def _is_zero(t: Any) -> bool:
+    return all(isinstance(leaf, SymbolicZero) for leaf in jax.tree.leaves(t, is_leaf=_symbolic))
+
+
+def _symbolic(x: Any) -> bool:
+    return isinstance(x, SymbolicZero)
+
+
+def _instantiate(t: Any) -> Any:
+    return jax.tree.map(lambda z: z.instantiate() if _symbolic(z) else z, t, is_leaf=_symbolic)
+
+
+def _call_by_solve_jvp(net: Network, primals: tuple, tangents: tuple) -> tuple:
+    theta, inputs = primals
+    dtheta, dinputs = tangents
+    plan, prim = prepare(net, theta, inputs)
+    # rhs = E₀ dU₀ + ℳ* h: input tangents on the identity rows of the inputs, then ℳ* h.
+    given = {name: dx for name, dx in zip(net.inputs, dinputs)
+             if not _is_zero(dx) and plan.state_groups[plan.state_loc[name][0]].differentiable}
+    rhs = plan.pack_states(_instantiate(given))
+    rhs = [b if g.differentiable else None for b, g in zip(rhs, plan.state_groups)]
+    if not all(_is_zero(dtheta[p]) for p in net.param_names):
+        rhs = param_forward(plan, prim, plan.pack_params(_instantiate(dtheta)), rhs)
+    z = solve_forward(plan, prim, rhs)
+    outs = _outputs(plan, prim.states)
+    douts = tuple(_tangent_or_zero(plan, o, z) for o in net.outputs)
+    return outs, douts
+
+
+def _tangent_or_zero(plan: Plan, name: Hashable, z: list[Any]) -> Any:
+    g, slot = plan.state_loc[name]
+    group = plan.state_groups[g]
+    if z[g] is None:
+        return group.treedef.unflatten([np.zeros(a.shape, jax.dtypes.float0) for a in group.leaves])
+    return jax.tree.map(lambda b: b[slot], z[g])
+
+
+_call_by_solve.defjvp(_call_by_solve_jvp, symbolic_zeros=True)
+
+
+# -- the public transforms ---------------------------------------------------------------------
+def _in_solve_mode(transformed: Callable, fun: Callable) -> Callable:
+    @functools.wraps(fun)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        with _SOLVE_MODE(True):
+            return transformed(*args, **kwargs)
+
+    return wrapped
+
+
+def grad_by_solve(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool = False,
+                  **grad_kwargs: Any) -> Callable:
+    """Drop-in for ``jax.grad``: every Network call in ``fun`` is differentiated by the solve.
+
+    For a loss J(θ) = ℓ(U(θ), θ) the gradient is ∇_θJ = ℳ Λ + ∇_θℓ, where Λ solves the adjoint
+    equation ℒ* Λ = ∇_Uℓ by back substitution (one solve for every parameter direction).
+    Network inputs may be differentiated too (``argnums``); several networks, repeated calls and
+    direct uses of the parameters (regularisers) add up.
+
+    Example:
+        >>> import jax, jax.numpy as jnp, linbackprop as lbp
+        >>> net = lbp.Network([lbp.Layer("y", lambda th, x: jnp.tanh(x @ th[0]), ("x",), ("W",))],
+        ...                   inputs=["x"], outputs="y")
+        >>> loss = lambda p, x: jnp.sum(net(p, x) ** 2)
+        >>> p, x = {"W": jnp.ones((3, 2))}, jnp.ones((4, 3))
+        >>> g = lbp.grad_by_solve(loss)(p, x)
+        >>> bool(jnp.allclose(g["W"], jax.grad(loss)(p, x)["W"]))
+        True
+    """
+    return _in_solve_mode(jax.grad(fun, argnums=argnums, has_aux=has_aux, **grad_kwargs), fun)
+
+
+def value_and_grad_by_solve(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool = False,
+                            **grad_kwargs: Any) -> Callable:
+    """Drop-in for ``jax.value_and_grad``, differentiating Network calls by the solve.
+
+    Example:
+        >>> import jax.numpy as jnp, linbackprop as lbp
+        >>> net = lbp.Network([lbp.Layer("y", lambda th, x: x * th[0], ("x",), ("a",))], ["x"], "y")
+        >>> value, grads = lbp.value_and_grad_by_solve(lambda p: net(p, 2.0))({"a": 3.0})
+        >>> float(value), float(grads["a"])
+        (6.0, 2.0)
+    """
+    return _in_solve_mode(jax.value_and_grad(fun, argnums=argnums, has_aux=has_aux, **grad_kwargs), fun)
+
+
+def jvp_by_solve(fun: Callable, primals: Sequence[Any], tangents: Sequence[Any], has_aux: bool = False):
+    """Drop-in for ``jax.jvp``: Network calls are differentiated by forward substitution
+    ℒ Z = ℳ* h (+ the input tangents), first layer to last.
+
+    Example:
+        >>> import jax.numpy as jnp, linbackprop as lbp
+        >>> net = lbp.Network([lbp.Layer("y", lambda th, x: x * th[0], ("x",), ("a",))], ["x"], "y")
+        >>> y, dy = lbp.jvp_by_solve(lambda p: net(p, 2.0), ({"a": 3.0},), ({"a": 1.0},))
+        >>> float(y), float(dy)
+        (6.0, 2.0)
+    """
+    with _SOLVE_MODE(True):
+        return jax.jvp(fun, primals, tangents, has_aux=has_aux)
