@@ -21,6 +21,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from ._plan import Kind, Plan
@@ -50,11 +51,28 @@ def _add_row(buf: Any, i: Any, value: Any) -> Any:
     return jax.tree.map(add, buf, value)
 
 
+def _contiguous(idx: Any) -> int | None:
+    """The start of a static index table that is a contiguous range (then slices, not gathers)."""
+    if isinstance(idx, np.ndarray) and idx.ndim == 1 and len(idx) and np.array_equal(idx, idx[0] + np.arange(len(idx))):
+        return int(idx[0])
+    return None
+
+
 def _rows(buf: Any, idx: Any) -> Any:
+    start = _contiguous(idx)
+    if start is not None:
+        return jax.tree.map(lambda b: lax.slice_in_dim(b, start, start + len(idx)), buf)
     return jax.tree.map(lambda b: b[idx], buf)
 
 
 def _scatter_add(buf: Any, idx: Any, value: Any) -> Any:
+    start = _contiguous(idx)
+    if start is not None:
+        def add(b, v):
+            part = lax.slice_in_dim(b, start, start + len(idx)) + v.astype(b.dtype)
+            return part if part.shape == b.shape else lax.dynamic_update_slice_in_dim(b, part, start, 0)
+
+        return jax.tree.map(add, buf, value)
     return jax.tree.map(lambda b, v: b.at[idx].add(v.astype(b.dtype)), buf, value)
 
 
@@ -64,15 +82,17 @@ def _zeros_like_aval(tree: Any, lead: tuple[int, ...] = ()) -> Any:
 
 def _arguments(plan: Plan, kind: Kind, prim: Primal, pos: Any) -> tuple[tuple, tuple]:
     """θ and input states of the kind's member ``pos`` (an index or an array of indices)."""
-    take = _row if jnp.ndim(pos) == 0 else _rows
-    pslots, rslots = jnp.asarray(kind.param_slots)[pos], jnp.asarray(kind.read_slots)[pos]
+    if isinstance(pos, np.ndarray):  # all members at once: static tables
+        take, pslots, rslots = _rows, kind.param_slots[pos], kind.read_slots[pos]
+    else:
+        take, pslots, rslots = _row, jnp.asarray(kind.param_slots)[pos], jnp.asarray(kind.read_slots)[pos]
     theta = tuple(take(prim.params[g], pslots[..., p]) for p, g in enumerate(kind.param_groups))
     inputs = tuple(take(prim.states[g], rslots[..., r]) for r, g in enumerate(kind.read_groups))
     return theta, inputs
 
 
 def _own(kind_res: Any, pos: Any) -> Any:
-    return _row(kind_res, pos) if jnp.ndim(pos) == 0 else _rows(kind_res, pos)
+    return _rows(kind_res, pos) if isinstance(pos, np.ndarray) else _row(kind_res, pos)
 
 
 # -- the four block maps of one layer, from its rebuilt VJP ---------------------------------------
@@ -214,13 +234,16 @@ def back_substitution(plan: Plan, prim: Primal, rhs: list[Any]) -> list[Any]:
 
 # -- the parallel parts: one vmapped application per kind -------------------------------------------
 def _per_kind(plan: Plan, prim: Primal, k: int, apply: Callable[[LayerMaps, Any], Any], args: Any) -> Any:
+    """``apply`` to every member layer of kind k at once, vmapped over the stacked residuals."""
     kind = plan.kinds[k]
-    members = jnp.arange(kind.size)
+    members = np.arange(kind.size)
+    theta, inputs = _arguments(plan, kind, prim, members)
+    own = _own(prim.residuals[k], members)
 
-    def one(pos, a):
-        return apply(layer_maps(plan, kind, prim, k, pos), a)
+    def one(theta, inputs, own, a):
+        return apply(LayerMaps(plan, kind, kind.rebuild(own, theta, inputs)), a)
 
-    return jax.vmap(one)(members, args)
+    return jax.vmap(one)(theta, inputs, own, args)
 
 
 def state_product(plan: Plan, prim: Primal, e: list[Any], adjoint: bool = False) -> list[Any]:

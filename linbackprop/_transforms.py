@@ -24,6 +24,7 @@ from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.custom_derivatives import SymbolicZero
@@ -113,7 +114,7 @@ def _symbolic(x: Any) -> bool:
 
 
 def _instantiate(t: Any) -> Any:
-    return jax.tree.map(lambda z: z.instantiate() if _symbolic(z) else z, t, is_leaf=_symbolic)
+    return jax.tree.map(lambda z: jnp.zeros(z.aval.shape, z.aval.dtype) if _symbolic(z) else z, t, is_leaf=_symbolic)
 
 
 def _call_by_solve_jvp(net: Network, primals: tuple, tangents: tuple) -> tuple:
