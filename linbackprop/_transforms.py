@@ -30,7 +30,7 @@ from jax import lax
 from jax.custom_derivatives import SymbolicZero
 
 from ._network import Network
-from ._plan import Plan, plan_for
+from ._plan import Plan, leaf_aval, plan_for
 from ._solve import Primal, back_substitution, forward, forward_substitution, param_forward, state_product
 
 try:  # A config state keyed into jit's cache: the mode changes what a trace contains.
@@ -69,6 +69,10 @@ def solving() -> bool:
 def network_call(net: Network, params: Any, inputs: tuple[Any, ...]) -> Any:
     net.check_inputs(inputs)
     theta = net.select_params(params)
+    for name, block in theta.items():
+        jax.tree.map(lambda leaf, n=name: leaf_aval(leaf, f"Parameter block {n!r}"), block)
+    for name, x in zip(net.inputs, inputs):
+        jax.tree.map(lambda leaf, n=name: leaf_aval(leaf, f"Network input {n!r}"), x)
     if not solving():
         return net.pick_outputs(net.states(theta, *inputs))
     outs = _call_by_solve(net, theta, tuple(inputs))
@@ -126,12 +130,26 @@ def _call_by_solve_jvp(net: Network, primals: tuple, tangents: tuple) -> tuple:
              if not _is_zero(dx) and plan.state_groups[plan.state_loc[name][0]].differentiable}
     rhs = plan.pack_states(_instantiate(given))
     rhs = [b if g.differentiable else None for b, g in zip(rhs, plan.state_groups)]
+    touched = {plan.state_loc[name][0] for name in given}
     if not all(_is_zero(dtheta[p]) for p in net.param_names):
         rhs = param_forward(plan, prim, plan.pack_params(_instantiate(dtheta)), rhs)
+        touched |= {kind.out_group for kind in plan.kinds}
+    # custom_linear_solve transposes only when every leaf of rhs is linear in the tangents:
+    # give the untouched groups an exact zero that is (an empty slice of a tangent, padded).
+    anchor = next(leaf for leaf in jax.tree.leaves((dtheta, dinputs), is_leaf=_symbolic)
+                  if not _symbolic(leaf) and jnp.issubdtype(leaf.dtype, jnp.inexact))
+    rhs = [b if b is None or g in touched else jax.tree.map(lambda x: x + _linear_zero(anchor, x), b)
+           for g, b in enumerate(rhs)]
     z = solve_forward(plan, prim, rhs)
     outs = _outputs(plan, prim.states)
     douts = tuple(_tangent_or_zero(plan, o, z) for o in net.outputs)
     return outs, douts
+
+
+def _linear_zero(anchor: jax.Array, like: jax.Array) -> jax.Array:
+    """Exact zeros shaped like ``like``, linear in ``anchor`` (no arithmetic: NaN-safe)."""
+    empty = jnp.ravel(anchor)[:0].astype(like.dtype)
+    return jnp.pad(empty, (0, like.size)).reshape(like.shape)
 
 
 def _tangent_or_zero(plan: Plan, name: Hashable, z: list[Any]) -> Any:

@@ -1,0 +1,104 @@
+"""Network construction, validation and plain evaluation; errors are checked by message."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import linbackprop as lbp
+
+f1 = lambda th, x: x * th[0]
+f2 = lambda th, a, b: a + b
+
+
+def test_topological_order_ties_keep_given_order_and_param_names():
+    layers = [lbp.Layer("c", f2, ("a", "b")), lbp.Layer("b", f1, ("x",), ("q",)), lbp.Layer("a", f1, ("x",), ("p", "q"))]
+    net = lbp.Network(layers, ["x"], "c")
+    assert net.order == ("b", "a", "c")
+    assert net.param_names == ("q", "p")
+    assert net.inputs == ("x",) and net.outputs == ("c",)
+
+
+def test_states_and_call():
+    net = lbp.Network([lbp.Layer("a", f1, ("x",), ("p",)), lbp.Layer("b", f2, ("a", "x"))], ["x"], ["b", "a"])
+    states = net.states({"p": 3.0}, jnp.float64(2.0))
+    assert set(states) == {"x", "a", "b"}
+    assert float(states["b"]) == 8.0
+    b, a = net({"p": 3.0}, 2.0)
+    assert float(b) == 8.0 and float(a) == 6.0
+
+
+def test_network_is_hashable_and_equal_by_structure():
+    layer = lbp.Layer("a", f1, ("x",), ("p",))
+    n1, n2 = lbp.Network([layer], ["x"], "a"), lbp.Network([layer], ["x"], "a")
+    assert n1 == n2 and hash(n1) == hash(n2)
+    assert n1 != lbp.Network([layer], ["x"], ["a"])
+    with pytest.raises(AttributeError):
+        n1.order = ()
+
+
+@pytest.mark.parametrize(
+    ("layers", "inputs", "outputs", "message"),
+    [
+        ([lbp.Layer("a", f1, ("x",)), lbp.Layer("a", f1, ("x",))], ["x"], "a", "Layer name 'a' is already used by another layer"),
+        ([lbp.Layer("x", f1, ("x",))], ["x"], "x", "Layer name 'x' is already used by an input"),
+        ([lbp.Layer("a", f1, ("nope",))], ["x"], "a", "Layer 'a' reads unknown state 'nope'"),
+        ([lbp.Layer("a", f1, ("a",))], ["x"], "a", "Layer 'a' reads itself"),
+        ([lbp.Layer("a", f2, ("x", "b")), lbp.Layer("b", f1, ("a",))], ["x"], "b", r"\['a', 'b'\] form a cycle"),
+        ([lbp.Layer("a", f1, ("x",))], ["x"], "zz", "Unknown output 'zz'"),
+        ([lbp.Layer("a", f1, ("x",))], ["x", "x"], "a", "Duplicate input name 'x'"),
+        ([lbp.Layer("a", f1, ("x",))], "x", "a", "inputs must be a sequence of names"),
+        ([], ["x"], "x", "at least one layer"),
+    ],
+)
+def test_graph_errors(layers, inputs, outputs, message):
+    with pytest.raises(lbp.GraphError, match=message):
+        lbp.Network(layers, inputs, outputs)
+
+
+def test_graph_error_is_value_error():
+    assert issubclass(lbp.GraphError, ValueError)
+
+
+def test_layer_errors():
+    with pytest.raises(TypeError, match="reads must be a sequence of names.*reads=\\('x',\\)"):
+        lbp.Layer("a", f1, "x")
+    with pytest.raises(TypeError, match="fn must be callable"):
+        lbp.Layer("a", 3)
+
+
+def test_missing_parameter_block_names_block_and_layer():
+    net = lbp.Network([lbp.Layer("a", f1, ("x",), ("p",))], ["x"], "a")
+    with pytest.raises(KeyError, match="block 'p' used by layer\\(s\\) \\['a'\\]"):
+        net({}, 1.0)
+    with pytest.raises(KeyError, match="block 'p'"):
+        lbp.grad_by_solve(lambda p: net(p, 1.0))({"q": 1.0})
+
+
+def test_wrong_number_of_inputs():
+    net = lbp.Network([lbp.Layer("a", f1, ("x",), ("p",))], ["x"], "a")
+    with pytest.raises(TypeError, match="1 input\\(s\\) \\['x'\\] but was called with 2"):
+        net({"p": 1.0}, 1.0, 2.0)
+
+
+def test_layer_failure_names_the_layer_and_shapes():
+    net = lbp.Network([lbp.Layer("bad", lambda th, x: x @ th[0], ("x",), ("W",))], ["x"], "bad")
+    params, x = {"W": jnp.ones((4, 2))}, jnp.ones((3, 5))
+    with pytest.raises(TypeError, match=r"(?s)Layer 'bad' failed.*float64\[3, 5\].*'W': float64\[4, 2\]"):
+        net(params, x)
+    with pytest.raises(TypeError, match="Layer 'bad' failed"):
+        lbp.grad_by_solve(lambda p: jnp.sum(net(p, x)))(params)
+
+
+def test_non_array_leaf_is_rejected():
+    net = lbp.Network([lbp.Layer("a", lambda th, x: x * th[0], ("x",), ("p",))], ["x"], "a")
+    with pytest.raises(TypeError, match="Parameter block 'p' has a leaf of type str"):
+        net({"p": "three"}, jnp.ones(2))
+    with pytest.raises(TypeError, match="Network input 'x' has a leaf of type object"):
+        net({"p": 1.0}, [[1.0], object()])
+
+
+def test_repr_shows_the_dag():
+    net = lbp.Network([lbp.Layer("a", f1, ("x",), ("p",)), lbp.Layer("b", f2, ("a", "x"))], ["x"], "b")
+    text = repr(net)
+    assert "a = <lambda>(x; p)" in text and "b = <lambda>(a, x)" in text
+    assert np.array_equal(lbp.linearize(net, {"p": 2.0}, jnp.ones(2)).L.pattern, [[True, False], [True, True]])
