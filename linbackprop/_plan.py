@@ -232,7 +232,7 @@ def make_plan(net: Network, param_structs: tuple, input_structs: tuple) -> Plan:
         oslots = np.array([state_loc[layer.name][1] for layer in layers] + [0], dtype=np.int32)
         step_pos = np.full(n_steps, len(layers), dtype=np.int32)
         step_pos[members] = np.arange(len(layers))
-        pad_row = lambda g: state_groups[g].rows - 1  # noqa: E731
+        pad_row = lambda g: state_groups[g].rows - 1
         step_out = np.full(n_steps, pad_row(ogroup), dtype=np.int32)
         step_out[members] = oslots[:-1]
         step_reads = np.array([[pad_row(g) for g in rgroups]] * n_steps, dtype=np.int32).reshape(n_steps, len(rgroups))

@@ -114,7 +114,7 @@ def test_has_aux():
     (rg, raux) = jax.grad(loss, has_aux=True)(case.params, *case.inputs)
     assert_trees_close(g, rg)
     np.testing.assert_allclose(aux["value"], raux["value"])
-    (v, aux), g = lbp.value_and_grad_by_solve(loss, has_aux=True)(case.params, *case.inputs)
+    (_, aux), g = lbp.value_and_grad_by_solve(loss, has_aux=True)(case.params, *case.inputs)
     assert_trees_close(g, rg)
 
 

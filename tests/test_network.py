@@ -11,7 +11,8 @@ f2 = lambda th, a, b: a + b
 
 
 def test_topological_order_ties_keep_given_order_and_param_names():
-    layers = [lbp.Layer("c", f2, ("a", "b")), lbp.Layer("b", f1, ("x",), ("q",)), lbp.Layer("a", f1, ("x",), ("p", "q"))]
+    layers = [lbp.Layer("c", f2, ("a", "b")), lbp.Layer("b", f1, ("x",), ("q",)),
+              lbp.Layer("a", f1, ("x",), ("p", "q"))]
     net = lbp.Network(layers, ["x"], "c")
     assert net.order == ("b", "a", "c")
     assert net.param_names == ("q", "p")
@@ -39,7 +40,8 @@ def test_network_is_hashable_and_equal_by_structure():
 @pytest.mark.parametrize(
     ("layers", "inputs", "outputs", "message"),
     [
-        ([lbp.Layer("a", f1, ("x",)), lbp.Layer("a", f1, ("x",))], ["x"], "a", "Layer name 'a' is already used by another layer"),
+        ([lbp.Layer("a", f1, ("x",)), lbp.Layer("a", f1, ("x",))], ["x"], "a",
+         "Layer name 'a' is already used by another layer"),
         ([lbp.Layer("x", f1, ("x",))], ["x"], "x", "Layer name 'x' is already used by an input"),
         ([lbp.Layer("a", f1, ("nope",))], ["x"], "a", "Layer 'a' reads unknown state 'nope'"),
         ([lbp.Layer("a", f1, ("a",))], ["x"], "a", "Layer 'a' reads itself"),
