@@ -84,7 +84,7 @@ class _Operator:
             out = fn(dict(zip(in_names, unravel(v))))
             return ravel_pytree([out[n] for n in self._out_names])[0]
 
-        return jax.jacfwd(flat_fn)(jnp.zeros_like(flat))
+        return jax.jit(jax.jacfwd(flat_fn))(jnp.zeros_like(flat))  # one compile, not op by op
 
 
 class StateOperator(_Operator):

@@ -130,16 +130,14 @@ def _call_by_solve_jvp(net: Network, primals: tuple, tangents: tuple) -> tuple:
              if not _is_zero(dx) and plan.state_groups[plan.state_loc[name][0]].differentiable}
     rhs = plan.pack_states(_instantiate(given))
     rhs = [b if g.differentiable else None for b, g in zip(rhs, plan.state_groups)]
-    touched = {plan.state_loc[name][0] for name in given}
     if not all(_is_zero(dtheta[p]) for p in net.param_names):
         rhs = param_forward(plan, prim, plan.pack_params(_instantiate(dtheta)), rhs)
-        touched |= {kind.out_group for kind in plan.kinds}
-    # custom_linear_solve transposes only when every leaf of rhs is linear in the tangents:
-    # give the untouched groups an exact zero that is (an empty slice of a tangent, padded).
+    # custom_linear_solve transposes only when every leaf of rhs is linear in the tangents; a part
+    # built from symbolic zeros alone is not, so add to each an exact zero that is (an empty slice
+    # of a tangent, padded). XLA folds the addition away.
     anchor = next(leaf for leaf in jax.tree.leaves((dtheta, dinputs), is_leaf=_symbolic)
                   if not _symbolic(leaf) and jnp.issubdtype(leaf.dtype, jnp.inexact))
-    rhs = [b if b is None or g in touched else jax.tree.map(lambda x: x + _linear_zero(anchor, x), b)
-           for g, b in enumerate(rhs)]
+    rhs = [None if b is None else jax.tree.map(lambda x: x + _linear_zero(anchor, x), b) for b in rhs]
     z = solve_forward(plan, prim, rhs)
     outs = _outputs(plan, prim.states)
     douts = tuple(_tangent_or_zero(plan, o, z) for o in net.outputs)
