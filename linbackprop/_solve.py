@@ -280,8 +280,7 @@ def param_forward(plan: Plan, prim: Primal, h: list[Any], into: list[Any]) -> li
 
 def param_adjoint(plan: Plan, prim: Primal, lam: list[Any]) -> list[Any]:
     """ℳ Λ (parameter layout): block k sums (∂Φ_i/∂θ_k)* Λ_i over the layers i that use it."""
-    out = [_zeros_like_aval(jax.tree.map(lambda a: a, g.treedef.unflatten(list(g.leaves))), (g.rows,))
-           for g in plan.param_groups]
+    out = [g.zeros() for g in plan.param_groups]
     for k, kind in enumerate(plan.kinds):
         n = kind.size
         lam_k = _rows(lam[kind.out_group], kind.out_slots[:n])
