@@ -1,12 +1,12 @@
 """Benchmarks: grad_by_solve against jax.grad, side by side in one process.
 
-    python benchmarks/run.py [--repeats 15] [--write-readme]
+    python benchmarks/run.py [--repeats 15] [--write-readme] [--quick]
 
-Every row times jit(grad_by_solve) and the reference jit(jax.grad) interleaved (medians of
-``--repeats`` runs each) and prints the ratio; absolute times are not comparable across runs on
-a noisy machine. Compile times are lower+compile of each. Peak memory is temp + argument + output
-bytes from ``compiled.memory_analysis()``. With ``--write-readme`` the table replaces the one
-between the markers in README.md.
+Every timing row runs jit(grad_by_solve) and its reference jit(jax.grad) interleaved (medians of
+``--repeats`` runs each) and prints the ratio: absolute times are not comparable across runs on a
+noisy machine. Compile times are lower + compile. Peak memory is temp + argument + output bytes
+from ``compiled.memory_analysis()``. With ``--write-readme`` the tables replace those between the
+markers in README.md.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import re
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
@@ -22,94 +23,237 @@ import numpy as np
 
 import linbackprop as lbp
 
+# -- the layers -------------------------------------------------------------------------------------
+
 
 def residual(th, u):
     return u + jnp.tanh(u @ th[0] + th[1])
 
 
-def chain(depth: int, width: int, batch: int):
-    net = lbp.Network([lbp.Layer(i, residual, (i - 1,), (("W", i), ("b", i))) for i in range(1, depth + 1)], [0], depth)
-    key = jax.random.PRNGKey(0)
-    Ws = jax.random.normal(key, (depth, width, width), jnp.float32) * (0.5 / np.sqrt(width))
-    bs = jnp.zeros((depth, width), jnp.float32)
-    params = {}
-    for i in range(1, depth + 1):
-        params[("W", i)], params[("b", i)] = Ws[i - 1], bs[i - 1]
-    x = jax.random.normal(key, (batch, width), jnp.float32)
+def gated(th, u):
+    return u * jax.nn.sigmoid(u @ th[0] + th[1])
+
+
+def skip(th, u, s):
+    return u + jnp.tanh(u @ th[0] + s @ th[1])
+
+
+def _normal(key, shape, scale):
+    return jax.random.normal(key, shape, jnp.float32) * scale
+
+
+# -- networks: (loss, args, reference loss, reference args, forward, forward args) -------------------
+
+
+def chain(depth: int, width: int, batch: int, rows: bool = True):
+    """u + tanh(uW + b), depth times. Reference: lax.scan over the stacked weights."""
+    kw, kx = jax.random.split(jax.random.PRNGKey(0))
+    ws, bs = _normal(kw, (depth, width, width), 0.5 / np.sqrt(width)), jnp.zeros((depth, width))
+    x = _normal(kx, (batch, width), 1.0)
+    if rows:
+        blocks = lambda i: (lbp.Row("W", i - 1), lbp.Row("b", i - 1))
+        params = {"W": ws, "b": bs}
+    else:
+        blocks = lambda i: (("W", i), ("b", i))
+        params = {k: v for i in range(1, depth + 1) for k, v in ((("W", i), ws[i - 1]), (("b", i), bs[i - 1]))}
+    net = lbp.Network([lbp.Layer(i, residual, (i - 1,), blocks(i)) for i in range(1, depth + 1)], [0], depth)
     loss = lambda p, x: jnp.sum(net(p, x) ** 2)
 
     def scan_loss(stacked, x):
         u, _ = jax.lax.scan(lambda u, wb: (residual(wb, u), None), x, stacked)
         return jnp.sum(u**2)
 
-    return loss, (params, x), scan_loss, ((Ws, bs), x)
+    return loss, (params, x), scan_loss, ((ws, bs), x)
 
 
-def compile_timed(fn, args):
-    t = time.perf_counter()
-    compiled = jax.jit(fn).lower(*args).compile()
-    return compiled, time.perf_counter() - t
+SKIP = 4  # the DAG's long skips reach SKIP blocks (3 * SKIP layers) back
 
 
-def peak(compiled) -> int:
-    m = compiled.memory_analysis()
-    return m.temp_size_in_bytes + m.argument_size_in_bytes + m.output_size_in_bytes
+def kinds_dag(blocks: int, width: int, batch: int):
+    """Three kinds of layer per block k (residual, gated, skip) and a long skip from the block
+    output SKIP blocks back: 3 * blocks layers. Reference: lax.scan over blocks carrying a window
+    of the last SKIP block outputs — the best jax.grad formulation we know for it."""
+    keys = jax.random.split(jax.random.PRNGKey(1), 6)
+    s = 0.5 / np.sqrt(width)
+    p = {"A": _normal(keys[0], (blocks, width, width), s), "a": jnp.zeros((blocks, width)),
+         "B": _normal(keys[1], (blocks, width, width), s), "b": jnp.zeros((blocks, width)),
+         "C": _normal(keys[2], (blocks, width, width), s), "S": _normal(keys[3], (blocks, width, width), s)}
+    x = _normal(keys[4], (batch, width), 1.0)
+    layers = []
+    for k in range(blocks):
+        prev = ("c", k - 1) if k else "x"
+        back = ("c", k - SKIP) if k >= SKIP else "x"
+        layers += [lbp.Layer(("a", k), residual, (prev,), (lbp.Row("A", k), lbp.Row("a", k))),
+                   lbp.Layer(("b", k), gated, (("a", k),), (lbp.Row("B", k), lbp.Row("b", k))),
+                   lbp.Layer(("c", k), skip, (("b", k), back), (lbp.Row("C", k), lbp.Row("S", k)))]
+    net = lbp.Network(layers, ["x"], ("c", blocks - 1))
+    loss = lambda p, x: jnp.sum(net(p, x) ** 2)
+
+    def scan_loss(p, x):
+        def step(window, w):
+            a = residual((w["A"], w["a"]), window[-1])
+            b = gated((w["B"], w["b"]), a)
+            c = skip((w["C"], w["S"]), b, window[0])
+            return jnp.concatenate([window[1:], c[None]]), None
+
+        window, _ = jax.lax.scan(step, jnp.broadcast_to(x, (SKIP, *x.shape)), p)
+        return jnp.sum(window[-1] ** 2)
+
+    return loss, (p, x), scan_loss, (p, x)
 
 
-def interleaved(fns, repeats):
-    times = [[] for _ in fns]
-    for f, args in fns:
+def shallow_dag(width: int = 256, batch: int = 256):
+    """12 layers, three widths, skips and shared blocks. Reference: jax.grad of the same network
+    (plain JAX: a Python loop over the layers, the natural way to write a shallow network)."""
+    w = {"s": width // 2, "m": width, "l": 2 * width}
+    spec = [  # name, reads, width, blocks
+        ("h1", ("x",), "m", ("W1", "b_m")), ("h2", ("h1",), "l", ("W2", "b_l")),
+        ("h3", ("h2",), "m", ("W3", "b_m")), ("h4", ("h3", "h1"), "m", ("W4", "V4")),
+        ("h5", ("h4",), "s", ("W5", "b_s")), ("h6", ("h5",), "l", ("W6", "b_l")),
+        ("h7", ("h6", "h2"), "l", ("W7", "V7")), ("h8", ("h7",), "m", ("W8", "b_m")),
+        ("h9", ("h8", "h4"), "m", ("W9", "V9")), ("h10", ("h9",), "s", ("W10", "b_s")),
+        ("h11", ("h10",), "s", ("Wsh", "b_s")), ("h12", ("h11",), "s", ("Wsh", "b_s")),
+    ]
+    width_of = {"x": "m"}
+    layers, params = [], {}
+    key = jax.random.PRNGKey(2)
+    for name, reads, out, blocks in spec:
+        width_of[name] = out
+        if len(reads) == 1:
+            fn = lambda th, u: jnp.tanh(u @ th[0] + th[1])
+            shapes = [(w[width_of[reads[0]]], w[out]), (w[out],)]
+        else:
+            fn = lambda th, u, v: jnp.tanh(u @ th[0] + v @ th[1])
+            shapes = [(w[width_of[reads[0]]], w[out]), (w[width_of[reads[1]]], w[out])]
+        for block, shape in zip(blocks, shapes):
+            key, sub = jax.random.split(key)
+            init = _normal(sub, shape, 1 / np.sqrt(shape[0])) if len(shape) == 2 else jnp.zeros(shape)
+            params.setdefault(block, init)
+        layers.append(lbp.Layer(name, fn, reads, blocks))
+    net = lbp.Network(layers, ["x"], "h12")
+    x = _normal(key, (batch, w["m"]), 1.0)
+    loss = lambda p, x: jnp.sum(net(p, x) ** 2)
+    return loss, (params, x), loss, (params, x)
+
+
+# -- measuring --------------------------------------------------------------------------------------
+
+
+def compiled(fn: Callable, args: tuple):
+    start = time.perf_counter()
+    out = jax.jit(fn).lower(*args).compile()
+    return out, time.perf_counter() - start
+
+
+def memory(c) -> tuple[int, int]:
+    """(peak, temp) bytes."""
+    m = c.memory_analysis()
+    return m.temp_size_in_bytes + m.argument_size_in_bytes + m.output_size_in_bytes, m.temp_size_in_bytes
+
+
+def interleaved(runs: list, repeats: int) -> list[float]:
+    times: list[list[float]] = [[] for _ in runs]
+    for f, args in runs:
         jax.block_until_ready(f(*args))
     for _ in range(repeats):
-        for n, (f, args) in enumerate(fns):
-            t = time.perf_counter()
+        for n, (f, args) in enumerate(runs):
+            start = time.perf_counter()
             jax.block_until_ready(f(*args))
-            times[n].append(time.perf_counter() - t)
+            times[n].append(time.perf_counter() - start)
     return [float(np.median(t)) for t in times]
 
 
-def row_chain(name, depth, width, batch, repeats):
-    loss, args, scan_loss, scan_args = chain(depth, width, batch)
-    ours, c_ours = compile_timed(lbp.grad_by_solve(loss), args)
-    ref, c_ref = compile_timed(jax.grad(scan_loss), scan_args)
-    fwd, _ = compile_timed(loss, args)
-    t_ours, t_ref, t_fwd = interleaved([(ours, args), (ref, scan_args), (fwd, args)], repeats)
-    return {
-        "network": name, "reference": "jit(jax.grad), lax.scan over stacked weights",
-        "run ratio": t_ours / t_ref, "solve ms": t_ours * 1e3, "reference ms": t_ref * 1e3,
-        "compile s": c_ours, "reference compile s": c_ref, "peak ratio": peak(ours) / peak(ref),
-        "grad / forward": t_ours / t_fwd,
-    }
+def timing_row(name: str, reference: str, made, repeats: int, grad=lbp.grad_by_solve) -> dict:
+    loss, args, ref_loss, ref_args = made
+    ours, c_ours = compiled(grad(loss), args)
+    ref, c_ref = compiled(jax.grad(ref_loss), ref_args)
+    fwd, _ = compiled(ref_loss, ref_args)
+    t_ours, t_ref, t_fwd = interleaved([(ours, args), (ref, ref_args), (fwd, ref_args)], repeats)
+    (p_ours, m_ours), (p_ref, m_ref) = memory(ours), memory(ref)
+    row = {"network": name, "reference": reference, "ratio": t_ours / t_ref, "ours ms": t_ours * 1e3,
+           "ref ms": t_ref * 1e3, "peak": p_ours / p_ref, "temp": m_ours / max(m_ref, 1), "grad/fwd": t_ours / t_fwd,
+           "compile": (c_ours, c_ref)}
+    print(row, flush=True)
+    return row
 
 
-def table(rows):
-    head = ("| network | reference | run ratio (solve / ref) | solve ms | ref ms | compile s (solve / ref) "
-            "| peak memory ratio | grad / forward |")
-    lines = [head, "|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        lines.append(f"| {r['network']} | {r['reference']} | {r['run ratio']:.2f} | {r['solve ms']:.2f} | "
-                     f"{r['reference ms']:.2f} | {r['compile s']:.2f} / {r['reference compile s']:.2f} | "
-                     f"{r['peak ratio']:.2f} | {r['grad / forward']:.2f} |")
+def compile_rows(quick: bool) -> list[tuple[str, str, str]]:
+    """(what, measured, target) rows about compile time."""
+    deep, shallow = (256, 32) if quick else (512, 64)
+    out = []
+    _, c_shallow = compiled(lbp.grad_by_solve(chain(shallow, 64, 8)[0]), chain(shallow, 64, 8)[1])
+    _, c_deep = compiled(lbp.grad_by_solve(chain(deep, 64, 8)[0]), chain(deep, 64, 8)[1])
+    out.append((f"chain, compile(depth {deep}) / compile(depth {shallow})",
+                f"{c_deep / c_shallow:.2f} ({c_deep:.2f} s / {c_shallow:.2f} s)", "<= 1.5"))
+    loss, args, _, _ = chain(128, 64, 8, rows=False)
+    _, c_ours = compiled(lbp.grad_by_solve(loss), args)
+    _, c_unrolled = compiled(jax.grad(loss), args)
+    out.append(("depth 128, one block per layer: compile grad_by_solve / jax.grad unrolled",
+                f"{c_ours / c_unrolled:.2f} ({c_ours:.2f} s / {c_unrolled:.2f} s)", "<= 0.25"))
+    blocks = 85  # 255 layers of three kinds
+    _, c_kinds = compiled(lbp.grad_by_solve(kinds_dag(blocks, 64, 8)[0]), kinds_dag(blocks, 64, 8)[1])
+    _, c_one = compiled(lbp.grad_by_solve(chain(3 * blocks, 64, 8)[0]), chain(3 * blocks, 64, 8)[1])
+    out.append((f"{3 * blocks} layers of three kinds with long skips / one-kind chain, compile",
+                f"{c_kinds / c_one:.2f} ({c_kinds:.2f} s / {c_one:.2f} s)", "<= 1.5"))
+    small, large = (30, 120) if quick else (42, 168)
+    runs = []
+    for b in (small, large):
+        loss, args, _, _ = kinds_dag(b, 64, 8)
+        runs.append((compiled(lbp.grad_by_solve(loss), args)[0], args))
+    t_small, t_large = interleaved(runs, 7)
+    out.append((f"three kinds, run time(depth {3 * large}) / run time(depth {3 * small})",
+                f"{t_large / t_small:.2f} (depth ratio {large / small:.0f})", "linear in depth"))
+    for row in out:
+        print(row, flush=True)
+    return out
+
+
+def tables(timing: list[dict], compile_: list[tuple[str, str, str]]) -> str:
+    lines = ["| network | reference | run ratio | solve ms | ref ms | compile s (solve / ref) | peak memory ratio "
+             "| temp memory ratio | grad / forward |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in timing:
+        lines.append(f"| {r['network']} | {r['reference']} | **{r['ratio']:.2f}** | {r['ours ms']:.2f} | "
+                     f"{r['ref ms']:.2f} | {r['compile'][0]:.2f} / {r['compile'][1]:.2f} | {r['peak']:.2f} | "
+                     f"{r['temp']:.2f} | {r['grad/fwd']:.2f} |")
+    lines += ["", "| compile and scaling | measured | target |", "|---|---|---|"]
+    lines += [f"| {a} | {b} | {c} |" for a, b, c in compile_]
     return "\n".join(lines)
 
 
-def main():
+def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--write-readme", action="store_true")
+    parser.add_argument("--quick", action="store_true", help="smaller compile-scaling rows (a smoke test)")
     args = parser.parse_args()
-    rows = [
-        row_chain("deep chain: depth 128, width 128, batch 64", 128, 128, 64, args.repeats),
-        row_chain("deep narrow chain: depth 512, width 32, batch 8", 512, 32, 8, args.repeats),
+    r = args.repeats
+    scan = "jit(jax.grad), lax.scan over stacked weights"
+    timing = [
+        timing_row("deep chain 128×128×64 (depth×width×batch), `Row` blocks", scan, chain(128, 128, 64), r),
+        timing_row("same, one block per layer (dict of 256 arrays)", scan, chain(128, 128, 64, rows=False), r),
+        timing_row("same, ℳΛ inside the loop (`param_products=\"in_loop\"`)", scan, chain(128, 128, 64), r,
+                   grad=lambda f: lbp.grad_by_solve(f, param_products="in_loop")),
+        timing_row("same, `remat=True` (ℳΛ in the loop)", scan, chain(128, 128, 64), r,
+                   grad=lambda f: lbp.grad_by_solve(f, remat=True)),
+        timing_row("same, `remat=True`, ℳ batched after the loop", scan, chain(128, 128, 64), r,
+                   grad=lambda f: lbp.grad_by_solve(f, remat=True, param_products="after")),
+        timing_row("deep narrow chain 512×32×8, `Row` blocks", scan, chain(512, 32, 8), r),
+        timing_row("same, ℳΛ inside the loop", scan, chain(512, 32, 8), r,
+                   grad=lambda f: lbp.grad_by_solve(f, param_products="in_loop")),
+        timing_row("deep narrow DAG: 510 layers of three kinds, skips 12 layers back, width 32, batch 8",
+                   "jit(jax.grad), lax.scan over blocks carrying a window of states", kinds_dag(170, 32, 8), r),
+        timing_row("shallow heterogeneous DAG: 12 layers, widths 128/256/512, skips, shared blocks, batch 256",
+                   "jit(jax.grad) of the same network", shallow_dag(), r),
     ]
-    text = table(rows)
+    text = tables(timing, compile_rows(args.quick))
     print(text)
     if args.write_readme:
         readme = Path(__file__).resolve().parents[1] / "README.md"
         block = (f"<!-- benchmark table -->\n`python benchmarks/run.py --write-readme` on "
-                 f"{jax.devices()[0].platform.upper()}, jax {jax.__version__}:\n\n{text}\n<!-- /benchmark table -->")
-        content = readme.read_text()
-        content = re.sub(r"<!-- benchmark table -->.*<!-- /benchmark table -->", lambda _: block, content, flags=re.S)
+                 f"{jax.devices()[0].platform.upper()} (float32), jax {jax.__version__}:\n\n{text}\n"
+                 "<!-- /benchmark table -->")
+        content = re.sub(r"<!-- benchmark table -->.*<!-- /benchmark table -->", lambda _: block,
+                         readme.read_text(), flags=re.S)
         readme.write_text(content)
 
 

@@ -11,15 +11,59 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 
-__all__ = ["GraphError", "Layer", "Network"]
+__all__ = ["GraphError", "Layer", "Network", "Row"]
 
 
 class GraphError(ValueError):
-    """An invalid network graph, raised at :class:`Network` construction."""
+    """An invalid network graph, raised at :class:`Network` construction.
+
+    Example:
+        >>> import linbackprop as lbp
+        >>> lbp.Network([lbp.Layer("a", lambda th, u: u, ("a",))], inputs=["x"], outputs="a")
+        Traceback (most recent call last):
+        ...
+        linbackprop._network.GraphError: Layer 'a' reads itself: a cycle. A layer reads earlier states only.
+    """
+
+
+class Row(NamedTuple):
+    """Row ``index`` (along the leading axis) of the stacked parameter block ``block``.
+
+    Deep networks of repeated layers are usually written with stacked weights, one array of shape
+    ``(depth, ...)`` per parameter, as for ``lax.scan``. A layer that names ``Row("W", i)`` in its
+    ``params`` receives ``params["W"][i]`` (leaf by leaf for a pytree block), and the gradient of
+    ``"W"`` comes back stacked. The solve then reads the weights in place and writes the gradient
+    once: no per-block packing and unpacking.
+
+    Example:
+        >>> import jax.numpy as jnp, linbackprop as lbp
+        >>> step = lambda th, u: u + jnp.tanh(u @ th[0])
+        >>> net = lbp.Network([lbp.Layer(i, step, (i - 1,), (lbp.Row("W", i - 1),)) for i in (1, 2, 3)],
+        ...                   inputs=[0], outputs=3)
+        >>> net.param_names
+        ('W',)
+        >>> net({"W": jnp.zeros((3, 2, 2))}, jnp.ones((4, 2))).shape
+        (4, 2)
+    """
+
+    block: Hashable
+    index: int
+
+
+def block_of(p: Hashable) -> Hashable:
+    """The name of the parameter block that a layer's ``params`` entry refers to."""
+    return p.block if isinstance(p, Row) else p
+
+
+def resolve(p: Hashable, theta: Mapping[Hashable, Any]) -> Any:
+    """The value a layer receives for its ``params`` entry ``p``."""
+    if isinstance(p, Row):
+        return jax.tree.map(lambda leaf: leaf[p.index], theta[p.block])
+    return theta[p]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,7 +76,8 @@ class Layer:
             in ``params`` (in that order), ``inputs`` the states named in ``reads``.
         reads: names of the states this layer reads (network inputs or other layers).
         params: names of the parameter blocks this layer uses (S_i of the seed). A block may be
-            shared by several layers, or appear twice in one layer.
+            shared by several layers, or appear twice in one layer. ``Row(name, i)`` names row i
+            of a stacked block.
 
     Example:
         >>> import jax.numpy as jnp, linbackprop as lbp
@@ -56,6 +101,9 @@ class Layer:
                     f"write {field}=({value!r},) for a single name."
                 )
             object.__setattr__(self, field, tuple(value))
+        for p in self.params:
+            if isinstance(p, Row) and (not isinstance(p.index, int) or isinstance(p.index, bool) or p.index < 0):
+                raise TypeError(f"Layer {self.name!r}: {p!r} needs a non-negative int index.")
         try:
             hash((self.name, self.reads, self.params))
         except TypeError as err:
@@ -173,11 +221,20 @@ class Network:
         self._outputs = outputs_t
         self._outputs_arg = outputs if self._single_output else outputs_t
         names: list[Hashable] = []
+        by_rows: dict[Hashable, Hashable] = {}  # stacked block -> a layer using its rows
+        whole: dict[Hashable, Hashable] = {}  # plain block -> a layer using it
         for layer in self._layers:
             for p in layer.params:
-                if p not in names:
-                    names.append(p)
+                (by_rows if isinstance(p, Row) else whole).setdefault(block_of(p), layer.name)
+                if block_of(p) not in names:
+                    names.append(block_of(p))
+        for b in by_rows.keys() & whole.keys():
+            raise GraphError(
+                f"Parameter block {b!r} is used whole by layer {whole[b]!r} and by rows (Row({b!r}, i)) "
+                f"by layer {by_rows[b]!r}: use it one way only, or give the two uses different blocks."
+            )
         self._param_names = tuple(names)
+        self._stacked = frozenset(by_rows)
         self._hash = hash((self._given_layers, self._inputs, self._outputs, self._single_output))
 
     # -- the graph ---------------------------------------------------------------------------
@@ -195,6 +252,11 @@ class Network:
     def param_names(self) -> tuple[Hashable, ...]:
         """Parameter block names in order of first use along :attr:`order`."""
         return self._param_names
+
+    @property
+    def stacked_blocks(self) -> frozenset:
+        """The blocks that layers use by rows (:class:`Row`)."""
+        return self._stacked
 
     @property
     def inputs(self) -> tuple[Hashable, ...]:
@@ -236,10 +298,29 @@ class Network:
             )
         missing = [p for p in self._param_names if p not in params]
         if missing:
-            users = {p: [layer.name for layer in self._layers if p in layer.params] for p in missing}
+            users = {p: [layer.name for layer in self._layers if p in map(block_of, layer.params)] for p in missing}
             detail = "; ".join(f"block {p!r} used by layer(s) {u!r}" for p, u in users.items())
             raise KeyError(f"Missing parameter block(s): {detail}. Add them to the params mapping.")
-        return {p: params[p] for p in self._param_names}
+        theta = {p: params[p] for p in self._param_names}
+        self._check_rows(theta)
+        return theta
+
+    def _check_rows(self, theta: Mapping[Hashable, Any]) -> None:
+        """Every Row(block, i) exists: each leaf of the block has a leading axis longer than i
+        (JAX would clamp an index out of range silently)."""
+        for layer in self._layers:
+            for p in layer.params:
+                if not isinstance(p, Row):
+                    continue
+                shapes = [tuple(getattr(leaf, "shape", ())) for leaf in jax.tree.leaves(theta[p.block])]
+                if not shapes or any(len(sh) == 0 or sh[0] <= p.index for sh in shapes):
+                    raise ValueError(
+                        f"Layer {layer.name!r} uses {p!r}, but parameter block {p.block!r} has leaf shapes "
+                        f"{shapes}: a stacked block needs a leading axis longer than every row index used."
+                    )
+                if len({sh[0] for sh in shapes}) > 1:
+                    raise ValueError(f"Stacked parameter block {p.block!r} has leaves with different leading "
+                                     f"axes {shapes}: every leaf needs the same number of rows.")
 
     def check_inputs(self, inputs: tuple[Any, ...]) -> None:
         if len(inputs) != len(self._inputs):
@@ -254,8 +335,7 @@ class Network:
         theta = self.select_params(params)
         states: dict[Hashable, Any] = dict(zip(self._inputs, inputs))
         for layer in self._layers:
-            states[layer.name] = call_layer(layer, tuple(theta[p] for p in layer.params),
-                                            tuple(states[r] for r in layer.reads))
+            states[layer.name] = call_layer(layer, layer_theta(layer, theta), tuple(states[r] for r in layer.reads))
         return states
 
     def __call__(self, params: Mapping[Hashable, Any], *inputs: Any) -> Any:
@@ -269,10 +349,15 @@ class Network:
         return outs[0] if self._single_output else outs
 
 
+def layer_theta(layer: Layer, theta: Mapping[Hashable, Any]) -> tuple[Any, ...]:
+    """The ``theta`` tuple that ``layer.fn`` receives."""
+    return tuple(resolve(p, theta) for p in layer.params)
+
+
 def call_layer(layer: Layer, theta: tuple[Any, ...], inputs: tuple[Any, ...]) -> Any:
     """``layer.fn(theta, *inputs)`` with errors that name the layer."""
     try:
-        return layer.fn(theta, *inputs)
+        out = layer.fn(theta, *inputs)
     except Exception as err:
         if not _reraisable(err):
             raise
@@ -282,6 +367,14 @@ def call_layer(layer: Layer, theta: tuple[Any, ...], inputs: tuple[Any, ...]) ->
             f"Layer {layer.name!r} failed: {err}\n  reads {list(layer.reads)!r} with shapes "
             f"[{shapes}]; params {{{pshapes}}}."
         ) from err
+    leaves = jax.tree.leaves(out)
+    bad = [leaf for leaf in leaves if not (hasattr(leaf, "shape") and hasattr(leaf, "dtype"))
+           and not isinstance(leaf, (bool, int, float, complex))]
+    if not leaves or bad:
+        what = f"a leaf of type {type(bad[0]).__name__} ({bad[0]!r:.60})" if bad else f"no arrays ({out!r:.60})"
+        raise TypeError(f"Layer {layer.name!r} returned {what}: a layer must return an array or a pytree "
+                        f"of arrays (its state). Check the return statement of {getattr(layer.fn, '__name__', 'fn')}.")
+    return out
 
 
 def _reraisable(err: Exception) -> bool:

@@ -15,14 +15,28 @@ import jax.numpy as jnp
 import numpy as np
 from jax.flatten_util import ravel_pytree
 
-from ._network import Network, call_layer
-from ._plan import Plan
+from ._network import Network, Row, block_of, call_layer, layer_theta
+from ._plan import Plan, plan_for
 from ._solve import Primal, back_substitution, forward_substitution, param_adjoint, param_forward, state_product
 from ._transforms import prepare
 
 
 class Block:
-    """One block of ℒ or ℳ*: a linear map together with its adjoint (as in the seed)."""
+    """One block of ℒ or ℳ*: a linear map together with its adjoint (as in the seed).
+
+    ``block.mv(x)`` applies the block, ``block.T.mv(y)`` its adjoint: for ℒ block (i, j),
+    −∂Φ_i/∂U_j and its transpose; for ℳ block (k, i), Λ_i ↦ (∂Φ_i/∂θ_k)* Λ_i and ∂Φ_i/∂θ_k.
+
+    Example:
+        >>> import jax.numpy as jnp, linbackprop as lbp
+        >>> net = lbp.Network([lbp.Layer(1, lambda th, x: x @ th[0], (0,), ("W",)),
+        ...                    lbp.Layer(2, lambda th, u: 2.0 * u, (1,))], inputs=[0], outputs=2)
+        >>> lin = lbp.linearize(net, {"W": jnp.eye(2)}, jnp.ones((1, 2)))
+        >>> lin.L.block(2, 1).mv(jnp.ones((1, 2))).tolist()   # −∂Φ₂/∂U₁ = −2 I
+        [[-2.0, -2.0]]
+        >>> lin.L.block(2, 1).T.mv(jnp.ones((1, 2))).tolist()
+        [[-2.0, -2.0]]
+    """
 
     def __init__(self, symbol: str, row: Hashable, col: Hashable, fn: Callable, adjoint: Callable):
         self.symbol, self.row, self.col = symbol, row, col
@@ -92,6 +106,18 @@ class StateOperator(_Operator):
 
     Block (i, j) is −∂Φ_i/∂U_j, stored only where layer i reads layer j: the pattern below the
     diagonal is the DAG.
+
+    Example:
+        >>> import jax.numpy as jnp, linbackprop as lbp
+        >>> step = lambda th, u: jnp.tanh(u @ th[0])
+        >>> net = lbp.Network([lbp.Layer(i, step, (i - 1,), (("W", i),)) for i in (1, 2, 3)], [0], 3)
+        >>> lin = lbp.linearize(net, {("W", i): jnp.eye(2) for i in (1, 2, 3)}, jnp.ones((1, 2)))
+        >>> g = {i: jnp.ones((1, 2)) for i in (1, 2, 3)}
+        >>> lam = lin.L.T.solve(g)                         # back substitution: ℒ* Λ = g
+        >>> bool(jnp.allclose(lin.L.T.mv(lam)[1], g[1]))
+        True
+        >>> lin.L.todense().shape
+        (6, 6)
     """
 
     @property
@@ -104,12 +130,13 @@ class StateOperator(_Operator):
 
     def mv(self, e: Mapping) -> dict:
         """ℒ E (or ℒ* E): every layer at once."""
-        return self._states_out(state_product(self._plan, self._prim, self._states_in(e), self._adjoint))
+        product = self._lin._staged(state_product, adjoint=self._adjoint)
+        return self._states_out(product(self._prim, self._states_in(e)))
 
     def solve(self, g: Mapping) -> dict:
         """Z with ℒ Z = G by forward substitution, or Λ with ℒ* Λ = G by back substitution."""
-        sub = back_substitution if self._adjoint else forward_substitution
-        return self._states_out(sub(self._plan, self._prim, self._states_in(g)))
+        sub = self._lin._staged(back_substitution if self._adjoint else forward_substitution)
+        return self._states_out(sub(self._prim, self._states_in(g)))
 
     @property
     def pattern(self) -> np.ndarray:
@@ -149,6 +176,16 @@ class ParamOperator(_Operator):
     """ℳ : 𝒰 → Θ (the adjoint of ℳ* = D_θΦ), or ℳ* with ``.T``.
 
     ℳ Λ sums, for every block θ_k, (∂Φ_i/∂θ_k)* Λ_i over the layers i that use θ_k.
+
+    Example:
+        >>> import jax.numpy as jnp, linbackprop as lbp
+        >>> scale = lambda th, u: u * th[0]
+        >>> net = lbp.Network([lbp.Layer(1, scale, (0,), ("a",)), lbp.Layer(2, scale, (1,), ("a",))], [0], 2)
+        >>> lin = lbp.linearize(net, {"a": 3.0}, 2.0)          # U₁ = 6, U₂ = 18
+        >>> float(lin.M.mv({1: 1.0, 2: 1.0})["a"])            # ∂Φ₁/∂a + ∂Φ₂/∂a = U₀ + U₁
+        8.0
+        >>> lin.M.pattern.tolist()                            # block "a" is shared by both layers
+        [[True, True]]
     """
 
     @property
@@ -164,8 +201,8 @@ class ParamOperator(_Operator):
         plan, prim = self._plan, self._prim
         if self._adjoint:
             zero = [g.zeros() if g.differentiable else None for g in plan.state_groups]
-            return self._states_out(param_forward(plan, prim, self._params_in(x), zero))
-        return self._params_out(param_adjoint(plan, prim, self._states_in(x)))
+            return self._states_out(self._lin._staged(param_forward)(prim, self._params_in(x), zero))
+        return self._params_out(self._lin._staged(param_adjoint)(prim, self._states_in(x)))
 
     @property
     def pattern(self) -> np.ndarray:
@@ -183,14 +220,20 @@ class ParamOperator(_Operator):
         if self._adjoint:
             return self.T.block(i, k).T
         layer = _layer(self._plan.net, i)
-        if k not in layer.params:
+        slots = [n for n, p in enumerate(layer.params) if block_of(p) == k]
+        if not slots:
             raise KeyError(f"Block ({k!r}, {i!r}) of ℳ is zero: layer {i!r} does not use block {k!r}.")
         vjp, out_aval = self._lin._layer_vjp(layer)
-        slots = [n for n, p in enumerate(layer.params) if p == k]
+        whole = self._lin.params[k]
 
         def adjoint(lam):
             cts = vjp(lam)[0]
-            return jax.tree.map(lambda *c: sum(c), *[cts[n] for n in slots])
+            total = jax.tree.map(jnp.zeros_like, whole)
+            for n in slots:  # a Row's cotangent lands in its row of the stacked block
+                p = layer.params[n]
+                add = (lambda t, c, r=p.index: t.at[r].add(c)) if isinstance(p, Row) else (lambda t, c: t + c)
+                total = jax.tree.map(add, total, cts[n])
+            return total
 
         return Block("ℳ", k, i, adjoint, lambda h: jax.linear_transpose(adjoint, out_aval)(h)[0])
 
@@ -222,7 +265,7 @@ def param_pattern(net: Network) -> np.ndarray:
     p = np.zeros((len(index), len(net.order)), dtype=bool)
     for i, layer in enumerate(net.layers):
         for k in layer.params:
-            p[index[k], i] = True
+            p[index[block_of(k)], i] = True
     return p
 
 
@@ -231,12 +274,25 @@ class Linearization:
 
     ``L`` and ``M`` act on dicts; ``L.T.solve(g)`` is the back substitution of the adjoint
     equation, so ``lin.M.mv(lin.L.T.solve(grad_U))`` is the gradient ℳ (ℒ*)⁻¹ ∇_Uℓ.
+
+    Example:
+        >>> import jax, jax.numpy as jnp, linbackprop as lbp
+        >>> scale = lambda th, u: jnp.sin(u * th[0])
+        >>> net = lbp.Network([lbp.Layer(1, scale, (0,), ("a",)), lbp.Layer(2, scale, (1,), ("b",))], [0], 2)
+        >>> p, x = {"a": 0.5, "b": 2.0}, 1.0
+        >>> lin = lbp.linearize(net, p, x)
+        >>> lam = lin.L.T.solve({1: 0.0, 2: 1.0})             # ∇_Uℓ for ℓ = U₂
+        >>> g = lin.M.mv(lam)
+        >>> bool(jnp.allclose(g["a"], jax.grad(lambda p: net(p, x))(p)["a"]))
+        True
     """
 
     def __init__(self, net: Network, params: Mapping, inputs: tuple[Any, ...]):
         net.check_inputs(inputs)
         self.params = net.select_params(params)
-        self._plan, self._prim = prepare(net, self.params, tuple(inputs))
+        self._plan = plan_for(net, self.params, tuple(inputs))
+        self._jitted: dict = {}
+        self._prim = jax.jit(lambda theta, inputs: prepare(net, theta, inputs)[1])(self.params, tuple(inputs))
         self.states = {**dict(zip(net.inputs, inputs)),
                        **self._plan.unpack(self._prim.states, net.order, self._plan.state_loc)}
         self.L = StateOperator(self, adjoint=False)
@@ -246,12 +302,21 @@ class Linearization:
     def net(self) -> Network:
         return self._plan.net
 
+    def _staged(self, engine_fn: Callable, **static: Any) -> Callable:
+        """``engine_fn(plan, prim, *args)`` compiled once per linearisation (eager calls of the
+        engine would dispatch, and compile, its operations one by one)."""
+        key = (engine_fn, tuple(sorted(static.items())))
+        if key not in self._jitted:
+            plan = self._plan
+            self._jitted[key] = jax.jit(lambda prim, *args: engine_fn(plan, prim, *args, **static))
+        return self._jitted[key]
+
     @property
     def layer_states(self) -> dict:
         return {name: self.states[name] for name in self.net.order}
 
     def _layer_vjp(self, layer):
-        theta = tuple(self.params[p] for p in layer.params)
+        theta = layer_theta(layer, self.params)
         inputs = tuple(self.states[r] for r in layer.reads)
         out, vjp = jax.vjp(lambda t, *u: call_layer(layer, t, u), theta, *inputs)
         return vjp, jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), out)

@@ -23,7 +23,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._network import Layer, Network, call_layer
+from ._network import Layer, Network, Row, call_layer
+from ._stacking import place, take
 
 Aval = jax.ShapeDtypeStruct
 
@@ -45,13 +46,14 @@ class Group:
     """Same-shaped states (or parameter blocks), stacked along a new leading axis."""
 
     treedef: Any
-    leaves: tuple[Aval, ...]
+    leaves: tuple[Aval, ...]  # of one row
     names: tuple[Hashable, ...]
     pad: bool  # one extra row that absorbs the writes of inactive kinds (state groups only)
+    stacked_rows: int | None = None  # a block used by rows (lbp.Row): its single name *is* the buffer
 
     @property
     def rows(self) -> int:
-        return len(self.names) + int(self.pad)
+        return self.stacked_rows if self.stacked_rows is not None else len(self.names) + int(self.pad)
 
     @property
     def differentiable(self) -> bool:
@@ -62,14 +64,14 @@ class Group:
 
     def stack(self, values: list[Any]) -> Any:
         """Stack the given members (a pad row of zeros appended where the group has one)."""
+        if self.stacked_rows is not None:
+            (value,) = values
+            return self.treedef.unflatten([jnp.asarray(x, a.dtype) for x, a in
+                                           zip(self.treedef.flatten_up_to(value), self.leaves)])
         leaves = [self.treedef.flatten_up_to(v) for v in values]
-        out = []
-        for n, a in enumerate(self.leaves):
-            column = [jnp.asarray(row[n], a.dtype) for row in leaves]
-            if self.pad:
-                column.append(jnp.zeros(a.shape, a.dtype))
-            out.append(jnp.stack(column))
-        return self.treedef.unflatten(out)
+        slots = tuple(range(len(values)))
+        return self.treedef.unflatten([place([jnp.asarray(row[n], a.dtype) for row in leaves], slots, self.rows)
+                                       for n, a in enumerate(self.leaves)])
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -93,7 +95,7 @@ class Kind:
     step_read_slots: np.ndarray  # [N, R] -> rows read, the pad for other kinds
     out_aval: Any
     vjp_treedef: Any
-    res_sources: tuple[int | None, ...]  # per residual leaf: None (own) or an argument leaf
+    res_sources: tuple[tuple[str, int], ...]  # per residual leaf: ("arg" | "out" | "own", index)
     own_avals: tuple[Aval, ...]
 
     @property
@@ -105,15 +107,17 @@ class Kind:
         return tuple(jnp.zeros((*lead, *a.shape), a.dtype) for a in self.own_avals)
 
     def split_residuals(self, vjp: Any) -> tuple[Any, ...]:
-        leaves = jax.tree.leaves(vjp)
-        return tuple(leaf for leaf, src in zip(leaves, self.res_sources) if src is None)
+        """The residual leaves to store: neither arguments nor the output, each once."""
+        own: dict[int, Any] = {}
+        for leaf, (where, n) in zip(jax.tree.leaves(vjp), self.res_sources):
+            if where == "own":
+                own.setdefault(n, leaf)
+        return tuple(own[n] for n in range(len(own)))
 
-    def rebuild(self, own: tuple[Any, ...], theta: tuple[Any, ...], inputs: tuple[Any, ...]) -> Any:
-        """The layer's VJP from its stored residuals and its (re-read) arguments."""
-        args = jax.tree.leaves((theta, inputs))
-        own_iter = iter(own)
-        leaves = [next(own_iter) if src is None else args[src] for src in self.res_sources]
-        return self.vjp_treedef.unflatten(leaves)
+    def rebuild(self, own: tuple[Any, ...], theta: tuple[Any, ...], inputs: tuple[Any, ...], out: Any) -> Any:
+        """The layer's VJP from its stored residuals, its (re-read) arguments and its output."""
+        found = {"own": own, "arg": jax.tree.leaves((theta, inputs)), "out": jax.tree.leaves(out)}
+        return self.vjp_treedef.unflatten([found[where][n] for where, n in self.res_sources])
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -146,11 +150,17 @@ class Plan:
         return out
 
     def unpack(self, bufs: list[Any], names: tuple[Hashable, ...], loc: dict) -> dict[Hashable, Any]:
+        by_group: dict[int, list[Hashable]] = {}
         out = {}
         for name in names:
             g, slot = loc[name]
-            out[name] = jax.tree.map(lambda b, s=slot: b[s], bufs[g])
-        return out
+            if slot is None:  # a stacked block: the buffer itself
+                out[name] = bufs[g]
+            else:
+                by_group.setdefault(g, []).append(name)
+        for g, members in by_group.items():
+            out.update(zip(members, take(bufs[g], [loc[n][1] for n in members])))
+        return {name: out[name] for name in names}
 
 
 def function_key(fn: Any) -> Any:
@@ -182,12 +192,16 @@ def _analyse_kind(layer: Layer, theta_avals: tuple[Any, ...], input_avals: tuple
     def probe(theta, *inputs):
         out, vjp = jax.vjp(lambda t, *u: call_layer(layer, t, u), theta, *inputs)
         leaves, treedef = jax.tree.flatten(vjp)
-        args = jax.tree.leaves((theta, inputs))
+        known = {"arg": jax.tree.leaves((theta, inputs)), "out": jax.tree.leaves(out), "own": []}
         sources = []
-        for leaf in leaves:
-            sources.append(next((n for n, a in enumerate(args) if leaf is a), None))
+        for leaf in leaves:  # residuals that are arguments or the output are re-read, not stored
+            where = next((w for w in ("arg", "out", "own") if any(leaf is a for a in known[w])), None)
+            if where is None:
+                where = "own"
+                known["own"].append(leaf)
+            sources.append((where, next(n for n, a in enumerate(known[where]) if leaf is a)))
         found.update(treedef=treedef, sources=tuple(sources))
-        return out, tuple(leaf for leaf, s in zip(leaves, sources) if s is None)
+        return out, tuple(known["own"])
 
     out_aval, own = jax.eval_shape(probe, theta_avals, *input_avals)
     _avals_of(out_aval, f"The output of layer {layer.name!r}")
@@ -198,20 +212,31 @@ def _analyse_kind(layer: Layer, theta_avals: tuple[Any, ...], input_avals: tuple
 def make_plan(net: Network, param_structs: tuple, input_structs: tuple) -> Plan:
     """The layout for ``net`` at the given shapes (``param_structs`` follows ``net.param_names``)."""
     params = {p: _unstruct(s) for p, s in zip(net.param_names, param_structs)}
+    plain = [(p, a) for p, a in params.items() if p not in net.stacked_blocks]
+    param_groups, param_loc = _group(plain, pad=False)
+    for p in net.param_names:
+        if p in net.stacked_blocks:  # its own group; the layers' Row entries are its slots
+            treedef, leaves = param_structs[net.param_names.index(p)]
+            param_loc[p] = (len(param_groups), None)
+            param_groups += (Group(treedef, tuple(Aval(sh[1:], d) for sh, d in leaves), (p,), False,
+                                   leaves[0][0][0]),)
+
+    def slot(p: Hashable) -> tuple[int, int]:
+        return (param_loc[p.block][0], p.index) if isinstance(p, Row) else param_loc[p]
+
     avals: dict[Hashable, Any] = {name: _unstruct(s) for name, s in zip(net.inputs, input_structs)}
     kind_info: dict[Any, tuple] = {}
     layer_kind: list[Any] = []
     for layer in net.layers:
-        theta = tuple(params[p] for p in layer.params)
+        theta = tuple(_row_aval(params, p) for p in layer.params)
         ins = tuple(avals[r] for r in layer.reads)
-        key = (function_key(layer.fn), _structure(theta), _structure(ins))
+        key = (function_key(layer.fn), _structure(theta), _structure(ins), tuple(slot(p)[0] for p in layer.params))
         if key not in kind_info:
             kind_info[key] = _analyse_kind(layer, theta, ins)
         avals[layer.name] = kind_info[key][0]
         layer_kind.append(key)
 
     state_groups, state_loc = _group(list(avals.items()), pad=True)
-    param_groups, param_loc = _group(list(params.items()), pad=False)
 
     keys = list(dict.fromkeys(layer_kind))
     n_steps = len(net.layers)
@@ -222,10 +247,10 @@ def make_plan(net: Network, param_structs: tuple, input_structs: tuple) -> Plan:
         layers = tuple(net.layers[n] for n in members)
         first = layers[0]
         out_aval, treedef, sources, own = kind_info[key]
-        pgroups = tuple(param_loc[p][0] for p in first.params)
+        pgroups = tuple(slot(p)[0] for p in first.params)
         rgroups = tuple(state_loc[r][0] for r in first.reads)
         ogroup = state_loc[first.name][0]
-        pslots = np.array([[param_loc[p][1] for p in layer.params] for layer in layers] + [[0] * len(pgroups)],
+        pslots = np.array([[slot(p)[1] for p in layer.params] for layer in layers] + [[0] * len(pgroups)],
                           dtype=np.int32).reshape(len(layers) + 1, len(pgroups))
         rslots = np.array([[state_loc[r][1] for r in layer.reads] for layer in layers] + [[0] * len(rgroups)],
                           dtype=np.int32).reshape(len(layers) + 1, len(rgroups))
@@ -246,6 +271,12 @@ def make_plan(net: Network, param_structs: tuple, input_structs: tuple) -> Plan:
         ))
     return Plan(net=net, state_groups=state_groups, param_groups=param_groups, state_loc=state_loc,
                 param_loc=param_loc, kinds=tuple(kinds), step_kind=step_kind)
+
+
+def _row_aval(params: dict[Hashable, Any], p: Hashable) -> Any:
+    if isinstance(p, Row):
+        return jax.tree.map(lambda a: Aval(a.shape[1:], a.dtype), params[p.block])
+    return params[p]
 
 
 def _structure(tree: Any) -> Any:

@@ -10,6 +10,10 @@ import numpy as np
 
 
 def _label(name: Hashable) -> str:
+    from ._network import Row
+
+    if isinstance(name, Row):
+        return f"{_label(name.block)}[{name.index}]"
     return name if isinstance(name, str) else repr(name)
 
 

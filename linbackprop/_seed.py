@@ -77,14 +77,15 @@ def main(seed: int = 42) -> dict[str, float]:
         grad_u[6] = (lin.states[6] - y) / M_POINTS
         lam = lin.L.T.solve(grad_u)
         by_formula = {k: g + ALPHA * theta[k] for k, g in lin.M.mv(lam).items()}
-        by_solve = grad_by_solve(loss)(theta, u0)
-        by_jax = jax.grad(loss)(theta, u0)
+        by_solve = jax.jit(grad_by_solve(loss))(theta, u0)
+        by_jax = jax.jit(jax.grad(loss))(theta, u0)
 
         rng = np.random.default_rng(seed + 1)
         h = {k: jnp.asarray(rng.standard_normal(np.shape(p))) for k, p in theta.items()}
         eps = 1e-6
         shifted = lambda s: {k: theta[k] + s * eps * h[k] for k in theta}
-        directional = (loss(shifted(1.0), u0) - loss(shifted(-1.0), u0)) / (2 * eps)
+        jitted_loss = jax.jit(loss)
+        directional = (jitted_loss(shifted(1.0), u0) - jitted_loss(shifted(-1.0), u0)) / (2 * eps)
         dot = lambda g: sum(jnp.vdot(g[k], h[k]) for k in theta)
         rel = lambda a, b: float(max(jnp.max(jnp.abs(a[k] - b[k])) for k in theta)
                                  / max(jnp.max(jnp.abs(b[k])) for k in theta))

@@ -28,11 +28,15 @@ from ._plan import Kind, Plan
 
 
 class Primal(NamedTuple):
-    """Everything the linear maps need: parameters, states and per-kind own residuals."""
+    """Everything the linear maps need: parameters, states and per-kind own residuals.
+
+    ``residuals`` is None in the rematerialising mode: only the states are kept, and every
+    product re-linearises its layers from their (re-read) parameters and inputs.
+    """
 
     params: list[Any]
     states: list[Any]
-    residuals: list[Any]
+    residuals: list[Any] | None
 
 
 # -- small buffer helpers -----------------------------------------------------------------------
@@ -129,9 +133,17 @@ class LayerMaps:
         return jax.linear_transpose(self.param_adjoint, self.kind.out_aval)(h)[0]
 
 
+def _vjp(kind: Kind, prim: Primal, own: Any, theta: tuple, inputs: tuple, out: Any) -> Callable:
+    if prim.residuals is None:  # remat: linearise again
+        return jax.vjp(kind.layers[0].fn, theta, *inputs)[1]
+    return kind.rebuild(own, theta, inputs, out)
+
+
 def layer_maps(plan: Plan, kind: Kind, prim: Primal, k: int, pos: Any) -> LayerMaps:
     theta, inputs = _arguments(plan, kind, prim, pos)
-    return LayerMaps(plan, kind, kind.rebuild(_own(prim.residuals[k], pos), theta, inputs))
+    out = _row(prim.states[kind.out_group], jnp.asarray(kind.out_slots)[pos])
+    own = None if prim.residuals is None else _own(prim.residuals[k], pos)
+    return LayerMaps(plan, kind, _vjp(kind, prim, own, theta, inputs, out))
 
 
 # -- the sequential parts --------------------------------------------------------------------------
@@ -180,7 +192,7 @@ def forward(plan: Plan, params: list[Any], states: list[Any], residuals: bool = 
 
     res0 = [kind.own_zeros(kind.size + 1) if residuals else () for kind in plan.kinds]
     states, res = lax.fori_loop(0, plan.depth, body, (list(states), res0))
-    return Primal(params, states, res)
+    return Primal(params, states, res if residuals else None)
 
 
 def forward_substitution(plan: Plan, prim: Primal, rhs: list[Any]) -> list[Any]:
@@ -188,6 +200,8 @@ def forward_substitution(plan: Plan, prim: Primal, rhs: list[Any]) -> list[Any]:
     def body(i, z):
         def branch(k, zz):
             kind = plan.kinds[k]
+            if zz[kind.out_group] is None:  # an integer state: no tangent
+                return _zeros_like_aval(kind.out_aval)
             pos = jnp.asarray(kind.step_pos)[i]
             slots = jnp.asarray(kind.read_slots)[pos]
             reads = tuple(_row(zz[g], slots[r]) if zz[g] is not None else None
@@ -198,38 +212,59 @@ def forward_substitution(plan: Plan, prim: Primal, rhs: list[Any]) -> list[Any]:
         z = list(z)
         for kind, dz in zip(plan.kinds, results):
             g = kind.out_group
-            z[g] = _add_row(z[g], jnp.asarray(kind.step_out_slot)[i], dz)
+            if z[g] is not None:
+                z[g] = _add_row(z[g], jnp.asarray(kind.step_out_slot)[i], dz)
         return z
 
     return lax.fori_loop(0, plan.depth, body, list(rhs))
 
 
-def back_substitution(plan: Plan, prim: Primal, rhs: list[Any]) -> list[Any]:
-    """Λ with ℒ* Λ = rhs: Λ_j = rhs_j + Σ_{i reads j} (∂Φ_i/∂U_j)* Λ_i, last layer to first."""
+def back_substitution(plan: Plan, prim: Primal, rhs: list[Any], grads: list[Any] | None = None) -> Any:
+    """Λ with ℒ* Λ = rhs: Λ_j = rhs_j + Σ_{i reads j} (∂Φ_i/∂U_j)* Λ_i, last layer to first.
+
+    With ``grads`` (parameter-layout buffers), ℳΛ is also added into them inside the loop, from
+    the same linearisation of each layer; returns (Λ, grads + ℳΛ) then.
+    """
+    in_loop = grads is not None
+
     def read_zeros(k):
         groups = [plan.state_groups[g] for g in plan.kinds[k].read_groups]
-        return tuple(_zeros_like_aval(g.treedef.unflatten(list(g.leaves))) if g.differentiable else None
-                     for g in groups)
+        reads = tuple(_zeros_like_aval(g.treedef.unflatten(list(g.leaves))) if g.differentiable else None
+                      for g in groups)
+        if not in_loop:
+            return reads
+        pgroups = [plan.param_groups[g] for g in plan.kinds[k].param_groups]
+        return reads, tuple(_zeros_like_aval(g.treedef.unflatten(list(g.leaves))) for g in pgroups)
 
-    def body(t, lam):
+    def body(t, carry):
+        lam, acc = carry if in_loop else (carry, None)
         i = plan.depth - 1 - t
 
         def branch(k, ll):
             kind = plan.kinds[k]
+            if ll[kind.out_group] is None:  # an integer state: no cotangent to propagate
+                return read_zeros(k)
             pos = jnp.asarray(kind.step_pos)[i]
             lam_i = _row(ll[kind.out_group], jnp.asarray(kind.out_slots)[pos])
-            return layer_maps(plan, kind, prim, k, pos).state_adjoint(lam_i)
+            maps = layer_maps(plan, kind, prim, k, pos)
+            return (maps.state_adjoint(lam_i), maps.param_adjoint(lam_i)) if in_loop else maps.state_adjoint(lam_i)
 
         results = _step(plan, i, branch, read_zeros, lam)
-        lam = list(lam)
-        for kind, cts in zip(plan.kinds, results):
+        lam, acc = list(lam), (list(acc) if in_loop else None)
+        for kind, res in zip(plan.kinds, results):
+            cts, pcts = res if in_loop else (res, ())
             slots = jnp.asarray(kind.step_read_slots)[i]
             for r, (g, ct) in enumerate(zip(kind.read_groups, cts)):
                 if ct is not None:
                     lam[g] = _add_row(lam[g], slots[r], ct)
-        return lam
+            if pcts:  # inactive kinds add zeros to a member row: harmless
+                pslots = jnp.asarray(kind.param_slots)[jnp.asarray(kind.step_pos)[i]]
+                for p, (g, ct) in enumerate(zip(kind.param_groups, pcts)):
+                    acc[g] = _add_row(acc[g], pslots[p], ct)
+        return (lam, acc) if in_loop else lam
 
-    return lax.fori_loop(0, plan.depth, body, list(rhs))
+    init = (list(rhs), list(grads)) if in_loop else list(rhs)
+    return lax.fori_loop(0, plan.depth, body, init)
 
 
 # -- the parallel parts: one vmapped application per kind -------------------------------------------
@@ -238,12 +273,13 @@ def _per_kind(plan: Plan, prim: Primal, k: int, apply: Callable[[LayerMaps, Any]
     kind = plan.kinds[k]
     members = np.arange(kind.size)
     theta, inputs = _arguments(plan, kind, prim, members)
-    own = _own(prim.residuals[k], members)
+    own = None if prim.residuals is None else _own(prim.residuals[k], members)
+    out = _rows(prim.states[kind.out_group], kind.out_slots[:-1])
 
-    def one(theta, inputs, own, a):
-        return apply(LayerMaps(plan, kind, kind.rebuild(own, theta, inputs)), a)
+    def one(theta, inputs, own, out, a):
+        return apply(LayerMaps(plan, kind, _vjp(kind, prim, own, theta, inputs, out)), a)
 
-    return jax.vmap(one)(theta, inputs, own, args)
+    return jax.vmap(one)(theta, inputs, own, out, args)
 
 
 def state_product(plan: Plan, prim: Primal, e: list[Any], adjoint: bool = False) -> list[Any]:
@@ -251,6 +287,8 @@ def state_product(plan: Plan, prim: Primal, e: list[Any], adjoint: bool = False)
     out = list(e)
     for k, kind in enumerate(plan.kinds):
         n = kind.size
+        if e[kind.out_group] is None:  # integer states: rows of the identity only
+            continue
         if not adjoint:
             reads = tuple(_rows(e[g], kind.read_slots[:n, r]) if e[g] is not None else None
                           for r, g in enumerate(kind.read_groups))
@@ -271,6 +309,8 @@ def param_forward(plan: Plan, prim: Primal, h: list[Any], into: list[Any]) -> li
     out = list(into)
     for k, kind in enumerate(plan.kinds):
         n = kind.size
+        if out[kind.out_group] is None or not kind.param_groups:
+            continue
         hs = tuple(_rows(h[g], kind.param_slots[:n, p]) for p, g in enumerate(kind.param_groups))
         dz = _per_kind(plan, prim, k, lambda m, a: m.param_forward(a), hs)
         g = kind.out_group
@@ -283,6 +323,8 @@ def param_adjoint(plan: Plan, prim: Primal, lam: list[Any]) -> list[Any]:
     out = [g.zeros() for g in plan.param_groups]
     for k, kind in enumerate(plan.kinds):
         n = kind.size
+        if lam[kind.out_group] is None or not kind.param_groups:
+            continue
         lam_k = _rows(lam[kind.out_group], kind.out_slots[:n])
         cts = _per_kind(plan, prim, k, lambda m, a: m.param_adjoint(a), lam_k)
         for p, (g, ct) in enumerate(zip(kind.param_groups, cts)):

@@ -19,7 +19,9 @@ so ``grad_by_solve(jax.jit(f))`` traces ``f`` again instead of reusing a plain t
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import threading
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
@@ -33,36 +35,50 @@ from ._network import Network
 from ._plan import Plan, leaf_aval, plan_for
 from ._solve import Primal, back_substitution, forward, forward_substitution, param_forward, state_product
 
-try:  # A config state keyed into jit's cache: the mode changes what a trace contains.
-    from jax._src import config as _jax_config
 
-    _SOLVE_MODE = _jax_config.bool_state(
-        "linbackprop_differentiate_by_solve",
-        False,
-        "Inside linbackprop's transforms: differentiate Network calls by the linear solve.",
-        include_in_jit_key=True,
-        include_in_trace_context=True,
-    )
-except Exception:  # pragma: no cover - a JAX without the private API: documented fallback
-    import contextlib
-    import threading
+class _ThreadLocalMode(threading.local):
+    """The fallback where JAX lacks the private config API (documented in README)."""
 
-    class _ThreadLocalMode(threading.local):
-        value = False
+    value = False
 
-        @contextlib.contextmanager
-        def __call__(self, value: bool):
-            old, self.value = self.value, value
-            try:
-                yield
-            finally:
-                self.value = old
+    @contextlib.contextmanager
+    def __call__(self, value: bool):
+        old, self.value = self.value, value
+        try:
+            yield
+        finally:
+            self.value = old
 
-    _SOLVE_MODE = _ThreadLocalMode()
+
+def _mode(name: str, help_text: str) -> Any:
+    """A boolean state keyed into jit's cache: a mode changes what a trace contains."""
+    try:
+        from jax._src import config as jax_config
+
+        return jax_config.bool_state(name, False, help_text, include_in_jit_key=True, include_in_trace_context=True)
+    except Exception:  # pragma: no cover - a JAX without the private API
+        return _ThreadLocalMode()
+
+
+_SOLVE_MODE = _mode("linbackprop_differentiate_by_solve",
+                    "Inside linbackprop's transforms: differentiate Network calls by the linear solve.")
+_REMAT = _mode("linbackprop_rematerialise",
+               "linbackprop: keep only the states; re-linearise each layer in the substitutions and products.")
+_PARAMS_IN_LOOP = _mode("linbackprop_params_in_loop",
+                        "linbackprop: form ℳΛ inside the back substitution instead of batched after it.")
 
 
 def solving() -> bool:
-    """True inside grad_by_solve / value_and_grad_by_solve / jvp_by_solve."""
+    """True inside grad_by_solve / value_and_grad_by_solve / jvp_by_solve, where a Network call
+    is differentiated by the solve (elsewhere it is plain JAX code).
+
+    Example:
+        >>> import linbackprop as lbp
+        >>> seen = []
+        >>> _ = lbp.grad_by_solve(lambda x: seen.append(lbp.solving()) or x * x)(1.0)
+        >>> lbp.solving(), seen
+        (False, [True])
+    """
     return bool(_SOLVE_MODE.value)
 
 
@@ -75,8 +91,26 @@ def network_call(net: Network, params: Any, inputs: tuple[Any, ...]) -> Any:
         jax.tree.map(lambda leaf, n=name: leaf_aval(leaf, f"Network input {n!r}"), x)
     if not solving():
         return net.pick_outputs(net.states(theta, *inputs))
-    outs = _call_by_solve(net, theta, tuple(inputs))
+    for where, tree in [*((f"parameter block {n!r}", b) for n, b in theta.items()),
+                        *((f"network input {n!r}", x) for n, x in zip(net.inputs, inputs))]:
+        for leaf in jax.tree.leaves(tree):
+            _check_not_explicitly_sharded(leaf, where)
+    outs = _jitted_call_by_solve(net, theta, tuple(inputs))
     return outs[0] if net.single_output else outs
+
+
+def _check_not_explicitly_sharded(leaf: Any, where: str) -> None:
+    try:
+        aval = jax.typeof(leaf)
+        sharded = any(axis is not None for axis in aval.sharding.spec)
+    except Exception:  # no sharding in the type: nothing to check
+        return
+    if sharded:
+        raise NotImplementedError(
+            f"The solve does not support explicitly sharded arrays yet: {where} is {aval}. Create the "
+            "mesh with axis_types=(jax.sharding.AxisType.Auto, ...) and shard with NamedSharding under "
+            "jax.jit; XLA then partitions the solve and sums the gradients itself (README: several devices)."
+        )
 
 
 def _outputs(plan: Plan, bufs: list[Any]) -> tuple[Any, ...]:
@@ -87,8 +121,34 @@ def _outputs(plan: Plan, bufs: list[Any]) -> tuple[Any, ...]:
 def prepare(net: Network, theta: dict[Hashable, Any], inputs: tuple[Any, ...]) -> tuple[Plan, Primal]:
     """The plan at these shapes and the forward pass with every layer's residuals."""
     plan = plan_for(net, theta, inputs)
-    prim = forward(plan, plan.pack_params(theta), plan.pack_states(dict(zip(net.inputs, inputs))))
+    prim = forward(plan, plan.pack_params(theta), plan.pack_states(dict(zip(net.inputs, inputs))),
+                   residuals=not _REMAT.value)
     return plan, prim
+
+
+def solve_joint(plan: Plan, prim: Primal, h: list[Any], rhs: list[Any]) -> list[Any]:
+    """Z with ℒ Z = rhs + ℳ* h, as one solve over (h, Z) whose transpose forms ℳΛ in the loop.
+
+    The joint matrix [[I, 0], [−ℳ*, ℒ]] is unit lower triangular too; its transpose
+    [[I, −ℳ], [0, ℒ*]] is solved by the back substitution for Λ with ℳΛ accumulated step by step
+    from the same linearisation of each layer (the in-loop alternative to the batched ℳ).
+    """
+    def matvec(x):
+        hh, zz = x
+        minus = param_forward(plan, prim, hh, [None if b is None else jax.tree.map(jnp.zeros_like, b) for b in zz])
+        lz = state_product(plan, prim, zz)
+        return hh, [None if a is None else jax.tree.map(jnp.subtract, a, m) for a, m in zip(lz, minus)]
+
+    def solve(_, b):
+        bh, bz = b
+        return bh, forward_substitution(plan, prim, param_forward(plan, prim, bh, bz))
+
+    def transpose_solve(_, g):
+        gh, gz = g
+        lam, grads = back_substitution(plan, prim, gz, grads=gh)
+        return grads, lam
+
+    return lax.custom_linear_solve(matvec, (h, rhs), solve=solve, transpose_solve=transpose_solve)[1]
 
 
 def solve_forward(plan: Plan, prim: Primal, rhs: list[Any]) -> list[Any]:
@@ -130,7 +190,10 @@ def _call_by_solve_jvp(net: Network, primals: tuple, tangents: tuple) -> tuple:
              if not _is_zero(dx) and plan.state_groups[plan.state_loc[name][0]].differentiable}
     rhs = plan.pack_states(_instantiate(given))
     rhs = [b if g.differentiable else None for b, g in zip(rhs, plan.state_groups)]
-    if not all(_is_zero(dtheta[p]) for p in net.param_names):
+    in_loop = (_PARAMS_IN_LOOP.value and not all(_is_zero(dtheta[p]) for p in net.param_names)
+               and all(g.differentiable for g in plan.param_groups))
+    h = plan.pack_params(_instantiate(dtheta)) if in_loop else None
+    if not in_loop and not all(_is_zero(dtheta[p]) for p in net.param_names):
         rhs = param_forward(plan, prim, plan.pack_params(_instantiate(dtheta)), rhs)
     # custom_linear_solve transposes only when every leaf of rhs is linear in the tangents; a part
     # built from symbolic zeros alone is not, so add to each an exact zero that is (an empty slice
@@ -138,7 +201,11 @@ def _call_by_solve_jvp(net: Network, primals: tuple, tangents: tuple) -> tuple:
     anchor = next(leaf for leaf in jax.tree.leaves((dtheta, dinputs), is_leaf=_symbolic)
                   if not _symbolic(leaf) and jnp.issubdtype(leaf.dtype, jnp.inexact))
     rhs = [None if b is None else jax.tree.map(lambda x: x + _linear_zero(anchor, x), b) for b in rhs]
-    z = solve_forward(plan, prim, rhs)
+    if in_loop:
+        h = [jax.tree.map(lambda x: x + _linear_zero(anchor, x), b) for b in h]
+        z = solve_joint(plan, prim, h, rhs)
+    else:
+        z = solve_forward(plan, prim, rhs)
     outs = _outputs(plan, prim.states)
     douts = tuple(_tangent_or_zero(plan, o, z) for o in net.outputs)
     return outs, douts
@@ -146,7 +213,10 @@ def _call_by_solve_jvp(net: Network, primals: tuple, tangents: tuple) -> tuple:
 
 def _linear_zero(anchor: jax.Array, like: jax.Array) -> jax.Array:
     """Exact zeros shaped like ``like``, linear in ``anchor`` (no arithmetic: NaN-safe)."""
-    empty = jnp.ravel(anchor)[:0].astype(like.dtype)
+    empty = jnp.ravel(anchor)[:0]
+    if jnp.iscomplexobj(empty) and not jnp.iscomplexobj(like):
+        empty = jnp.real(empty)
+    empty = empty.astype(like.dtype)
     return jnp.pad(empty, (0, like.size)).reshape(like.shape)
 
 
@@ -159,26 +229,44 @@ def _tangent_or_zero(plan: Plan, name: Hashable, z: list[Any]) -> Any:
 
 
 _call_by_solve.defjvp(_call_by_solve_jvp, symbolic_zeros=True)
+# Staged as one computation even when called eagerly: JAX then compiles the solve (and its JVP and
+# transpose) as a whole instead of dispatching its operations one by one. Inside jit it inlines.
+_jitted_call_by_solve = jax.jit(_call_by_solve, static_argnums=0)
 
 
 # -- the public transforms ---------------------------------------------------------------------
-def _in_solve_mode(transformed: Callable, fun: Callable) -> Callable:
+def _in_solve_mode(transformed: Callable, fun: Callable, remat: bool, param_products: str) -> Callable:
+    if param_products not in ("auto", "after", "in_loop"):
+        raise ValueError(f"param_products must be 'auto', 'after' or 'in_loop', got {param_products!r}.")
+    # The rule: ℳ after the loop, batched per kind, except with remat, where re-linearising every
+    # layer a second time after the loop would cost a forward pass; there ℳΛ joins the loop.
+    in_loop = param_products == "in_loop" or (param_products == "auto" and remat)
+
     @functools.wraps(fun)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
-        with _SOLVE_MODE(True):
+        with _SOLVE_MODE(True), _REMAT(bool(remat)), _PARAMS_IN_LOOP(in_loop):
             return transformed(*args, **kwargs)
 
     return wrapped
 
 
-def grad_by_solve(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool = False,
-                  **grad_kwargs: Any) -> Callable:
+def grad_by_solve(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool = False, *,
+                  remat: bool = False, param_products: str = "auto", **grad_kwargs: Any) -> Callable:
     """Drop-in for ``jax.grad``: every Network call in ``fun`` is differentiated by the solve.
 
     For a loss J(θ) = ℓ(U(θ), θ) the gradient is ∇_θJ = ℳ Λ + ∇_θℓ, where Λ solves the adjoint
     equation ℒ* Λ = ∇_Uℓ by back substitution (one solve for every parameter direction).
     Network inputs may be differentiated too (``argnums``); several networks, repeated calls and
     direct uses of the parameters (regularisers) add up.
+
+    With ``remat=True`` the forward pass keeps only the states U; the back substitution and ℳ
+    re-linearise each layer from its inputs (one more forward evaluation, less memory).
+
+    ``param_products`` says where ℳΛ is formed: ``"after"`` the back substitution, for all layers
+    of a kind at once (one batched product: off the sequential path), or ``"in_loop"``, layer by
+    layer inside it, from the same linearisation as the ℒ* block. ``"auto"`` (default) is
+    ``"after"``, except with ``remat=True`` where ``"in_loop"`` saves re-linearising every layer
+    once more.
 
     Example:
         >>> import jax, jax.numpy as jnp, linbackprop as lbp
@@ -190,12 +278,14 @@ def grad_by_solve(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool
         >>> bool(jnp.allclose(g["W"], jax.grad(loss)(p, x)["W"]))
         True
     """
-    return _in_solve_mode(jax.grad(fun, argnums=argnums, has_aux=has_aux, **grad_kwargs), fun)
+    return _in_solve_mode(jax.grad(fun, argnums=argnums, has_aux=has_aux, **grad_kwargs), fun, remat,
+                          param_products)
 
 
-def value_and_grad_by_solve(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool = False,
-                            **grad_kwargs: Any) -> Callable:
-    """Drop-in for ``jax.value_and_grad``, differentiating Network calls by the solve.
+def value_and_grad_by_solve(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool = False, *,
+                            remat: bool = False, param_products: str = "auto", **grad_kwargs: Any) -> Callable:
+    """Drop-in for ``jax.value_and_grad``, differentiating Network calls by the solve
+    (``remat`` and ``param_products`` as in :func:`grad_by_solve`).
 
     Example:
         >>> import jax.numpy as jnp, linbackprop as lbp
@@ -204,7 +294,8 @@ def value_and_grad_by_solve(fun: Callable, argnums: int | Sequence[int] = 0, has
         >>> float(value), float(grads["a"])
         (6.0, 2.0)
     """
-    return _in_solve_mode(jax.value_and_grad(fun, argnums=argnums, has_aux=has_aux, **grad_kwargs), fun)
+    return _in_solve_mode(jax.value_and_grad(fun, argnums=argnums, has_aux=has_aux, **grad_kwargs), fun, remat,
+                          param_products)
 
 
 def jvp_by_solve(fun: Callable, primals: Sequence[Any], tangents: Sequence[Any], has_aux: bool = False):
@@ -218,5 +309,5 @@ def jvp_by_solve(fun: Callable, primals: Sequence[Any], tangents: Sequence[Any],
         >>> float(y), float(dy)
         (6.0, 2.0)
     """
-    with _SOLVE_MODE(True):
+    with _SOLVE_MODE(True), _REMAT(False), _PARAMS_IN_LOOP(False):
         return jax.jvp(fun, primals, tangents, has_aux=has_aux)

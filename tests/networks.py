@@ -204,6 +204,25 @@ def conv() -> Case:
     return Case(net, params, (_rand(rng, 2, 4, 4, 2, scale=1.0),), _sum_outputs(net))
 
 
+def stacked() -> Case:
+    """Stacked blocks used by rows (lbp.Row): a pytree stacked block, one row shared by two layers,
+    two rows of one block in one layer, an unused row (zero gradient), and a plain block too."""
+    rng = np.random.default_rng(7)
+
+    def res(th, u):
+        return u + jnp.tanh(u @ th[0]["W"] + th[0]["b"]) * th[1]
+
+    layers = [
+        lbp.Layer(1, res, (0,), (lbp.Row("R", 0), "scale")),
+        lbp.Layer(2, res, (1,), (lbp.Row("R", 1), "scale")),
+        lbp.Layer(3, res, (2,), (lbp.Row("R", 1), "scale")),
+        lbp.Layer(4, lambda th, u, v: jnp.tanh(u @ th[0] + v @ th[1]), (3, 1), (lbp.Row("S", 0), lbp.Row("S", 2))),
+    ]
+    net = lbp.Network(layers, [0], [4, 2])
+    params = {"R": {"W": _rand(rng, 2, 3, 3), "b": _rand(rng, 2, 3)}, "scale": _rand(rng, 3), "S": _rand(rng, 3, 3, 3)}
+    return Case(net, params, (_rand(rng, 4, 3, scale=1.0),), _sum_outputs(net))
+
+
 REGISTRY: dict[str, Callable[[], Case]] = {
-    f.__name__: f for f in (chain, seed, skips, densenet, rnn, lstm, multi_input, conv)
+    f.__name__: f for f in (chain, seed, skips, densenet, rnn, lstm, multi_input, conv, stacked)
 }

@@ -1,12 +1,22 @@
-"""The seed example and the demo entry point run and report small errors."""
+"""The demo and the examples run (at small sizes) and report what they promise."""
 
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
 
+import jax
+
 from linbackprop._seed import main
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def load(name):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "examples" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def test_seed_example_reproduces_the_seed(capsys):
@@ -19,7 +29,40 @@ def test_seed_example_reproduces_the_seed(capsys):
     assert result["formula_versus_grad_by_solve"] < 1e-12
 
 
-def test_seed_script_and_module_entry_point_run():
-    for cmd in ([sys.executable, str(ROOT / "examples" / "seed_network.py")], [sys.executable, "-m", "linbackprop"]):
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=True)
-        assert "versus_finite_difference" in done.stdout
+def test_demo_entry_point(tmp_path):
+    """`python -m linbackprop`: seed checks, digits training (short here), the PNG."""
+    png = tmp_path / "demo.png"
+    cmd = [sys.executable, "-m", "linbackprop", "--epochs", "3", "--no-progress", "--out", str(png)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=True)
+    assert "versus_finite_difference" in done.stdout and "held-out test accuracy" in done.stdout
+    accuracy = float(done.stdout.split("held-out test accuracy ")[1].split()[0])
+    assert accuracy > 0.85  # 3 epochs; the default 30 reach >= 0.95 (README)
+    assert png.stat().st_size > 10_000 and f"wrote {png}" in done.stdout
+    assert "usage: python -m linbackprop" in subprocess.run([sys.executable, "-m", "linbackprop", "--help"],
+                                                             capture_output=True, text=True, check=True).stdout
+
+
+def test_seed_script_runs():
+    done = subprocess.run([sys.executable, str(ROOT / "examples" / "seed_network.py")], capture_output=True,
+                          text=True, timeout=300, check=True)
+    assert "versus_jax_grad" in done.stdout
+
+
+def test_train_digits_agrees_with_jax_grad_through_training():
+    with jax.enable_x64(False):
+        result = load("train_digits").main(epochs=2, depth=2, hidden=32)
+    assert result["max_grad_difference"] < 1e-4 and result["max_param_difference"] < 1e-4
+    assert result["accuracy"] > 0.8
+
+
+def test_rnn_sequence_learns():
+    with jax.enable_x64(False):
+        result = load("rnn_sequence").main(steps=60, length=6, hidden=16)
+    assert result["final_loss"] < 0.5 * result["initial_loss"]
+
+
+def test_deep_residual_reports_times_and_agrees():
+    with jax.enable_x64(False):
+        result = load("deep_residual").main(depth=24, width=8, batch=4, repeats=2)
+    assert result["difference"] < 1e-5
+    assert {"grad_by_solve", "jax.grad (unrolled)", "jax.grad (lax.scan)"} <= set(result)

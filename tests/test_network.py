@@ -104,3 +104,57 @@ def test_repr_shows_the_dag():
     text = repr(net)
     assert "a = <lambda>(x; p)" in text and "b = <lambda>(a, x)" in text
     assert np.array_equal(lbp.linearize(net, {"p": 2.0}, jnp.ones(2)).L.pattern, [[True, False], [True, True]])
+
+
+@pytest.mark.parametrize("returned,message", [
+    (lambda th, x: None, "Layer 'a' returned no arrays"),
+    (lambda th, x: {"h": x, "note": "text"}, "Layer 'a' returned a leaf of type str"),
+])
+def test_layer_returning_the_wrong_structure(returned, message):
+    net = lbp.Network([lbp.Layer("a", returned, ("x",), ("p",)), lbp.Layer("b", f2, ("a", "x"))], ["x"], "b")
+    with pytest.raises(TypeError, match=message):
+        net({"p": 1.0}, jnp.ones(2))
+    with pytest.raises(TypeError, match=message):
+        lbp.grad_by_solve(lambda p: jnp.sum(net(p, jnp.ones(2))))({"p": 1.0})
+
+
+def test_layer_output_of_the_wrong_shape_for_its_reader():
+    """A layer whose state has the wrong shape is reported by the layer that cannot use it."""
+    net = lbp.Network([lbp.Layer("h", lambda th, x: jnp.tanh(x @ th[0]), ("x",), ("W",)),
+                       lbp.Layer("y", lambda th, h, x: h + x @ th[0], ("h", "x"), ("V",))], ["x"], "y")
+    params, x = {"W": jnp.ones((3, 5)), "V": jnp.ones((3, 4))}, jnp.ones((2, 3))
+    pattern = r"(?s)Layer 'y' failed.*reads \['h', 'x'\] with shapes \[float64\[2, 5\], float64\[2, 3\]\]"
+    with pytest.raises(TypeError, match=pattern):
+        net(params, x)
+    with pytest.raises(TypeError, match=pattern):
+        lbp.grad_by_solve(lambda p: jnp.sum(net(p, x)))(params)
+
+
+def test_block_of_the_wrong_shape_for_a_layer_that_shares_it():
+    net = lbp.Network([lbp.Layer("h", lambda th, x: x @ th[0], ("x",), ("W",)),
+                       lbp.Layer("y", lambda th, h: h @ th[0], ("h",), ("W",))], ["x"], "y")
+    with pytest.raises(TypeError, match=r"(?s)Layer 'y' failed.*'W': float64\[3, 2\]"):
+        lbp.grad_by_solve(lambda p: jnp.sum(net(p, jnp.ones((1, 3)))))({"W": jnp.ones((3, 2))})
+
+
+def test_row_blocks_are_checked():
+    with pytest.raises(TypeError, match="non-negative int index"):
+        lbp.Layer("a", f1, ("x",), (lbp.Row("W", -1),))
+    with pytest.raises(lbp.GraphError, match="'W' is used whole by layer 'b' and by rows.*by layer 'a'"):
+        lbp.Network([lbp.Layer("a", f1, ("x",), (lbp.Row("W", 0),)), lbp.Layer("b", f1, ("a",), ("W",))], ["x"], "b")
+    net = lbp.Network([lbp.Layer("a", f1, ("x",), (lbp.Row("W", 2),))], ["x"], "a")
+    message = r"Layer 'a' uses Row\(block='W', index=2\).*leaf shapes \[\(2, 3\)\]"
+    with pytest.raises(ValueError, match=message):  # JAX would clamp the index silently
+        net({"W": jnp.ones((2, 3))}, jnp.ones(3))
+    with pytest.raises(ValueError, match=message):
+        lbp.grad_by_solve(lambda p: jnp.sum(net(p, jnp.ones(3))))({"W": jnp.ones((2, 3))})
+
+
+def test_params_must_be_a_mapping_and_networks_take_layers():
+    net = lbp.Network([lbp.Layer("a", f1, ("x",), ("p",))], ["x"], "a")
+    with pytest.raises(TypeError, match="params must be a mapping"):
+        net([1.0], 1.0)
+    with pytest.raises(TypeError, match="must be lbp.Layer objects"):
+        lbp.Network([("a", f1)], ["x"], "a")
+    with pytest.raises(lbp.GraphError, match="inputs must be a sequence of names.*\\['x'\\]"):
+        lbp.Network([lbp.Layer("a", f1, ("x",), ("p",))], "x", "a")

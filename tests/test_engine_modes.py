@@ -1,0 +1,60 @@
+"""The engine's switches: ℳΛ in the loop or batched after it, and rematerialisation. Every
+combination must give jax.grad's gradient; remat must really keep fewer bytes."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from networks import REGISTRY
+
+import linbackprop as lbp
+
+MODES = [dict(param_products="in_loop"), dict(remat=True), dict(remat=True, param_products="after")]
+
+
+def assert_close(actual, expected, rtol=1e-9):
+    for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected)):
+        np.testing.assert_allclose(a, e, rtol=rtol, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", ["seed", "lstm", "stacked"])
+@pytest.mark.parametrize("mode", MODES, ids=str)
+def test_modes_match_jax_grad(name, mode):
+    case = REGISTRY[name]()
+    argnums = tuple(range(1 + len(case.inputs)))
+    expected = jax.grad(case.loss, argnums)(case.params, *case.inputs)
+    assert_close(jax.jit(lbp.grad_by_solve(case.loss, argnums, **mode))(case.params, *case.inputs), expected)
+    _, grads = jax.jit(lbp.value_and_grad_by_solve(case.loss, **mode))(case.params, *case.inputs)
+    assert_close(grads, expected[0])
+
+
+@pytest.mark.parametrize("mode", MODES, ids=str)
+def test_modes_compose_with_hvp_and_vmap(mode):
+    case = REGISTRY["seed"]()
+    t = jax.tree.map(jnp.ones_like, case.params)
+    hvp = lambda grad: jax.jvp(lambda p: grad(case.loss)(p, *case.inputs), (case.params,), (t,))[1]
+    assert_close(jax.jit(lambda: hvp(lambda f: lbp.grad_by_solve(f, **mode)))(), hvp(jax.grad), rtol=1e-8)
+    xs = jnp.stack([case.inputs[0], -case.inputs[0]])
+    per_example = lambda grad: jax.vmap(grad(case.loss), (None, 0))(case.params, xs)
+    assert_close(jax.jit(lambda: per_example(lambda f: lbp.grad_by_solve(f, **mode)))(), per_example(jax.grad))
+
+
+def test_the_switch_changes_the_program():
+    case = REGISTRY["chain"]()
+    text = lambda **kw: str(jax.make_jaxpr(lbp.grad_by_solve(case.loss, **kw))(case.params, *case.inputs))
+    after, in_loop = text(param_products="after"), text(param_products="in_loop")
+    assert after != in_loop
+    assert text() == after and text(remat=True) == text(remat=True, param_products="in_loop")
+    with pytest.raises(ValueError, match="param_products must be"):
+        lbp.grad_by_solve(case.loss, param_products="sometimes")
+
+
+def test_remat_keeps_fewer_bytes():
+    depth, width = 32, 16
+    layer = lambda th, u: u + jnp.tanh(u @ th[0])
+    net = lbp.Network([lbp.Layer(i, layer, (i - 1,), (lbp.Row("W", i - 1),)) for i in range(1, depth + 1)], [0], depth)
+    loss = lambda p, x: jnp.sum(net(p, x) ** 2)
+    args = ({"W": jnp.ones((depth, width, width)) * 0.01}, jnp.ones((64, width)))
+    compiled = lambda **kw: jax.jit(lbp.grad_by_solve(loss, **kw)).lower(*args).compile()
+    temp = lambda **kw: compiled(**kw).memory_analysis().temp_size_in_bytes
+    assert temp(remat=True) < 0.8 * temp()
