@@ -148,7 +148,8 @@ class Network:
             the order given).
         inputs: names of the input states (U_0 of the seed); several are allowed.
         outputs: a single name (``net(...)`` returns that state) or a sequence of names
-            (``net(...)`` returns a tuple).
+            (``net(...)`` returns a tuple). A tuple that is itself the name of a state is that
+            single name; write ``[name]`` for a 1-tuple of outputs.
 
     Raises:
         GraphError: duplicate names, reads of unknown states, cycles (self-reads included),
@@ -183,7 +184,10 @@ class Network:
             raise GraphError("A network needs at least one input state.")
         if not layers:
             raise GraphError("A network needs at least one layer.")
-        self._single_output = isinstance(outputs, (str, bytes)) or not isinstance(outputs, (list, tuple))
+        # A tuple is a sequence of names, unless it is itself the name of a state (("c", 3)).
+        names = {*inputs, *(layer.name for layer in layers)}
+        self._single_output = (isinstance(outputs, (str, bytes)) or not isinstance(outputs, (list, tuple))
+                               or (isinstance(outputs, tuple) and outputs in names))
         outputs_t = (outputs,) if self._single_output else tuple(outputs)
 
         seen: set[Hashable] = set()

@@ -129,6 +129,7 @@ class Plan:
     param_loc: dict[Hashable, tuple[int, int]]
     kinds: tuple[Kind, ...]
     step_kind: np.ndarray  # [N]
+    unrolled: bool = False  # the substitutions as straight-line code (shallow networks, see loop_pays)
 
     @property
     def depth(self) -> int:
@@ -208,8 +209,19 @@ def _analyse_kind(layer: Layer, theta_avals: tuple[Any, ...], input_avals: tuple
     return out_aval, found["treedef"], found["sources"], tuple(own)
 
 
+# The loop pays when kinds of layer repeat: one compiled body then serves many steps. A shallow
+# network, or one whose layers are nearly all different, runs faster as straight-line code (no
+# switch, static indices), and its program is small anyway.
+LOOP_MIN_DEPTH = 16
+LOOP_MIN_LAYERS_PER_KIND = 4
+
+
+def loop_pays(depth: int, kinds: int) -> bool:
+    return depth >= LOOP_MIN_DEPTH and depth >= LOOP_MIN_LAYERS_PER_KIND * kinds
+
+
 @functools.lru_cache(maxsize=256)
-def make_plan(net: Network, param_structs: tuple, input_structs: tuple) -> Plan:
+def make_plan(net: Network, param_structs: tuple, input_structs: tuple, engine: str = "auto") -> Plan:
     """The layout for ``net`` at the given shapes (``param_structs`` follows ``net.param_names``)."""
     params = {p: _unstruct(s) for p, s in zip(net.param_names, param_structs)}
     plain = [(p, a) for p, a in params.items() if p not in net.stacked_blocks]
@@ -269,8 +281,9 @@ def make_plan(net: Network, param_structs: tuple, input_structs: tuple) -> Plan:
             vjp_treedef=treedef, res_sources=sources,
             own_avals=tuple(Aval(a.shape, a.dtype) for a in own),
         ))
+    unrolled = engine == "unrolled" or (engine == "auto" and not loop_pays(n_steps, len(kinds)))
     return Plan(net=net, state_groups=state_groups, param_groups=param_groups, state_loc=state_loc,
-                param_loc=param_loc, kinds=tuple(kinds), step_kind=step_kind)
+                param_loc=param_loc, kinds=tuple(kinds), step_kind=step_kind, unrolled=unrolled)
 
 
 def _row_aval(params: dict[Hashable, Any], p: Hashable) -> Any:
@@ -301,11 +314,14 @@ def _group(items: list[tuple[Hashable, Any]], pad: bool) -> tuple[tuple[Group, .
     return tuple(groups), loc
 
 
-def plan_for(net: Network, theta: dict[Hashable, Any], inputs: tuple[Any, ...]) -> Plan:
-    """Validate the arguments' leaves and return the (cached) plan for their shapes."""
+def plan_for(net: Network, theta: dict[Hashable, Any], inputs: tuple[Any, ...], engine: str = "auto") -> Plan:
+    """Validate the arguments' leaves and return the (cached) plan for their shapes.
+
+    ``engine``: "loop" (``lax.fori_loop`` substitutions), "unrolled", or "auto" (:func:`loop_pays`).
+    """
     param_structs = tuple(_struct_of(theta[p], f"Parameter block {p!r}") for p in net.param_names)
     input_structs = tuple(_struct_of(x, f"Network input {name!r}") for name, x in zip(net.inputs, inputs))
-    return make_plan(net, param_structs, input_structs)
+    return make_plan(net, param_structs, input_structs, engine)
 
 
 def _struct_of(tree: Any, where: str) -> Any:

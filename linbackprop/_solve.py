@@ -84,12 +84,27 @@ def _zeros_like_aval(tree: Any, lead: tuple[int, ...] = ()) -> Any:
     return jax.tree.map(lambda a: jnp.zeros((*lead, *a.shape), a.dtype), tree)
 
 
+def _at(table: np.ndarray, i: Any) -> Any:
+    """Entry i of a static table: static for a static i (unrolled), else a gather from a constant."""
+    return table[i] if isinstance(i, (int, np.integer)) else jnp.asarray(table)[i]
+
+
+def _loop(plan: Plan, body: Callable[[Any, Any], Any], init: Any) -> Any:
+    """``lax.fori_loop`` over the steps, or the same body as straight-line code (static steps)."""
+    if not plan.unrolled:
+        return lax.fori_loop(0, plan.depth, body, init)
+    carry = init
+    for i in range(plan.depth):
+        carry = body(i, carry)
+    return carry
+
+
 def _arguments(plan: Plan, kind: Kind, prim: Primal, pos: Any) -> tuple[tuple, tuple]:
     """θ and input states of the kind's member ``pos`` (an index or an array of indices)."""
     if isinstance(pos, np.ndarray):  # all members at once: static tables
         take, pslots, rslots = _rows, kind.param_slots[pos], kind.read_slots[pos]
     else:
-        take, pslots, rslots = _row, jnp.asarray(kind.param_slots)[pos], jnp.asarray(kind.read_slots)[pos]
+        take, pslots, rslots = _row, _at(kind.param_slots, pos), _at(kind.read_slots, pos)
     theta = tuple(take(prim.params[g], pslots[..., p]) for p, g in enumerate(kind.param_groups))
     inputs = tuple(take(prim.states[g], rslots[..., r]) for r, g in enumerate(kind.read_groups))
     return theta, inputs
@@ -141,7 +156,7 @@ def _vjp(kind: Kind, prim: Primal, own: Any, theta: tuple, inputs: tuple, out: A
 
 def layer_maps(plan: Plan, kind: Kind, prim: Primal, k: int, pos: Any) -> LayerMaps:
     theta, inputs = _arguments(plan, kind, prim, pos)
-    out = _row(prim.states[kind.out_group], jnp.asarray(kind.out_slots)[pos])
+    out = _row(prim.states[kind.out_group], _at(kind.out_slots, pos))
     own = None if prim.residuals is None else _own(prim.residuals[k], pos)
     return LayerMaps(plan, kind, _vjp(kind, prim, own, theta, inputs, out))
 
@@ -149,7 +164,11 @@ def layer_maps(plan: Plan, kind: Kind, prim: Primal, k: int, pos: Any) -> LayerM
 # -- the sequential parts --------------------------------------------------------------------------
 def _step(plan: Plan, i: Any, branch: Callable[[int, Any], Any], zeros: Callable[[int], Any],
           operand: Any) -> list[Any]:
-    """Run the branch of step i's kind; every other kind's entry holds ``zeros(kind)``."""
+    """Run the branch of step i's kind; every other kind's entry holds ``zeros(kind)`` (None when
+    the step is static: nothing to write)."""
+    if isinstance(i, int):
+        k = int(plan.step_kind[i])
+        return [branch(k, operand) if kk == k else None for kk in range(len(plan.kinds))]
     if len(plan.kinds) == 1:
         return [branch(0, operand)]
 
@@ -173,7 +192,7 @@ def forward(plan: Plan, params: list[Any], states: list[Any], residuals: bool = 
 
         def branch(k, sts):
             kind = plan.kinds[k]
-            pos = jnp.asarray(kind.step_pos)[i]
+            pos = _at(kind.step_pos, i)
             theta, inputs = _arguments(plan, kind, Primal(params, sts, []), pos)
             fn = kind.layers[0].fn
             if not residuals:
@@ -183,15 +202,18 @@ def forward(plan: Plan, params: list[Any], states: list[Any], residuals: bool = 
 
         results = _step(plan, i, branch, zeros, sts)
         sts, res = list(sts), list(res)
-        for k, (kind, (out, own)) in enumerate(zip(plan.kinds, results)):
+        for k, (kind, result) in enumerate(zip(plan.kinds, results)):
+            if result is None:
+                continue
+            out, own = result
             g = kind.out_group
-            sts[g] = _set_row(sts[g], jnp.asarray(kind.step_out_slot)[i], out)
+            sts[g] = _set_row(sts[g], _at(kind.step_out_slot, i), out)
             if residuals:
-                res[k] = _set_row(res[k], jnp.asarray(kind.step_pos)[i], own)
+                res[k] = _set_row(res[k], _at(kind.step_pos, i), own)
         return sts, res
 
     res0 = [kind.own_zeros(kind.size + 1) if residuals else () for kind in plan.kinds]
-    states, res = lax.fori_loop(0, plan.depth, body, (list(states), res0))
+    states, res = _loop(plan, body, (list(states), res0))
     return Primal(params, states, res if residuals else None)
 
 
@@ -202,8 +224,8 @@ def forward_substitution(plan: Plan, prim: Primal, rhs: list[Any]) -> list[Any]:
             kind = plan.kinds[k]
             if zz[kind.out_group] is None:  # an integer state: no tangent
                 return _zeros_like_aval(kind.out_aval)
-            pos = jnp.asarray(kind.step_pos)[i]
-            slots = jnp.asarray(kind.read_slots)[pos]
+            pos = _at(kind.step_pos, i)
+            slots = _at(kind.read_slots, pos)
             reads = tuple(_row(zz[g], slots[r]) if zz[g] is not None else None
                           for r, g in enumerate(kind.read_groups))
             return layer_maps(plan, kind, prim, k, pos).state_forward(reads)
@@ -212,11 +234,11 @@ def forward_substitution(plan: Plan, prim: Primal, rhs: list[Any]) -> list[Any]:
         z = list(z)
         for kind, dz in zip(plan.kinds, results):
             g = kind.out_group
-            if z[g] is not None:
-                z[g] = _add_row(z[g], jnp.asarray(kind.step_out_slot)[i], dz)
+            if dz is not None and z[g] is not None:
+                z[g] = _add_row(z[g], _at(kind.step_out_slot, i), dz)
         return z
 
-    return lax.fori_loop(0, plan.depth, body, list(rhs))
+    return _loop(plan, body, list(rhs))
 
 
 def back_substitution(plan: Plan, prim: Primal, rhs: list[Any], grads: list[Any] | None = None) -> Any:
@@ -244,27 +266,29 @@ def back_substitution(plan: Plan, prim: Primal, rhs: list[Any], grads: list[Any]
             kind = plan.kinds[k]
             if ll[kind.out_group] is None:  # an integer state: no cotangent to propagate
                 return read_zeros(k)
-            pos = jnp.asarray(kind.step_pos)[i]
-            lam_i = _row(ll[kind.out_group], jnp.asarray(kind.out_slots)[pos])
+            pos = _at(kind.step_pos, i)
+            lam_i = _row(ll[kind.out_group], _at(kind.out_slots, pos))
             maps = layer_maps(plan, kind, prim, k, pos)
             return (maps.state_adjoint(lam_i), maps.param_adjoint(lam_i)) if in_loop else maps.state_adjoint(lam_i)
 
         results = _step(plan, i, branch, read_zeros, lam)
         lam, acc = list(lam), (list(acc) if in_loop else None)
         for kind, res in zip(plan.kinds, results):
+            if res is None:
+                continue
             cts, pcts = res if in_loop else (res, ())
-            slots = jnp.asarray(kind.step_read_slots)[i]
+            slots = _at(kind.step_read_slots, i)
             for r, (g, ct) in enumerate(zip(kind.read_groups, cts)):
                 if ct is not None:
                     lam[g] = _add_row(lam[g], slots[r], ct)
             if pcts:  # inactive kinds add zeros to a member row: harmless
-                pslots = jnp.asarray(kind.param_slots)[jnp.asarray(kind.step_pos)[i]]
+                pslots = _at(kind.param_slots, _at(kind.step_pos, i))
                 for p, (g, ct) in enumerate(zip(kind.param_groups, pcts)):
                     acc[g] = _add_row(acc[g], pslots[p], ct)
         return (lam, acc) if in_loop else lam
 
     init = (list(rhs), list(grads)) if in_loop else list(rhs)
-    return lax.fori_loop(0, plan.depth, body, init)
+    return _loop(plan, body, init)
 
 
 # -- the parallel parts: one vmapped application per kind -------------------------------------------

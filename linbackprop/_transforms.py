@@ -50,20 +50,29 @@ class _ThreadLocalMode(threading.local):
             self.value = old
 
 
-def _mode(name: str, help_text: str) -> Any:
-    """A boolean state keyed into jit's cache: a mode changes what a trace contains."""
+def _mode(name: str, help_text: str, values: tuple[str, ...] | None = None) -> Any:
+    """A state keyed into jit's cache (boolean, or one of ``values``): a mode changes what a trace
+    contains."""
     try:
         from jax._src import config as jax_config
 
-        return jax_config.bool_state(name, False, help_text, include_in_jit_key=True, include_in_trace_context=True)
+        if values is None:
+            return jax_config.bool_state(name, False, help_text, include_in_jit_key=True,
+                                         include_in_trace_context=True)
+        return jax_config.enum_state(name, values, values[0], help_text, include_in_jit_key=True,
+                                     include_in_trace_context=True)
     except Exception:  # pragma: no cover - a JAX without the private API
-        return _ThreadLocalMode()
+        mode = _ThreadLocalMode()
+        mode.value = False if values is None else values[0]
+        return mode
 
 
 _SOLVE_MODE = _mode("linbackprop_differentiate_by_solve",
                     "Inside linbackprop's transforms: differentiate Network calls by the linear solve.")
 _REMAT = _mode("linbackprop_rematerialise",
                "linbackprop: keep only the states; re-linearise each layer in the substitutions and products.")
+ENGINES = ("auto", "loop", "unrolled")
+_ENGINE = _mode("linbackprop_engine", "linbackprop: how the substitutions run.", ENGINES)
 _PARAMS_IN_LOOP = _mode("linbackprop_params_in_loop",
                         "linbackprop: form ℳΛ inside the back substitution instead of batched after it.")
 
@@ -120,7 +129,7 @@ def _outputs(plan: Plan, bufs: list[Any]) -> tuple[Any, ...]:
 
 def prepare(net: Network, theta: dict[Hashable, Any], inputs: tuple[Any, ...]) -> tuple[Plan, Primal]:
     """The plan at these shapes and the forward pass with every layer's residuals."""
-    plan = plan_for(net, theta, inputs)
+    plan = plan_for(net, theta, inputs, _ENGINE.value)
     prim = forward(plan, plan.pack_params(theta), plan.pack_states(dict(zip(net.inputs, inputs))),
                    residuals=not _REMAT.value)
     return plan, prim
@@ -163,7 +172,7 @@ def solve_forward(plan: Plan, prim: Primal, rhs: list[Any]) -> list[Any]:
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
 def _call_by_solve(net: Network, theta: dict, inputs: tuple) -> tuple[Any, ...]:
-    plan = plan_for(net, theta, inputs)
+    plan = plan_for(net, theta, inputs, _ENGINE.value)
     prim = forward(plan, plan.pack_params(theta), plan.pack_states(dict(zip(net.inputs, inputs))),
                    residuals=False)
     return _outputs(plan, prim.states)
@@ -235,23 +244,27 @@ _jitted_call_by_solve = jax.jit(_call_by_solve, static_argnums=0)
 
 
 # -- the public transforms ---------------------------------------------------------------------
-def _in_solve_mode(transformed: Callable, fun: Callable, remat: bool, param_products: str) -> Callable:
+def _in_solve_mode(transformed: Callable, fun: Callable, remat: bool, param_products: str,
+                   engine: str) -> Callable:
     if param_products not in ("auto", "after", "in_loop"):
         raise ValueError(f"param_products must be 'auto', 'after' or 'in_loop', got {param_products!r}.")
+    if engine not in ENGINES:
+        raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}.")
     # The rule: ℳ after the loop, batched per kind, except with remat, where re-linearising every
     # layer a second time after the loop would cost a forward pass; there ℳΛ joins the loop.
     in_loop = param_products == "in_loop" or (param_products == "auto" and remat)
 
     @functools.wraps(fun)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
-        with _SOLVE_MODE(True), _REMAT(bool(remat)), _PARAMS_IN_LOOP(in_loop):
+        with _SOLVE_MODE(True), _REMAT(bool(remat)), _PARAMS_IN_LOOP(in_loop), _ENGINE(engine):
             return transformed(*args, **kwargs)
 
     return wrapped
 
 
 def grad_by_solve(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool = False, *,
-                  remat: bool = False, param_products: str = "auto", **grad_kwargs: Any) -> Callable:
+                  remat: bool = False, param_products: str = "auto", engine: str = "auto",
+                  **grad_kwargs: Any) -> Callable:
     """Drop-in for ``jax.grad``: every Network call in ``fun`` is differentiated by the solve.
 
     For a loss J(θ) = ℓ(U(θ), θ) the gradient is ∇_θJ = ℳ Λ + ∇_θℓ, where Λ solves the adjoint
@@ -268,6 +281,10 @@ def grad_by_solve(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool
     ``"after"``, except with ``remat=True`` where ``"in_loop"`` saves re-linearising every layer
     once more.
 
+    ``engine``: ``"loop"`` runs the substitutions as ``lax.fori_loop``s over the layers (compiled
+    once per kind of layer), ``"unrolled"`` as straight-line code; ``"auto"`` (default) loops when
+    kinds repeat (at least 16 layers and 4 per kind on average), else unrolls.
+
     Example:
         >>> import jax, jax.numpy as jnp, linbackprop as lbp
         >>> net = lbp.Network([lbp.Layer("y", lambda th, x: jnp.tanh(x @ th[0]), ("x",), ("W",))],
@@ -279,11 +296,12 @@ def grad_by_solve(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool
         True
     """
     return _in_solve_mode(jax.grad(fun, argnums=argnums, has_aux=has_aux, **grad_kwargs), fun, remat,
-                          param_products)
+                          param_products, engine)
 
 
 def value_and_grad_by_solve(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool = False, *,
-                            remat: bool = False, param_products: str = "auto", **grad_kwargs: Any) -> Callable:
+                            remat: bool = False, param_products: str = "auto", engine: str = "auto",
+                  **grad_kwargs: Any) -> Callable:
     """Drop-in for ``jax.value_and_grad``, differentiating Network calls by the solve
     (``remat`` and ``param_products`` as in :func:`grad_by_solve`).
 
@@ -295,12 +313,13 @@ def value_and_grad_by_solve(fun: Callable, argnums: int | Sequence[int] = 0, has
         (6.0, 2.0)
     """
     return _in_solve_mode(jax.value_and_grad(fun, argnums=argnums, has_aux=has_aux, **grad_kwargs), fun, remat,
-                          param_products)
+                          param_products, engine)
 
 
-def jvp_by_solve(fun: Callable, primals: Sequence[Any], tangents: Sequence[Any], has_aux: bool = False):
+def jvp_by_solve(fun: Callable, primals: Sequence[Any], tangents: Sequence[Any], has_aux: bool = False, *,
+                 engine: str = "auto"):
     """Drop-in for ``jax.jvp``: Network calls are differentiated by forward substitution
-    ℒ Z = ℳ* h (+ the input tangents), first layer to last.
+    ℒ Z = ℳ* h (+ the input tangents), first layer to last (``engine`` as in :func:`grad_by_solve`).
 
     Example:
         >>> import jax.numpy as jnp, linbackprop as lbp
@@ -309,5 +328,7 @@ def jvp_by_solve(fun: Callable, primals: Sequence[Any], tangents: Sequence[Any],
         >>> float(y), float(dy)
         (6.0, 2.0)
     """
-    with _SOLVE_MODE(True), _REMAT(False), _PARAMS_IN_LOOP(False):
+    if engine not in ENGINES:
+        raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}.")
+    with _SOLVE_MODE(True), _REMAT(False), _PARAMS_IN_LOOP(False), _ENGINE(engine):
         return jax.jvp(fun, primals, tangents, has_aux=has_aux)

@@ -9,7 +9,8 @@ from networks import REGISTRY
 
 import linbackprop as lbp
 
-MODES = [dict(param_products="in_loop"), dict(remat=True), dict(remat=True, param_products="after")]
+MODES = [dict(param_products="in_loop", engine="loop"), dict(remat=True, engine="loop"),
+         dict(remat=True, param_products="after"), dict(param_products="in_loop", engine="unrolled")]
 
 
 def assert_close(actual, expected, rtol=1e-9):

@@ -43,9 +43,10 @@ def test_value_and_grad_matches(case):
     assert_trees_close(grads, ref_grads)
 
 
-def test_jit_grad_matches(case):
+def test_jit_grad_matches_with_the_loop_engine(case):
+    """The registry's networks are small, so "auto" unrolls them; here the fori_loop engine runs."""
     expected = jax.grad(case.loss)(case.params, *case.inputs)
-    assert_trees_close(jax.jit(lbp.grad_by_solve(case.loss))(case.params, *case.inputs), expected)
+    assert_trees_close(jax.jit(lbp.grad_by_solve(case.loss, engine="loop"))(case.params, *case.inputs), expected)
 
 
 def test_jvp_matches_jax_jvp(case):
@@ -63,7 +64,9 @@ def test_jvp_of_network_outputs(case):
     rng = np.random.default_rng(8)
     f = lambda p: case.net(p, *case.inputs)
     t = jax.tree.map(lambda x: jnp.asarray(rng.standard_normal(np.shape(x))), case.params)
-    assert_trees_close(lbp.jvp_by_solve(f, (case.params,), (t,))[1], jax.jvp(f, (case.params,), (t,))[1])
+    expected = jax.jvp(f, (case.params,), (t,))[1]
+    by_loop = jax.jit(lambda p, t: lbp.jvp_by_solve(f, (p,), (t,), engine="loop")[1])
+    assert_trees_close(by_loop(case.params, t), expected)
 
 
 @pytest.mark.parametrize("name", ["seed", "lstm", "multi_input", "stacked"])  # shared blocks, pytrees, rows
@@ -77,7 +80,8 @@ def test_hessian_vector_product(name):
 
     expected = hvp(jax.grad)
     assert_trees_close(hvp(lbp.grad_by_solve), expected, rtol=1e-8, atol=1e-10)
-    assert_trees_close(jax.jit(lambda: hvp(lbp.grad_by_solve))(), expected, rtol=1e-8, atol=1e-10)
+    loop = lambda f: lbp.grad_by_solve(f, engine="loop")
+    assert_trees_close(jax.jit(lambda: hvp(loop))(), expected, rtol=1e-8, atol=1e-10)
 
 
 def test_grad_of_jitted_function_still_solves():
@@ -100,9 +104,13 @@ def test_solve_is_used_inside_transforms():
     """The solve path is really taken: its jaxpr holds the loops and the custom linear solve."""
     case = REGISTRY["chain"]()
     plain = str(jax.make_jaxpr(jax.grad(case.loss))(case.params, *case.inputs))
-    solved = str(jax.make_jaxpr(lbp.grad_by_solve(case.loss))(case.params, *case.inputs))
+    solved = str(jax.make_jaxpr(lbp.grad_by_solve(case.loss, engine="loop"))(case.params, *case.inputs))
+    unrolled = str(jax.make_jaxpr(lbp.grad_by_solve(case.loss))(case.params, *case.inputs))
     assert "custom_linear_solve" not in plain and "scan" not in plain
     assert "custom_linear_solve" in solved and "scan" in solved
+    assert "custom_linear_solve" in unrolled and "scan" not in unrolled  # a 3-layer net: auto unrolls
+    with pytest.raises(ValueError, match="engine must be one of"):
+        lbp.grad_by_solve(case.loss, engine="fast")
 
 
 def test_has_aux():
@@ -142,6 +150,8 @@ def test_vmap_per_example_gradients():
     xs = jnp.stack([case.inputs[0] * s for s in (1.0, -0.5, 2.0)])[:, :2]
     per_example = lambda grad: jax.vmap(grad(case.loss), in_axes=(None, 0))(case.params, xs)
     assert_trees_close(jax.jit(lambda: per_example(lbp.grad_by_solve))(), per_example(jax.grad))
+    loop = lambda f: lbp.grad_by_solve(f, engine="loop")
+    assert_trees_close(jax.jit(lambda: per_example(loop))(), per_example(jax.grad))
 
 
 def test_extra_param_blocks_are_ignored_and_get_zero_gradient():

@@ -158,3 +158,10 @@ def test_params_must_be_a_mapping_and_networks_take_layers():
         lbp.Network([("a", f1)], ["x"], "a")
     with pytest.raises(lbp.GraphError, match="inputs must be a sequence of names.*\\['x'\\]"):
         lbp.Network([lbp.Layer("a", f1, ("x",), ("p",))], "x", "a")
+
+
+def test_a_tuple_name_as_the_single_output():
+    layers = [lbp.Layer(("h", 1), f1, ("x",), ("p",)), lbp.Layer(("h", 2), f1, (("h", 1),), ("p",))]
+    assert lbp.Network(layers, ["x"], ("h", 2))({"p": 2.0}, 1.0) == 4.0
+    assert lbp.Network(layers, ["x"], [("h", 2)])({"p": 2.0}, 1.0) == (4.0,)
+    assert lbp.Network(layers, ["x"], (("h", 1), ("h", 2)))({"p": 2.0}, 1.0) == (2.0, 4.0)

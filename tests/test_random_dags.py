@@ -107,16 +107,17 @@ SETTINGS = settings(max_examples=10, deadline=None, derandomize=True,
 
 
 @SETTINGS
-@given(dags())
-def test_random_dag_gradients_and_jvp(dag):
+@given(dags(), st.sampled_from(["loop", "unrolled"]))
+def test_random_dag_gradients_and_jvp(dag, engine):
     net, params, inputs = dag
     loss = loss_of(net)
     argnums = tuple(range(1 + len(inputs)))
-    assert_close(jax.jit(lbp.grad_by_solve(loss, argnums))(params, *inputs), jax.grad(loss, argnums)(params, *inputs))
+    ours = jax.jit(lbp.grad_by_solve(loss, argnums, engine=engine))(params, *inputs)
+    assert_close(ours, jax.grad(loss, argnums)(params, *inputs))
     primals = (params, *inputs)
     rng = np.random.default_rng(0)
     tangents = jax.tree.map(lambda x: jnp.asarray(rng.standard_normal(np.shape(x))), primals)
-    out, tan = jax.jit(lambda p, t: lbp.jvp_by_solve(loss, p, t))(primals, tangents)
+    out, tan = jax.jit(lambda p, t: lbp.jvp_by_solve(loss, p, t, engine=engine))(primals, tangents)
     ref_out, ref_tan = jax.jvp(loss, primals, tangents)
     np.testing.assert_allclose(out, ref_out, rtol=1e-12)
     np.testing.assert_allclose(tan, ref_tan, rtol=1e-9, atol=1e-12)
