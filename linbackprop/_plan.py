@@ -96,15 +96,12 @@ class Kind:
     out_aval: Any
     vjp_treedef: Any
     res_sources: tuple[tuple[str, int], ...]  # per residual leaf: ("arg" | "out" | "own", index)
-    own_avals: tuple[Aval, ...]
+    own_groups: tuple[int, ...]  # per stored ("own") residual leaf: its residual buffer
+    own_offsets: tuple[int, ...]  # ... and the row of the kind's first member in it
 
     @property
     def size(self) -> int:
         return len(self.layers)
-
-    def own_zeros(self, rows: int | None = None) -> tuple[jax.Array, ...]:
-        lead = () if rows is None else (rows,)
-        return tuple(jnp.zeros((*lead, *a.shape), a.dtype) for a in self.own_avals)
 
     def split_residuals(self, vjp: Any) -> tuple[Any, ...]:
         """The residual leaves to store: neither arguments nor the output, each once."""
@@ -121,6 +118,44 @@ class Kind:
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
+class Writes:
+    """Where the steps of a loop write. Steps of all kinds share *slots*, one per (buffer, n-th
+    value a step writes into it), so a step writes, per buffer, as many values as the kind that
+    writes most there — not one set per kind. Inactive slots write zeros into a pad row (or add
+    zeros)."""
+
+    buffers: tuple[Hashable, ...]  # per slot: the buffer, ("state" | "res" | "param", index)
+    rows: np.ndarray  # [N, S]: the row each step writes in each slot
+    of_kind: tuple[tuple[int, ...], ...]  # per kind: the slot of each value it writes
+
+
+def make_writes(kinds: tuple[Kind, ...], step_kind: np.ndarray, targets: list[list[tuple[Hashable, np.ndarray]]],
+                pad_rows: dict[Hashable, int]) -> Writes:
+    """``targets[k]``: per value kind k writes, its buffer and the row for each member."""
+    need: dict[Hashable, int] = {}
+    for values in targets:
+        for b in {b for b, _ in values}:
+            need[b] = max(need.get(b, 0), sum(1 for bb, _ in values if bb == b))
+    slots = [(b, j) for b in need for j in range(need[b])]
+    index = {slot: n for n, slot in enumerate(slots)}
+    of_kind = []
+    for values in targets:
+        seen: dict[Hashable, int] = {}
+        mine = []
+        for b, _ in values:
+            mine.append(index[(b, seen.get(b, 0))])
+            seen[b] = seen.get(b, 0) + 1
+        of_kind.append(tuple(mine))
+    rows = np.array([[pad_rows[b] for b, _ in slots]] * len(step_kind), dtype=np.int32)
+    rows = rows.reshape(len(step_kind), len(slots))
+    for i, k in enumerate(step_kind):
+        member = kinds[k].step_pos[i]
+        for (_, member_rows), s in zip(targets[k], of_kind[k]):
+            rows[i, s] = member_rows[member]
+    return Writes(tuple(b for b, _ in slots), rows, tuple(of_kind))
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
 class Plan:
     net: Network
     state_groups: tuple[Group, ...]
@@ -129,7 +164,41 @@ class Plan:
     param_loc: dict[Hashable, tuple[int, int]]
     kinds: tuple[Kind, ...]
     step_kind: np.ndarray  # [N]
+    res_avals: tuple[Aval, ...]  # the stored residuals, one buffer per shape and dtype ...
+    res_rows: tuple[int, ...]  # ... with this many rows (and a pad row)
     unrolled: bool = False  # the substitutions as straight-line code (shallow networks, see loop_pays)
+
+    def writes(self, loop: str, with_params: bool = False) -> Writes:
+        """The write slots of ``loop``: "forward", "forward+res", "forward_sub" or "back"."""
+        key = (loop, with_params)
+        cache = self.__dict__.setdefault("_writes", {})
+        if key not in cache:
+            cache[key] = make_writes(self.kinds, self.step_kind, [self._targets(k, loop, with_params) for k in
+                                                                  self.kinds], self._pad_rows())
+        return cache[key]
+
+    def _pad_rows(self) -> dict[Hashable, int]:
+        return {**{("state", g): grp.rows - 1 for g, grp in enumerate(self.state_groups)},
+                **{("res", r): n for r, n in enumerate(self.res_rows)},
+                **{("param", p): 0 for p in range(len(self.param_groups))}}  # adds zeros to row 0
+
+    def _targets(self, kind: Kind, loop: str, with_params: bool) -> list[tuple[Hashable, np.ndarray]]:
+        n = kind.size
+        out_diff = self.state_groups[kind.out_group].differentiable
+        if loop in ("forward", "forward+res"):
+            values = [(("state", kind.out_group), kind.out_slots[:n])]
+            if loop == "forward+res":
+                values += [(("res", r), off + np.arange(n)) for r, off in zip(kind.own_groups, kind.own_offsets)]
+            return values
+        if not out_diff:  # integer states carry no tangent or cotangent
+            return []
+        if loop == "forward_sub":
+            return [(("state", kind.out_group), kind.out_slots[:n])]
+        values = [(("state", g), kind.read_slots[:n, r]) for r, g in enumerate(kind.read_groups)
+                  if self.state_groups[g].differentiable]
+        if with_params:
+            values += [(("param", g), kind.param_slots[:n, p]) for p, g in enumerate(kind.param_groups)]
+        return values
 
     @property
     def depth(self) -> int:
@@ -252,6 +321,8 @@ def make_plan(net: Network, param_structs: tuple, input_structs: tuple, engine: 
 
     keys = list(dict.fromkeys(layer_kind))
     n_steps = len(net.layers)
+    res_avals: list[Aval] = []
+    res_rows: list[int] = []
     step_kind = np.array([keys.index(k) for k in layer_kind], dtype=np.int32)
     kinds = []
     for k, key in enumerate(keys):
@@ -274,16 +345,26 @@ def make_plan(net: Network, param_structs: tuple, input_structs: tuple, engine: 
         step_out[members] = oslots[:-1]
         step_reads = np.array([[pad_row(g) for g in rgroups]] * n_steps, dtype=np.int32).reshape(n_steps, len(rgroups))
         step_reads[members] = rslots[:-1]
+        own_groups, own_offsets = [], []
+        for a in own:
+            a = Aval(a.shape, a.dtype)
+            if a not in res_avals:
+                res_avals.append(a)
+                res_rows.append(0)
+            r = res_avals.index(a)
+            own_groups.append(r)
+            own_offsets.append(res_rows[r])
+            res_rows[r] += len(layers)
         kinds.append(Kind(
             fn=first.fn, layers=layers, param_groups=pgroups, read_groups=rgroups, out_group=ogroup,
             param_slots=pslots, read_slots=rslots, out_slots=oslots, step_pos=step_pos,
             step_out_slot=step_out, step_read_slots=step_reads, out_aval=out_aval,
-            vjp_treedef=treedef, res_sources=sources,
-            own_avals=tuple(Aval(a.shape, a.dtype) for a in own),
+            vjp_treedef=treedef, res_sources=sources, own_groups=tuple(own_groups), own_offsets=tuple(own_offsets),
         ))
     unrolled = engine == "unrolled" or (engine == "auto" and not loop_pays(n_steps, len(kinds)))
     return Plan(net=net, state_groups=state_groups, param_groups=param_groups, state_loc=state_loc,
-                param_loc=param_loc, kinds=tuple(kinds), step_kind=step_kind, unrolled=unrolled)
+                param_loc=param_loc, kinds=tuple(kinds), step_kind=step_kind, res_avals=tuple(res_avals),
+                res_rows=tuple(res_rows), unrolled=unrolled)
 
 
 def _row_aval(params: dict[Hashable, Any], p: Hashable) -> Any:

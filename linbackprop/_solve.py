@@ -5,13 +5,18 @@ states, network inputs included); vectors of Θ are lists of parameter-layout bu
 Network inputs are rows of ℒ with the identity and nothing else, so the same solve also
 yields the cotangents (or takes the tangents) of the inputs.
 
-The substitutions are ``lax.fori_loop`` over the topologically ordered layers. The body switches
-over *kinds* of layer (not layers), every branch returns only the current layer's small results,
-and every write into a large buffer happens outside the switch: a branch that updated a buffer
-would make XLA copy it on every step. Writes of inactive kinds go to a pad row (or add zeros).
+The substitutions are ``lax.fori_loop`` over the topologically ordered layers (or the same body
+unrolled with static indices, for shallow networks: ``Plan.unrolled``). The body switches over
+*kinds* of layer (not layers), every branch returns only the current layer's small results, and
+every write into a large buffer happens outside the switch: a branch that updated a buffer would
+make XLA copy it on every step. Kinds share write *slots* (``Plan.writes``): per buffer, a step
+writes as many rows as the kind that writes most there; inactive slots write zeros into a pad row
+(or add zeros). Stored residuals of all kinds share buffers by shape and dtype.
 
-The ℳ-type products never enter a loop: they run for all layers of a kind at once, vmapped over
-the stacked residuals, i.e. one batched product per kind instead of one small one per layer.
+ℳΛ is formed after the back substitution by default: for all layers of a kind at once, vmapped
+over the stacked residuals — one batched product per kind instead of one small one per layer
+(reverse mode gets it as JAX's transpose of the batched ℳ*h of the forward rule). Inside the loop
+(``back_substitution(..., grads=...)``) is the alternative.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ._plan import Kind, Plan
+from ._plan import Kind, Plan, Writes
 
 
 class Primal(NamedTuple):
@@ -110,8 +115,10 @@ def _arguments(plan: Plan, kind: Kind, prim: Primal, pos: Any) -> tuple[tuple, t
     return theta, inputs
 
 
-def _own(kind_res: Any, pos: Any) -> Any:
-    return _rows(kind_res, pos) if isinstance(pos, np.ndarray) else _row(kind_res, pos)
+def _own(prim: Primal, kind: Kind, pos: Any) -> tuple:
+    """The stored residuals of the kind's member ``pos`` (an index or an array of indices)."""
+    take = _rows if isinstance(pos, np.ndarray) else _row
+    return tuple(take(prim.residuals[r], off + pos) for r, off in zip(kind.own_groups, kind.own_offsets))
 
 
 # -- the four block maps of one layer, from its rebuilt VJP ---------------------------------------
@@ -157,86 +164,96 @@ def _vjp(kind: Kind, prim: Primal, own: Any, theta: tuple, inputs: tuple, out: A
 def layer_maps(plan: Plan, kind: Kind, prim: Primal, k: int, pos: Any) -> LayerMaps:
     theta, inputs = _arguments(plan, kind, prim, pos)
     out = _row(prim.states[kind.out_group], _at(kind.out_slots, pos))
-    own = None if prim.residuals is None else _own(prim.residuals[k], pos)
+    own = None if prim.residuals is None else _own(prim, kind, pos)
     return LayerMaps(plan, kind, _vjp(kind, prim, own, theta, inputs, out))
 
 
 # -- the sequential parts --------------------------------------------------------------------------
-def _step(plan: Plan, i: Any, branch: Callable[[int, Any], Any], zeros: Callable[[int], Any],
-          operand: Any) -> list[Any]:
-    """Run the branch of step i's kind; every other kind's entry holds ``zeros(kind)`` (None when
-    the step is static: nothing to write)."""
-    if isinstance(i, int):
+def _slot_zeros(plan: Plan, buffer: tuple[str, int]) -> Any:
+    """Zeros shaped like one row of ``buffer``: what an inactive kind writes into a slot."""
+    family, n = buffer
+    if family == "res":
+        return _zeros_like_aval(plan.res_avals[n])
+    group = (plan.state_groups if family == "state" else plan.param_groups)[n]
+    return _zeros_like_aval(group.treedef.unflatten(list(group.leaves)))
+
+
+def _step(plan: Plan, i: Any, writes: Writes, branch: Callable[[int, Any], list], operand: Any) -> list[Any]:
+    """Step i's values, one per write slot: the branch of step i's kind fills its slots; with
+    several kinds (a ``lax.switch``), the other slots hold zeros. None: nothing to write."""
+    def place(k: int, values: list) -> list:
+        out: list = [None] * len(writes.buffers)
+        for v, s in zip(values, writes.of_kind[k]):
+            out[s] = v
+        return out
+
+    if isinstance(i, int):  # unrolled: the kind is known
         k = int(plan.step_kind[i])
-        return [branch(k, operand) if kk == k else None for kk in range(len(plan.kinds))]
+        return place(k, branch(k, operand))
     if len(plan.kinds) == 1:
-        return [branch(0, operand)]
+        return place(0, branch(0, operand))
 
     def make(k):
         def run(op):
-            return [branch(k, op) if kk == k else zeros(kk) for kk in range(len(plan.kinds))]
+            out = place(k, branch(k, op))
+            return [_slot_zeros(plan, writes.buffers[s]) if v is None else v for s, v in enumerate(out)]
 
         return run
 
     return lax.switch(jnp.asarray(plan.step_kind)[i], [make(k) for k in range(len(plan.kinds))], operand)
 
 
+def _write(bufs: dict[str, list], writes: Writes, i: Any, values: list, add: bool) -> None:
+    """All writes of a step, outside any switch: XLA updates the big buffers in place."""
+    rows = _at(writes.rows, i)
+    for s, v in enumerate(values):
+        if v is not None:
+            family, n = writes.buffers[s]
+            bufs[family][n] = (_add_row if add else _set_row)(bufs[family][n], rows[s], v)
+
+
 def forward(plan: Plan, params: list[Any], states: list[Any], residuals: bool = True) -> Primal:
     """U = Φ(U, θ) by forward substitution; with ``residuals``, each layer's VJP residuals too."""
-    def zeros(k):
-        kind = plan.kinds[k]
-        return _zeros_like_aval(kind.out_aval), kind.own_zeros() if residuals else ()
+    writes = plan.writes("forward+res" if residuals else "forward")
 
     def body(i, carry):
-        sts, res = carry
-
         def branch(k, sts):
             kind = plan.kinds[k]
             pos = _at(kind.step_pos, i)
             theta, inputs = _arguments(plan, kind, Primal(params, sts, []), pos)
             fn = kind.layers[0].fn
             if not residuals:
-                return fn(theta, *inputs), ()
+                return [fn(theta, *inputs)]
             out, vjp = jax.vjp(fn, theta, *inputs)
-            return out, kind.split_residuals(vjp)
+            return [out, *kind.split_residuals(vjp)]
 
-        results = _step(plan, i, branch, zeros, sts)
-        sts, res = list(sts), list(res)
-        for k, (kind, result) in enumerate(zip(plan.kinds, results)):
-            if result is None:
-                continue
-            out, own = result
-            g = kind.out_group
-            sts[g] = _set_row(sts[g], _at(kind.step_out_slot, i), out)
-            if residuals:
-                res[k] = _set_row(res[k], _at(kind.step_pos, i), own)
-        return sts, res
+        bufs = {"state": list(carry[0]), "res": list(carry[1])}
+        _write(bufs, writes, i, _step(plan, i, writes, branch, carry[0]), add=False)
+        return bufs["state"], bufs["res"]
 
-    res0 = [kind.own_zeros(kind.size + 1) if residuals else () for kind in plan.kinds]
+    res0 = [jnp.zeros((n + 1, *a.shape), a.dtype) for a, n in zip(plan.res_avals, plan.res_rows)] if residuals else []
     states, res = _loop(plan, body, (list(states), res0))
     return Primal(params, states, res if residuals else None)
 
 
 def forward_substitution(plan: Plan, prim: Primal, rhs: list[Any]) -> list[Any]:
     """Z with ℒ Z = rhs: Z_i = rhs_i + Σ_j ∂Φ_i/∂U_j Z_j, first layer to last."""
+    writes = plan.writes("forward_sub")
+
     def body(i, z):
         def branch(k, zz):
             kind = plan.kinds[k]
             if zz[kind.out_group] is None:  # an integer state: no tangent
-                return _zeros_like_aval(kind.out_aval)
+                return []
             pos = _at(kind.step_pos, i)
             slots = _at(kind.read_slots, pos)
             reads = tuple(_row(zz[g], slots[r]) if zz[g] is not None else None
                           for r, g in enumerate(kind.read_groups))
-            return layer_maps(plan, kind, prim, k, pos).state_forward(reads)
+            return [layer_maps(plan, kind, prim, k, pos).state_forward(reads)]
 
-        results = _step(plan, i, branch, lambda k: _zeros_like_aval(plan.kinds[k].out_aval), z)
-        z = list(z)
-        for kind, dz in zip(plan.kinds, results):
-            g = kind.out_group
-            if dz is not None and z[g] is not None:
-                z[g] = _add_row(z[g], _at(kind.step_out_slot, i), dz)
-        return z
+        bufs = {"state": list(z)}
+        _write(bufs, writes, i, _step(plan, i, writes, branch, z), add=True)
+        return bufs["state"]
 
     return _loop(plan, body, list(rhs))
 
@@ -248,44 +265,25 @@ def back_substitution(plan: Plan, prim: Primal, rhs: list[Any], grads: list[Any]
     the same linearisation of each layer; returns (Λ, grads + ℳΛ) then.
     """
     in_loop = grads is not None
-
-    def read_zeros(k):
-        groups = [plan.state_groups[g] for g in plan.kinds[k].read_groups]
-        reads = tuple(_zeros_like_aval(g.treedef.unflatten(list(g.leaves))) if g.differentiable else None
-                      for g in groups)
-        if not in_loop:
-            return reads
-        pgroups = [plan.param_groups[g] for g in plan.kinds[k].param_groups]
-        return reads, tuple(_zeros_like_aval(g.treedef.unflatten(list(g.leaves))) for g in pgroups)
+    writes = plan.writes("back", with_params=in_loop)
 
     def body(t, carry):
-        lam, acc = carry if in_loop else (carry, None)
+        lam, acc = carry if in_loop else (carry, [])
         i = plan.depth - 1 - t
 
         def branch(k, ll):
             kind = plan.kinds[k]
             if ll[kind.out_group] is None:  # an integer state: no cotangent to propagate
-                return read_zeros(k)
+                return []
             pos = _at(kind.step_pos, i)
             lam_i = _row(ll[kind.out_group], _at(kind.out_slots, pos))
             maps = layer_maps(plan, kind, prim, k, pos)
-            return (maps.state_adjoint(lam_i), maps.param_adjoint(lam_i)) if in_loop else maps.state_adjoint(lam_i)
+            values = [ct for ct in maps.state_adjoint(lam_i) if ct is not None]
+            return values + list(maps.param_adjoint(lam_i)) if in_loop else values
 
-        results = _step(plan, i, branch, read_zeros, lam)
-        lam, acc = list(lam), (list(acc) if in_loop else None)
-        for kind, res in zip(plan.kinds, results):
-            if res is None:
-                continue
-            cts, pcts = res if in_loop else (res, ())
-            slots = _at(kind.step_read_slots, i)
-            for r, (g, ct) in enumerate(zip(kind.read_groups, cts)):
-                if ct is not None:
-                    lam[g] = _add_row(lam[g], slots[r], ct)
-            if pcts:  # inactive kinds add zeros to a member row: harmless
-                pslots = _at(kind.param_slots, _at(kind.step_pos, i))
-                for p, (g, ct) in enumerate(zip(kind.param_groups, pcts)):
-                    acc[g] = _add_row(acc[g], pslots[p], ct)
-        return (lam, acc) if in_loop else lam
+        bufs = {"state": list(lam), "param": list(acc)}
+        _write(bufs, writes, i, _step(plan, i, writes, branch, lam), add=True)
+        return (bufs["state"], bufs["param"]) if in_loop else bufs["state"]
 
     init = (list(rhs), list(grads)) if in_loop else list(rhs)
     return _loop(plan, body, init)
@@ -297,7 +295,7 @@ def _per_kind(plan: Plan, prim: Primal, k: int, apply: Callable[[LayerMaps, Any]
     kind = plan.kinds[k]
     members = np.arange(kind.size)
     theta, inputs = _arguments(plan, kind, prim, members)
-    own = None if prim.residuals is None else _own(prim.residuals[k], members)
+    own = None if prim.residuals is None else _own(prim, kind, members)
     out = _rows(prim.states[kind.out_group], kind.out_slots[:-1])
 
     def one(theta, inputs, own, out, a):
