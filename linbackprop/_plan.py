@@ -168,6 +168,12 @@ class Plan:
     res_rows: tuple[int, ...]  # ... with this many rows (and a pad row)
     unrolled: bool = False  # the substitutions as straight-line code (shallow networks, see loop_pays)
 
+    @property
+    def segments(self) -> list[tuple[int, int, int]]:
+        """The loop's segments (start, stop, period): period 0 switches over kinds step by step;
+        a period p > 0 runs p steps of known kinds per iteration (no switch)."""
+        return periodic_segments(self.step_kind, len(self.kinds))
+
     def writes(self, loop: str, with_params: bool = False) -> Writes:
         """The write slots of ``loop``: "forward", "forward+res", "forward_sub" or "back"."""
         key = (loop, with_params)
@@ -285,6 +291,32 @@ LOOP_MIN_DEPTH = 16
 LOOP_MIN_LAYERS_PER_KIND = 4
 
 
+MAX_PERIOD = 8
+
+
+def periodic_segments(step_kind: np.ndarray, kinds: int) -> list[tuple[int, int, int]]:
+    """Split the steps into (start, stop, period): the longest stretch whose kinds repeat with a
+    period of at most MAX_PERIOD (period 0 elsewhere; one kind needs no pattern)."""
+    n = len(step_kind)
+    best = (0, 0, 0)  # covered, start, period
+    if kinds > 1:
+        for period in range(2, MAX_PERIOD + 1):
+            same = np.append(step_kind[period:] == step_kind[:-period], [False] * period)
+            run_start = 0
+            for m in range(n + 1):
+                if m == n or not same[m]:
+                    covered = ((m + period - run_start) // period) * period  # a run of matches + one period
+                    covered = min(covered, n - run_start) // period * period
+                    if covered >= 2 * period and covered > best[0]:
+                        best = (covered, run_start, period)
+                    run_start = m + 1
+    covered, start, period = best
+    if not period:
+        return [(0, n, 0)]
+    parts = [(0, start, 0), (start, start + covered, period), (start + covered, n, 0)]
+    return [p for p in parts if p[1] > p[0]]
+
+
 def loop_pays(depth: int, kinds: int) -> bool:
     return depth >= LOOP_MIN_DEPTH and depth >= LOOP_MIN_LAYERS_PER_KIND * kinds
 
@@ -346,7 +378,7 @@ def make_plan(net: Network, param_structs: tuple, input_structs: tuple, engine: 
         step_reads = np.array([[pad_row(g) for g in rgroups]] * n_steps, dtype=np.int32).reshape(n_steps, len(rgroups))
         step_reads[members] = rslots[:-1]
         own_groups, own_offsets = [], []
-        for a in own:
+        for a in own:  # stored residuals of every kind share one buffer per shape and dtype
             a = Aval(a.shape, a.dtype)
             if a not in res_avals:
                 res_avals.append(a)

@@ -94,14 +94,46 @@ def _at(table: np.ndarray, i: Any) -> Any:
     return table[i] if isinstance(i, (int, np.integer)) else jnp.asarray(table)[i]
 
 
-def _loop(plan: Plan, body: Callable[[Any, Any], Any], init: Any) -> Any:
-    """``lax.fori_loop`` over the steps, or the same body as straight-line code (static steps)."""
-    if not plan.unrolled:
-        return lax.fori_loop(0, plan.depth, body, init)
+class Step(NamedTuple):
+    """A step of a substitution: its index (an int when unrolled, else traced) and its kind when
+    known at trace time (unrolled, one kind, or inside a periodic segment)."""
+
+    index: Any
+    kind: int | None
+
+
+def _loop(plan: Plan, body: Callable[[Step, Any], Any], init: Any, reverse: bool = False) -> Any:
+    """Run ``body`` over the steps, first to last (or last to first): straight-line code when the
+    plan is unrolled, else ``lax.fori_loop``s over its segments (``Plan.segments``)."""
     carry = init
-    for i in range(plan.depth):
-        carry = body(i, carry)
+    if plan.unrolled:
+        steps = range(plan.depth)
+        for i in reversed(steps) if reverse else steps:
+            carry = body(Step(i, int(plan.step_kind[i])), carry)
+        return carry
+    for start, stop, period in reversed(plan.segments) if reverse else plan.segments:
+        carry = _segment(plan, body, carry, start, stop, period, reverse)
     return carry
+
+
+def _segment(plan: Plan, body: Callable, carry: Any, start: int, stop: int, period: int, reverse: bool) -> Any:
+    if period == 0:  # kinds in no pattern: one step per iteration, a switch over kinds
+        single = 0 if len(plan.kinds) == 1 else None
+
+        def one(t, c):
+            return body(Step(stop - 1 - t if reverse else start + t, single), c)
+
+        return lax.fori_loop(0, stop - start, one, carry)
+    # Kinds repeat with this period: one iteration runs `period` steps of known kinds, no switch.
+    blocks = (stop - start) // period
+
+    def block(t, c):
+        first = start + (blocks - 1 - t if reverse else t) * period
+        for j in reversed(range(period)) if reverse else range(period):
+            c = body(Step(first + j, int(plan.step_kind[start + j])), c)
+        return c
+
+    return lax.fori_loop(0, blocks, block, carry)
 
 
 def _arguments(plan: Plan, kind: Kind, prim: Primal, pos: Any) -> tuple[tuple, tuple]:
@@ -178,8 +210,8 @@ def _slot_zeros(plan: Plan, buffer: tuple[str, int]) -> Any:
     return _zeros_like_aval(group.treedef.unflatten(list(group.leaves)))
 
 
-def _step(plan: Plan, i: Any, writes: Writes, branch: Callable[[int, Any], list], operand: Any) -> list[Any]:
-    """Step i's values, one per write slot: the branch of step i's kind fills its slots; with
+def _step(plan: Plan, step: Step, writes: Writes, branch: Callable[[int, Any], list], operand: Any) -> list[Any]:
+    """The step's values, one per write slot: the branch of the step's kind fills its slots; with
     several kinds (a ``lax.switch``), the other slots hold zeros. None: nothing to write."""
     def place(k: int, values: list) -> list:
         out: list = [None] * len(writes.buffers)
@@ -187,11 +219,8 @@ def _step(plan: Plan, i: Any, writes: Writes, branch: Callable[[int, Any], list]
             out[s] = v
         return out
 
-    if isinstance(i, int):  # unrolled: the kind is known
-        k = int(plan.step_kind[i])
-        return place(k, branch(k, operand))
-    if len(plan.kinds) == 1:
-        return place(0, branch(0, operand))
+    if step.kind is not None:
+        return place(step.kind, branch(step.kind, operand))
 
     def make(k):
         def run(op):
@@ -200,7 +229,7 @@ def _step(plan: Plan, i: Any, writes: Writes, branch: Callable[[int, Any], list]
 
         return run
 
-    return lax.switch(jnp.asarray(plan.step_kind)[i], [make(k) for k in range(len(plan.kinds))], operand)
+    return lax.switch(jnp.asarray(plan.step_kind)[step.index], [make(k) for k in range(len(plan.kinds))], operand)
 
 
 def _write(bufs: dict[str, list], writes: Writes, i: Any, values: list, add: bool) -> None:
@@ -216,7 +245,9 @@ def forward(plan: Plan, params: list[Any], states: list[Any], residuals: bool = 
     """U = Φ(U, θ) by forward substitution; with ``residuals``, each layer's VJP residuals too."""
     writes = plan.writes("forward+res" if residuals else "forward")
 
-    def body(i, carry):
+    def body(step, carry):
+        i = step.index
+
         def branch(k, sts):
             kind = plan.kinds[k]
             pos = _at(kind.step_pos, i)
@@ -228,7 +259,7 @@ def forward(plan: Plan, params: list[Any], states: list[Any], residuals: bool = 
             return [out, *kind.split_residuals(vjp)]
 
         bufs = {"state": list(carry[0]), "res": list(carry[1])}
-        _write(bufs, writes, i, _step(plan, i, writes, branch, carry[0]), add=False)
+        _write(bufs, writes, i, _step(plan, step, writes, branch, carry[0]), add=False)
         return bufs["state"], bufs["res"]
 
     res0 = [jnp.zeros((n + 1, *a.shape), a.dtype) for a, n in zip(plan.res_avals, plan.res_rows)] if residuals else []
@@ -240,7 +271,9 @@ def forward_substitution(plan: Plan, prim: Primal, rhs: list[Any]) -> list[Any]:
     """Z with ℒ Z = rhs: Z_i = rhs_i + Σ_j ∂Φ_i/∂U_j Z_j, first layer to last."""
     writes = plan.writes("forward_sub")
 
-    def body(i, z):
+    def body(step, z):
+        i = step.index
+
         def branch(k, zz):
             kind = plan.kinds[k]
             if zz[kind.out_group] is None:  # an integer state: no tangent
@@ -252,7 +285,7 @@ def forward_substitution(plan: Plan, prim: Primal, rhs: list[Any]) -> list[Any]:
             return [layer_maps(plan, kind, prim, k, pos).state_forward(reads)]
 
         bufs = {"state": list(z)}
-        _write(bufs, writes, i, _step(plan, i, writes, branch, z), add=True)
+        _write(bufs, writes, i, _step(plan, step, writes, branch, z), add=True)
         return bufs["state"]
 
     return _loop(plan, body, list(rhs))
@@ -267,9 +300,9 @@ def back_substitution(plan: Plan, prim: Primal, rhs: list[Any], grads: list[Any]
     in_loop = grads is not None
     writes = plan.writes("back", with_params=in_loop)
 
-    def body(t, carry):
+    def body(step, carry):
         lam, acc = carry if in_loop else (carry, [])
-        i = plan.depth - 1 - t
+        i = step.index
 
         def branch(k, ll):
             kind = plan.kinds[k]
@@ -282,11 +315,11 @@ def back_substitution(plan: Plan, prim: Primal, rhs: list[Any], grads: list[Any]
             return values + list(maps.param_adjoint(lam_i)) if in_loop else values
 
         bufs = {"state": list(lam), "param": list(acc)}
-        _write(bufs, writes, i, _step(plan, i, writes, branch, lam), add=True)
+        _write(bufs, writes, i, _step(plan, step, writes, branch, lam), add=True)
         return (bufs["state"], bufs["param"]) if in_loop else bufs["state"]
 
     init = (list(rhs), list(grads)) if in_loop else list(rhs)
-    return _loop(plan, body, init)
+    return _loop(plan, body, init, reverse=True)
 
 
 # -- the parallel parts: one vmapped application per kind -------------------------------------------

@@ -5,6 +5,7 @@ import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import linbackprop as lbp
@@ -89,3 +90,25 @@ def test_packing_has_no_per_block_static_slices():
     assert shallow["while"] > 0
     for op in ("slice", "dot_general", "while", "tanh"):
         assert shallow[op] == deep[op], op
+
+
+def test_periodic_kinds_run_without_a_switch_and_stay_exact():
+    """Three kinds in a repeating pattern after an irregular prefix: the loop runs the prefix step
+    by step (a switch over kinds) and the pattern a period per iteration (kinds known, no switch)."""
+    from linbackprop._plan import plan_for
+
+    net, params = network(26, 3)
+    params = jax.tree.map(lambda v: v.astype(jnp.float64), params)
+    x = jnp.linspace(-1.0, 1.0, 8, dtype=jnp.float64).reshape(2, 4)
+    plan = plan_for(net, net.select_params(params), (x,), "loop")
+    periods = [period for _, _, period in plan.segments]
+    assert 0 in periods and 3 in periods
+    loss = lambda p, x: jnp.sum(jnp.sin(net(p, x)))
+    expected = jax.grad(loss, (0, 1))(params, x)
+    for mode in ({}, {"param_products": "in_loop"}):
+        got = jax.jit(lbp.grad_by_solve(loss, (0, 1), engine="loop", **mode))(params, x)
+        for a, e in zip(jax.tree.leaves(got), jax.tree.leaves(expected)):
+            np.testing.assert_allclose(a, e, rtol=1e-9, atol=1e-12)
+    t = jax.tree.map(jnp.ones_like, (params, x))
+    np.testing.assert_allclose(lbp.jvp_by_solve(loss, (params, x), t, engine="loop")[1],
+                               jax.jvp(loss, (params, x), t)[1], rtol=1e-9)
