@@ -200,7 +200,7 @@ class ParamOperator(_Operator):
         """ℳ Λ (dict over blocks), or ℳ* h (dict over layers) with ``.T``."""
         plan, prim = self._plan, self._prim
         if self._adjoint:
-            zero = [g.zeros() if g.differentiable else None for g in plan.state_groups]
+            zero = [g.zeros(plan.unrolled) if g.differentiable else None for g in plan.state_groups]
             return self._states_out(self._lin._staged(param_forward)(prim, self._params_in(x), zero))
         return self._params_out(self._lin._staged(param_adjoint)(prim, self._states_in(x)))
 

@@ -41,6 +41,22 @@ def leaf_aval(x: Any, where: str) -> Aval:
     )
 
 
+@jax.tree_util.register_pytree_node_class
+class RowList:
+    """A buffer kept as a list of rows: unrolled plans index only statically, so nothing needs to
+    be stacked (and XLA never copies a whole buffer to update one row)."""
+
+    def __init__(self, rows: list[Any]):
+        self.rows = list(rows)
+
+    def tree_flatten(self) -> tuple[list[Any], None]:
+        return self.rows, None
+
+    @classmethod
+    def tree_unflatten(cls, _: None, rows: list[Any]) -> RowList:
+        return cls(rows)
+
+
 @dataclasses.dataclass(frozen=True)
 class Group:
     """Same-shaped states (or parameter blocks), stacked along a new leading axis."""
@@ -59,15 +75,25 @@ class Group:
     def differentiable(self) -> bool:
         return all(jnp.issubdtype(a.dtype, jnp.inexact) for a in self.leaves)
 
-    def zeros(self) -> Any:
+    def zeros(self, as_rows: bool = False) -> Any:
+        if as_rows and self.stacked_rows is None:
+            return RowList([self.row_zeros()] * self.rows)
         return self.treedef.unflatten([jnp.zeros((self.rows, *a.shape), a.dtype) for a in self.leaves])
 
-    def stack(self, values: list[Any]) -> Any:
-        """Stack the given members (a pad row of zeros appended where the group has one)."""
+    def row_zeros(self) -> Any:
+        return self.treedef.unflatten([jnp.zeros(a.shape, a.dtype) for a in self.leaves])
+
+    def stack(self, values: list[Any], as_rows: bool = False) -> Any:
+        """Stack the given members (a pad row of zeros appended where the group has one), or with
+        ``as_rows`` keep them as a :class:`RowList`."""
         if self.stacked_rows is not None:
             (value,) = values
             return self.treedef.unflatten([jnp.asarray(x, a.dtype) for x, a in
                                            zip(self.treedef.flatten_up_to(value), self.leaves)])
+        if as_rows:
+            cast = [self.treedef.unflatten([jnp.asarray(x, a.dtype) for x, a in
+                                            zip(self.treedef.flatten_up_to(v), self.leaves)]) for v in values]
+            return RowList(cast + [self.row_zeros()] * self.pad)
         leaves = [self.treedef.flatten_up_to(v) for v in values]
         slots = tuple(range(len(values)))
         return self.treedef.unflatten([place([jnp.asarray(row[n], a.dtype) for row in leaves], slots, self.rows)
@@ -212,17 +238,17 @@ class Plan:
 
     # -- packing --------------------------------------------------------------------------------
     def pack_params(self, theta: dict[Hashable, Any]) -> list[Any]:
-        return [g.stack([theta[name] for name in g.names]) for g in self.param_groups]
+        return [g.stack([theta[name] for name in g.names], self.unrolled) for g in self.param_groups]
 
     def pack_states(self, values: dict[Hashable, Any]) -> list[Any]:
         """State-layout buffers holding ``values`` (by name) and zeros elsewhere."""
         out = []
         for g in self.state_groups:
             if not any(name in values for name in g.names):
-                out.append(g.zeros())
+                out.append(g.zeros(self.unrolled))
                 continue
             zero = g.treedef.unflatten([jnp.zeros(a.shape, a.dtype) for a in g.leaves])
-            out.append(g.stack([values.get(name, zero) for name in g.names]))
+            out.append(g.stack([values.get(name, zero) for name in g.names], self.unrolled))
         return out
 
     def unpack(self, bufs: list[Any], names: tuple[Hashable, ...], loc: dict) -> dict[Hashable, Any]:
@@ -235,7 +261,9 @@ class Plan:
             else:
                 by_group.setdefault(g, []).append(name)
         for g, members in by_group.items():
-            out.update(zip(members, take(bufs[g], [loc[n][1] for n in members])))
+            slots = [loc[n][1] for n in members]
+            rows = [bufs[g].rows[s] for s in slots] if isinstance(bufs[g], RowList) else take(bufs[g], slots)
+            out.update(zip(members, rows))
         return {name: out[name] for name in names}
 
 

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ._plan import Kind, Plan, Writes
+from ._plan import Kind, Plan, RowList, Writes
 
 
 class Primal(NamedTuple):
@@ -44,16 +44,31 @@ class Primal(NamedTuple):
     residuals: list[Any] | None
 
 
-# -- small buffer helpers -----------------------------------------------------------------------
+# -- small buffer helpers (a buffer: a stacked pytree, or a RowList when the plan is unrolled) -----
+def _cast(value: Any, like: Any) -> Any:
+    return jax.tree.map(lambda v, b: v.astype(b.dtype), value, like)
+
+
 def _row(buf: Any, i: Any) -> Any:
+    if isinstance(buf, RowList):
+        return buf.rows[int(i)]
     return jax.tree.map(lambda b: lax.dynamic_index_in_dim(b, i, 0, keepdims=False), buf)
 
 
 def _set_row(buf: Any, i: Any, value: Any) -> Any:
+    if isinstance(buf, RowList):
+        rows = list(buf.rows)
+        rows[int(i)] = _cast(value, rows[int(i)])
+        return RowList(rows)
     return jax.tree.map(lambda b, v: lax.dynamic_update_index_in_dim(b, v.astype(b.dtype), i, 0), buf, value)
 
 
 def _add_row(buf: Any, i: Any, value: Any) -> Any:
+    if isinstance(buf, RowList):
+        rows = list(buf.rows)
+        rows[int(i)] = jax.tree.map(lambda b, v: b + v.astype(b.dtype), rows[int(i)], value)
+        return RowList(rows)
+
     def add(b, v):
         return lax.dynamic_update_index_in_dim(b, lax.dynamic_index_in_dim(b, i, 0, False) + v.astype(b.dtype), i, 0)
 
@@ -68,6 +83,8 @@ def _contiguous(idx: Any) -> int | None:
 
 
 def _rows(buf: Any, idx: Any) -> Any:
+    if isinstance(buf, RowList):
+        return jax.tree.map(lambda *r: jnp.stack(r), *[buf.rows[int(i)] for i in idx])
     start = _contiguous(idx)
     if start is not None:
         return jax.tree.map(lambda b: lax.slice_in_dim(b, start, start + len(idx)), buf)
@@ -75,6 +92,10 @@ def _rows(buf: Any, idx: Any) -> Any:
 
 
 def _scatter_add(buf: Any, idx: Any, value: Any) -> Any:
+    if isinstance(buf, RowList):
+        for n, i in enumerate(idx):
+            buf = _add_row(buf, i, jax.tree.map(lambda v, n=n: v[n], value))
+        return buf
     start = _contiguous(idx)
     if start is not None:
         def add(b, v):
@@ -262,7 +283,8 @@ def forward(plan: Plan, params: list[Any], states: list[Any], residuals: bool = 
         _write(bufs, writes, i, _step(plan, step, writes, branch, carry[0]), add=False)
         return bufs["state"], bufs["res"]
 
-    res0 = [jnp.zeros((n + 1, *a.shape), a.dtype) for a, n in zip(plan.res_avals, plan.res_rows)] if residuals else []
+    res0 = [RowList([jnp.zeros(a.shape, a.dtype)] * (n + 1)) if plan.unrolled else jnp.zeros((n + 1, *a.shape), a.dtype)
+            for a, n in zip(plan.res_avals, plan.res_rows)] if residuals else []
     states, res = _loop(plan, body, (list(states), res0))
     return Primal(params, states, res if residuals else None)
 
@@ -375,7 +397,7 @@ def param_forward(plan: Plan, prim: Primal, h: list[Any], into: list[Any]) -> li
 
 def param_adjoint(plan: Plan, prim: Primal, lam: list[Any]) -> list[Any]:
     """ℳ Λ (parameter layout): block k sums (∂Φ_i/∂θ_k)* Λ_i over the layers i that use it."""
-    out = [g.zeros() for g in plan.param_groups]
+    out = [g.zeros(plan.unrolled) for g in plan.param_groups]
     for k, kind in enumerate(plan.kinds):
         n = kind.size
         if lam[kind.out_group] is None or not kind.param_groups:

@@ -33,7 +33,7 @@ from jax.custom_derivatives import SymbolicZero
 
 from ._network import Network
 from ._plan import Plan, leaf_aval, plan_for
-from ._solve import Primal, back_substitution, forward, forward_substitution, param_forward, state_product
+from ._solve import Primal, _row, back_substitution, forward, forward_substitution, param_forward, state_product
 
 
 class _ThreadLocalMode(threading.local):
@@ -73,8 +73,8 @@ _REMAT = _mode("linbackprop_rematerialise",
                "linbackprop: keep only the states; re-linearise each layer in the substitutions and products.")
 ENGINES = ("auto", "loop", "unrolled")
 _ENGINE = _mode("linbackprop_engine", "linbackprop: how the substitutions run.", ENGINES)
-_PARAMS_IN_LOOP = _mode("linbackprop_params_in_loop",
-                        "linbackprop: form ℳΛ inside the back substitution instead of batched after it.")
+PARAM_PRODUCTS = ("auto", "after", "in_loop")
+_PARAM_PRODUCTS = _mode("linbackprop_param_products", "linbackprop: where ℳΛ is formed.", PARAM_PRODUCTS)
 
 
 def solving() -> bool:
@@ -133,6 +133,15 @@ def prepare(net: Network, theta: dict[Hashable, Any], inputs: tuple[Any, ...]) -
     prim = forward(plan, plan.pack_params(theta), plan.pack_states(dict(zip(net.inputs, inputs))),
                    residuals=not _REMAT.value)
     return plan, prim
+
+
+def params_in_loop(param_products: str, remat: bool, unrolled: bool) -> bool:
+    """The rule for where ℳΛ is formed. After the loop, batched per kind — unless with remat
+    (re-linearising every layer a second time after the loop would cost a forward pass) or when the
+    solve is unrolled (few layers per kind: little to batch, and Λ of every layer would be kept)."""
+    if param_products != "auto":
+        return param_products == "in_loop"
+    return remat or unrolled
 
 
 def solve_joint(plan: Plan, prim: Primal, h: list[Any], rhs: list[Any]) -> list[Any]:
@@ -199,7 +208,8 @@ def _call_by_solve_jvp(net: Network, primals: tuple, tangents: tuple) -> tuple:
              if not _is_zero(dx) and plan.state_groups[plan.state_loc[name][0]].differentiable}
     rhs = plan.pack_states(_instantiate(given))
     rhs = [b if g.differentiable else None for b, g in zip(rhs, plan.state_groups)]
-    in_loop = (_PARAMS_IN_LOOP.value and not all(_is_zero(dtheta[p]) for p in net.param_names)
+    in_loop = (params_in_loop(_PARAM_PRODUCTS.value, _REMAT.value, plan.unrolled)
+               and not all(_is_zero(dtheta[p]) for p in net.param_names)
                and all(g.differentiable for g in plan.param_groups))
     h = plan.pack_params(_instantiate(dtheta)) if in_loop else None
     if not in_loop and not all(_is_zero(dtheta[p]) for p in net.param_names):
@@ -234,7 +244,7 @@ def _tangent_or_zero(plan: Plan, name: Hashable, z: list[Any]) -> Any:
     group = plan.state_groups[g]
     if z[g] is None:
         return group.treedef.unflatten([np.zeros(a.shape, jax.dtypes.float0) for a in group.leaves])
-    return jax.tree.map(lambda b: b[slot], z[g])
+    return _row(z[g], slot)
 
 
 _call_by_solve.defjvp(_call_by_solve_jvp, symbolic_zeros=True)
@@ -246,17 +256,14 @@ _jitted_call_by_solve = jax.jit(_call_by_solve, static_argnums=0)
 # -- the public transforms ---------------------------------------------------------------------
 def _in_solve_mode(transformed: Callable, fun: Callable, remat: bool, param_products: str,
                    engine: str) -> Callable:
-    if param_products not in ("auto", "after", "in_loop"):
-        raise ValueError(f"param_products must be 'auto', 'after' or 'in_loop', got {param_products!r}.")
+    if param_products not in PARAM_PRODUCTS:
+        raise ValueError(f"param_products must be one of {PARAM_PRODUCTS}, got {param_products!r}.")
     if engine not in ENGINES:
         raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}.")
-    # The rule: ℳ after the loop, batched per kind, except with remat, where re-linearising every
-    # layer a second time after the loop would cost a forward pass; there ℳΛ joins the loop.
-    in_loop = param_products == "in_loop" or (param_products == "auto" and remat)
 
     @functools.wraps(fun)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
-        with _SOLVE_MODE(True), _REMAT(bool(remat)), _PARAMS_IN_LOOP(in_loop), _ENGINE(engine):
+        with _SOLVE_MODE(True), _REMAT(bool(remat)), _PARAM_PRODUCTS(param_products), _ENGINE(engine):
             return transformed(*args, **kwargs)
 
     return wrapped
@@ -278,8 +285,8 @@ def grad_by_solve(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool
     ``param_products`` says where ℳΛ is formed: ``"after"`` the back substitution, for all layers
     of a kind at once (one batched product: off the sequential path), or ``"in_loop"``, layer by
     layer inside it, from the same linearisation as the ℒ* block. ``"auto"`` (default) is
-    ``"after"``, except with ``remat=True`` where ``"in_loop"`` saves re-linearising every layer
-    once more.
+    ``"after"`` when the loop engine runs, and ``"in_loop"`` with ``remat=True`` (it saves
+    re-linearising every layer once more) or when the solve is unrolled (little to batch).
 
     ``engine``: ``"loop"`` runs the substitutions as ``lax.fori_loop``s over the layers (compiled
     once per kind of layer), ``"unrolled"`` as straight-line code; ``"auto"`` (default) loops when
@@ -330,5 +337,5 @@ def jvp_by_solve(fun: Callable, primals: Sequence[Any], tangents: Sequence[Any],
     """
     if engine not in ENGINES:
         raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}.")
-    with _SOLVE_MODE(True), _REMAT(False), _PARAMS_IN_LOOP(False), _ENGINE(engine):
+    with _SOLVE_MODE(True), _REMAT(False), _PARAM_PRODUCTS("auto"), _ENGINE(engine):
         return jax.jvp(fun, primals, tangents, has_aux=has_aux)

@@ -10,7 +10,7 @@ from networks import REGISTRY
 import linbackprop as lbp
 
 MODES = [dict(param_products="in_loop", engine="loop"), dict(remat=True, engine="loop"),
-         dict(remat=True, param_products="after"), dict(param_products="in_loop", engine="unrolled")]
+         dict(remat=True, param_products="after"), dict(param_products="after", engine="unrolled")]
 
 
 def assert_close(actual, expected, rtol=1e-9):
@@ -43,9 +43,13 @@ def test_modes_compose_with_hvp_and_vmap(mode):
 def test_the_switch_changes_the_program():
     case = REGISTRY["chain"]()
     text = lambda **kw: str(jax.make_jaxpr(lbp.grad_by_solve(case.loss, **kw))(case.params, *case.inputs))
-    after, in_loop = text(param_products="after"), text(param_products="in_loop")
+    after, in_loop = text(param_products="after", engine="loop"), text(param_products="in_loop", engine="loop")
     assert after != in_loop
-    assert text() == after and text(remat=True) == text(remat=True, param_products="in_loop")
+    # The rule: after the loop when the loop runs; in the loop with remat or when unrolled.
+    assert text(engine="loop") == after
+    assert text(engine="loop", remat=True) == text(engine="loop", remat=True, param_products="in_loop")
+    assert text(engine="unrolled") == text(engine="unrolled", param_products="in_loop")
+    assert text(engine="unrolled") != text(engine="unrolled", param_products="after")
     with pytest.raises(ValueError, match="param_products must be"):
         lbp.grad_by_solve(case.loss, param_products="sometimes")
 
