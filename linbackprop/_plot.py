@@ -100,8 +100,9 @@ def plot_network(net: Network, ax: Any = None, title: str | None = None) -> Any:
                                     "connectionstyle": f"arc3,rad={rad}", "shrinkA": 9, "shrinkB": 9})
     for name in names:
         is_input = name in net.inputs
-        ax.plot(x[name], 0, "o", ms=16, color="tab:green" if is_input else "white", mec="black")
-        ax.text(x[name], 0, _label(name), ha="center", va="center", fontsize=7)
+        label = _label(name)
+        ax.plot(x[name], 0, "o", ms=max(16, 4.5 * len(label)), color="tab:green" if is_input else "white", mec="black")
+        ax.text(x[name], 0, label, ha="center", va="center", fontsize=7)
         if not is_input and blocks[name]:
             ax.text(x[name], -0.12, "\n".join(_label(b) for b in blocks[name]), ha="center", va="top", fontsize=6)
     ax.set_xlim(-0.8, len(names) - 0.2)
