@@ -22,6 +22,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.extend.core import Literal
 
 from ._network import Layer, Network, Row, call_layer
 from ._stacking import place, take
@@ -122,7 +123,9 @@ class Kind:
     out_aval: Any
     vjp_treedef: Any
     res_sources: tuple[tuple[str, int], ...]  # per residual leaf: ("arg" | "out" | "own", index)
-    own_groups: tuple[int, ...]  # per stored ("own") residual leaf: its residual buffer
+    kept: tuple[int, ...]  # the own residuals that are stored ...
+    recipes: dict[int, Recipe]  # ... and those recomputed from them (cheap elementwise ops)
+    own_groups: tuple[int, ...]  # per stored residual: its residual buffer
     own_offsets: tuple[int, ...]  # ... and the row of the kind's first member in it
 
     @property
@@ -130,16 +133,19 @@ class Kind:
         return len(self.layers)
 
     def split_residuals(self, vjp: Any) -> tuple[Any, ...]:
-        """The residual leaves to store: neither arguments nor the output, each once."""
+        """The residual leaves to store: neither arguments nor the output nor recomputable, each once."""
         own: dict[int, Any] = {}
         for leaf, (where, n) in zip(jax.tree.leaves(vjp), self.res_sources):
             if where == "own":
                 own.setdefault(n, leaf)
-        return tuple(own[n] for n in range(len(own)))
+        return tuple(own[n] for n in self.kept)
 
     def rebuild(self, own: tuple[Any, ...], theta: tuple[Any, ...], inputs: tuple[Any, ...], out: Any) -> Any:
         """The layer's VJP from its stored residuals, its (re-read) arguments and its output."""
-        found = {"own": own, "arg": jax.tree.leaves((theta, inputs)), "out": jax.tree.leaves(out)}
+        found = {"own": dict(zip(self.kept, own)), "arg": jax.tree.leaves((theta, inputs)),
+                 "out": jax.tree.leaves(out)}
+        for n, recipe in self.recipes.items():
+            found["own"][n] = recipe(found)
         return self.vjp_treedef.unflatten([found[where][n] for where, n in self.res_sources])
 
 
@@ -289,6 +295,67 @@ def _avals_of(tree: Any, where: str) -> tuple[Any, tuple[Aval, ...]]:
     return treedef, tuple(leaf_aval(x, where) for x in leaves)
 
 
+# Residuals computed from others by a few of these are recomputed in the back substitution
+# instead of stored (tanh's 1 − t next to t, sigmoid's s(1 − s) next to s): less memory, fewer writes.
+CHEAP_PRIMITIVES = frozenset({"add", "sub", "mul", "neg", "integer_pow", "square", "convert_element_type"})
+MAX_RECIPE_DEPTH = 3
+
+
+class Recipe:
+    """An own residual as a few elementwise equations of the layer's linearisation, whose inputs
+    are stored residuals, the output or the arguments (``sources``: var -> (where, index))."""
+
+    def __init__(self, eqns: list, sources: dict):
+        self.eqns, self.sources = eqns, sources
+
+    def __call__(self, found: dict[str, Any]) -> Any:
+        env = {var: found[where][n] for var, (where, n) in self.sources.items()}
+        for eqn in self.eqns:
+            args = [v.val if isinstance(v, Literal) else env[v] for v in eqn.invars]
+            outs = eqn.primitive.bind(*args, **eqn.params)
+            env.update(zip(eqn.outvars, outs if eqn.primitive.multiple_results else [outs]))
+        return env[self.eqns[-1].outvars[0]]
+
+
+def _recipe(var: Any, available: dict, producers: dict, depth: int) -> tuple[list, dict] | None:
+    if var in available:
+        return [], {var: available[var]}
+    eqn = producers.get(var)
+    if eqn is None or eqn.primitive.name not in CHEAP_PRIMITIVES or depth == 0:
+        return None
+    eqns: list = []
+    used: dict = {}
+    for v in eqn.invars:
+        if isinstance(v, Literal):
+            continue
+        sub = _recipe(v, available, producers, depth - 1)
+        if sub is None:
+            return None
+        eqns += [e for e in sub[0] if all(e is not f for f in eqns)]
+        used.update(sub[1])
+    return [*eqns, eqn], used
+
+
+def _recipes(jaxpr: Any, n_out: int) -> tuple[tuple[int, ...], dict[int, Recipe]]:
+    """Which own residuals (the jaxpr's outputs after the n_out output leaves) to store, and
+    recipes for the others."""
+    own_vars = jaxpr.outvars[n_out:]
+    available = {v: ("arg", n) for n, v in enumerate(jaxpr.invars)}
+    available.update({v: ("out", n) for n, v in enumerate(jaxpr.outvars[:n_out]) if not isinstance(v, Literal)})
+    producers = {v: eqn for eqn in jaxpr.eqns for v in eqn.outvars}
+    kept, pinned, recipes = set(range(len(own_vars))), set(), {}
+    for j, var in enumerate(own_vars):
+        if j in pinned or isinstance(var, Literal):
+            continue
+        others = {w: ("own", k) for k, w in enumerate(own_vars) if k in kept and k != j and not isinstance(w, Literal)}
+        found = _recipe(var, {**available, **others}, producers, MAX_RECIPE_DEPTH)
+        if found is not None and found[0]:
+            kept.discard(j)
+            recipes[j] = Recipe(*found)
+            pinned |= {n for where, n in found[1].values() if where == "own"}
+    return tuple(sorted(kept)), recipes
+
+
 def _analyse_kind(layer: Layer, theta_avals: tuple[Any, ...], input_avals: tuple[Any, ...]):
     """Abstractly linearise one layer: its output shape and the structure of its residuals."""
     found: dict[str, Any] = {}
@@ -307,9 +374,10 @@ def _analyse_kind(layer: Layer, theta_avals: tuple[Any, ...], input_avals: tuple
         found.update(treedef=treedef, sources=tuple(sources))
         return out, tuple(known["own"])
 
-    out_aval, own = jax.eval_shape(probe, theta_avals, *input_avals)
+    closed, (out_aval, own) = jax.make_jaxpr(probe, return_shape=True)(theta_avals, *input_avals)
     _avals_of(out_aval, f"The output of layer {layer.name!r}")
-    return out_aval, found["treedef"], found["sources"], tuple(own)
+    kept, recipes = _recipes(closed.jaxpr, len(jax.tree.leaves(out_aval)))
+    return out_aval, found["treedef"], found["sources"], tuple(own[n] for n in kept), kept, recipes
 
 
 # The loop pays when kinds of layer repeat: one compiled body then serves many steps. A shallow
@@ -389,7 +457,7 @@ def make_plan(net: Network, param_structs: tuple, input_structs: tuple, engine: 
         members = [n for n in range(n_steps) if step_kind[n] == k]
         layers = tuple(net.layers[n] for n in members)
         first = layers[0]
-        out_aval, treedef, sources, own = kind_info[key]
+        out_aval, treedef, sources, own, kept, recipes = kind_info[key]
         pgroups = tuple(slot(p)[0] for p in first.params)
         rgroups = tuple(state_loc[r][0] for r in first.reads)
         ogroup = state_loc[first.name][0]
@@ -419,7 +487,8 @@ def make_plan(net: Network, param_structs: tuple, input_structs: tuple, engine: 
             fn=first.fn, layers=layers, param_groups=pgroups, read_groups=rgroups, out_group=ogroup,
             param_slots=pslots, read_slots=rslots, out_slots=oslots, step_pos=step_pos,
             step_out_slot=step_out, step_read_slots=step_reads, out_aval=out_aval,
-            vjp_treedef=treedef, res_sources=sources, own_groups=tuple(own_groups), own_offsets=tuple(own_offsets),
+            vjp_treedef=treedef, res_sources=sources, kept=kept, recipes=recipes, own_groups=tuple(own_groups),
+            own_offsets=tuple(own_offsets),
         ))
     unrolled = engine == "unrolled" or (engine == "auto" and not loop_pays(n_steps, len(kinds)))
     return Plan(net=net, state_groups=state_groups, param_groups=param_groups, state_loc=state_loc,

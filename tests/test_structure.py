@@ -112,3 +112,18 @@ def test_periodic_kinds_run_without_a_switch_and_stay_exact():
     t = jax.tree.map(jnp.ones_like, (params, x))
     np.testing.assert_allclose(lbp.jvp_by_solve(loss, (params, x), t, engine="loop")[1],
                                jax.jvp(loss, (params, x), t)[1], rtol=1e-9)
+
+
+def test_cheap_residuals_are_recomputed_not_stored():
+    """tanh's VJP keeps t and 1 − t, sigmoid's s and s(1 − s): only t and s are stored; the
+    weights and inputs are re-read, never stored again."""
+    from linbackprop._plan import plan_for
+
+    for fn in (residual, gated):
+        net = lbp.Network([lbp.Layer(i, fn, (i - 1,), ((fn.__name__, i), ("b", i))[:1 if fn is gated else 2])
+                           for i in range(1, 4)], [0], 3)
+        params = {(fn.__name__, i): jnp.eye(4) for i in range(1, 4)} | {("b", i): jnp.zeros(4) for i in range(1, 4)}
+        plan = plan_for(net, net.select_params(params), (jnp.ones((2, 4)),))
+        (kind,) = plan.kinds
+        assert len(kind.kept) == 1 and len(kind.recipes) == 1
+        assert sum(plan.res_rows) == 3  # one stored row per layer
