@@ -233,15 +233,17 @@ def main() -> None:
     r = args.repeats
     scan = "jit(jax.grad), lax.scan over stacked weights"
     timing = [
-        timing_row("deep chain 128×128×64 (depth×width×batch), `Row` blocks", scan, chain(128, 128, 64), r),
+        timing_row("deep chain 128×128×64 (depth×width×batch), `Row` blocks (compute-bound: ℳΛ in the loop)",
+                   scan, chain(128, 128, 64), r),
         timing_row("same, one block per layer (dict of 256 arrays)", scan, chain(128, 128, 64, rows=False), r),
-        timing_row("same, ℳΛ inside the loop (`param_products=\"in_loop\"`)", scan, chain(128, 128, 64), r,
-                   grad=lambda f: lbp.grad_by_solve(f, param_products="in_loop")),
+        timing_row("same, ℳ batched after the loop (`param_products=\"after\"`)", scan, chain(128, 128, 64), r,
+                   grad=lambda f: lbp.grad_by_solve(f, param_products="after")),
         timing_row("same, `remat=True` (ℳΛ in the loop)", scan, chain(128, 128, 64), r,
                    grad=lambda f: lbp.grad_by_solve(f, remat=True)),
         timing_row("same, `remat=True`, ℳ batched after the loop", scan, chain(128, 128, 64), r,
                    grad=lambda f: lbp.grad_by_solve(f, remat=True, param_products="after")),
-        timing_row("deep narrow chain 512×32×8, `Row` blocks", scan, chain(512, 32, 8), r),
+        timing_row("deep narrow chain 512×32×8, `Row` blocks (latency-bound: ℳ after the loop)", scan,
+                   chain(512, 32, 8), r),
         timing_row("same, ℳΛ inside the loop", scan, chain(512, 32, 8), r,
                    grad=lambda f: lbp.grad_by_solve(f, param_products="in_loop")),
         timing_row("deep narrow DAG: 510 layers of three kinds, skips 12 layers back, width 32, batch 8",

@@ -135,13 +135,23 @@ def prepare(net: Network, theta: dict[Hashable, Any], inputs: tuple[Any, ...]) -
     return plan, prim
 
 
-def params_in_loop(param_products: str, remat: bool, unrolled: bool) -> bool:
-    """The rule for where ℳΛ is formed. After the loop, batched per kind — unless with remat
-    (re-linearising every layer a second time after the loop would cost a forward pass) or when the
-    solve is unrolled (few layers per kind: little to batch, and Λ of every layer would be kept)."""
+# Steps whose states have at least this many elements are compute-bound on CPU: there ℳ after the
+# loop saves no time (measured at par from 8192 elements) but keeps Λ of every layer. Accelerators
+# stay latency-bound to much larger sizes; their threshold is an estimate, not a measurement yet.
+COMPUTE_BOUND_ELEMENTS = {"cpu": 8192}
+COMPUTE_BOUND_ELEMENTS_ELSEWHERE = 1 << 18
+
+
+def params_in_loop(param_products: str, remat: bool, plan: Plan) -> bool:
+    """The rule for where ℳΛ is formed. After the loop, batched per kind, where steps are
+    latency-bound — in the loop with remat (re-linearising every layer a second time after the
+    loop would cost a forward pass), when the solve is unrolled (few layers per kind: little to
+    batch) and when steps are compute-bound (batching saves nothing; keeping every Λ costs memory)."""
     if param_products != "auto":
         return param_products == "in_loop"
-    return remat or unrolled
+    largest = max(sum(int(np.prod(a.shape)) for a in jax.tree.leaves(k.out_aval)) for k in plan.kinds)
+    threshold = COMPUTE_BOUND_ELEMENTS.get(jax.default_backend(), COMPUTE_BOUND_ELEMENTS_ELSEWHERE)
+    return remat or plan.unrolled or largest >= threshold
 
 
 def solve_joint(plan: Plan, prim: Primal, h: list[Any], rhs: list[Any]) -> list[Any]:
@@ -208,7 +218,7 @@ def _call_by_solve_jvp(net: Network, primals: tuple, tangents: tuple) -> tuple:
              if not _is_zero(dx) and plan.state_groups[plan.state_loc[name][0]].differentiable}
     rhs = plan.pack_states(_instantiate(given))
     rhs = [b if g.differentiable else None for b, g in zip(rhs, plan.state_groups)]
-    in_loop = (params_in_loop(_PARAM_PRODUCTS.value, _REMAT.value, plan.unrolled)
+    in_loop = (params_in_loop(_PARAM_PRODUCTS.value, _REMAT.value, plan)
                and not all(_is_zero(dtheta[p]) for p in net.param_names)
                and all(g.differentiable for g in plan.param_groups))
     h = plan.pack_params(_instantiate(dtheta)) if in_loop else None
@@ -285,8 +295,9 @@ def grad_by_solve(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool
     ``param_products`` says where ℳΛ is formed: ``"after"`` the back substitution, for all layers
     of a kind at once (one batched product: off the sequential path), or ``"in_loop"``, layer by
     layer inside it, from the same linearisation as the ℒ* block. ``"auto"`` (default) is
-    ``"after"`` when the loop engine runs, and ``"in_loop"`` with ``remat=True`` (it saves
-    re-linearising every layer once more) or when the solve is unrolled (little to batch).
+    ``"after"`` where the loop runs latency-bound steps (small states), and ``"in_loop"`` with
+    ``remat=True`` (it saves re-linearising every layer once more), when the solve is unrolled
+    (little to batch) or when steps are compute-bound (batching saves no time, costs memory).
 
     ``engine``: ``"loop"`` runs the substitutions as ``lax.fori_loop``s over the layers (compiled
     once per kind of layer), ``"unrolled"`` as straight-line code; ``"auto"`` (default) loops when
