@@ -200,7 +200,7 @@ class Plan:
     res_rows: tuple[int, ...]  # ... with this many rows (and a pad row)
     unrolled: bool = False  # the substitutions as straight-line code (shallow networks, see loop_pays)
 
-    @property
+    @functools.cached_property
     def segments(self) -> list[tuple[int, int, int]]:
         """The loop's segments (start, stop, period): period 0 switches over kinds step by step;
         a period p > 0 runs p steps of known kinds per iteration (no switch)."""
