@@ -84,17 +84,19 @@ class Group:
     def row_zeros(self) -> Any:
         return self.treedef.unflatten([jnp.zeros(a.shape, a.dtype) for a in self.leaves])
 
+    def cast(self, value: Any) -> Any:
+        """One member (or, for a stacked block, the whole block) with the group's dtypes."""
+        return self.treedef.unflatten([jnp.asarray(x, a.dtype) for x, a in
+                                       zip(self.treedef.flatten_up_to(value), self.leaves)])
+
     def stack(self, values: list[Any], as_rows: bool = False) -> Any:
         """Stack the given members (a pad row of zeros appended where the group has one), or with
         ``as_rows`` keep them as a :class:`RowList`."""
         if self.stacked_rows is not None:
             (value,) = values
-            return self.treedef.unflatten([jnp.asarray(x, a.dtype) for x, a in
-                                           zip(self.treedef.flatten_up_to(value), self.leaves)])
+            return self.cast(value)
         if as_rows:
-            cast = [self.treedef.unflatten([jnp.asarray(x, a.dtype) for x, a in
-                                            zip(self.treedef.flatten_up_to(v), self.leaves)]) for v in values]
-            return RowList(cast + [self.row_zeros()] * self.pad)
+            return RowList([self.cast(v) for v in values] + [self.row_zeros()] * self.pad)
         leaves = [self.treedef.flatten_up_to(v) for v in values]
         slots = tuple(range(len(values)))
         return self.treedef.unflatten([place([jnp.asarray(row[n], a.dtype) for row in leaves], slots, self.rows)
@@ -253,7 +255,7 @@ class Plan:
             if not any(name in values for name in g.names):
                 out.append(g.zeros(self.unrolled))
                 continue
-            zero = g.treedef.unflatten([jnp.zeros(a.shape, a.dtype) for a in g.leaves])
+            zero = g.row_zeros()
             out.append(g.stack([values.get(name, zero) for name in g.names], self.unrolled))
         return out
 
@@ -387,7 +389,11 @@ LOOP_MIN_DEPTH = 16
 LOOP_MIN_LAYERS_PER_KIND = 4
 
 
-MAX_PERIOD = 8
+def loop_pays(depth: int, kinds: int) -> bool:
+    return depth >= LOOP_MIN_DEPTH and depth >= LOOP_MIN_LAYERS_PER_KIND * kinds
+
+
+MAX_PERIOD = 8  # the longest pattern of kinds a loop iteration runs without a switch
 
 
 def periodic_segments(step_kind: np.ndarray, kinds: int) -> list[tuple[int, int, int]]:
@@ -411,10 +417,6 @@ def periodic_segments(step_kind: np.ndarray, kinds: int) -> list[tuple[int, int,
         return [(0, n, 0)]
     parts = [(0, start, 0), (start, start + covered, period), (start + covered, n, 0)]
     return [p for p in parts if p[1] > p[0]]
-
-
-def loop_pays(depth: int, kinds: int) -> bool:
-    return depth >= LOOP_MIN_DEPTH and depth >= LOOP_MIN_LAYERS_PER_KIND * kinds
 
 
 @functools.lru_cache(maxsize=256)

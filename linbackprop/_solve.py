@@ -210,7 +210,7 @@ class LayerMaps:
 
 def _vjp(kind: Kind, prim: Primal, own: Any, theta: tuple, inputs: tuple, out: Any) -> Callable:
     if prim.residuals is None:  # remat: linearise again
-        return jax.vjp(kind.layers[0].fn, theta, *inputs)[1]
+        return jax.vjp(kind.fn, theta, *inputs)[1]
     return kind.rebuild(own, theta, inputs, out)
 
 
@@ -228,7 +228,7 @@ def _slot_zeros(plan: Plan, buffer: tuple[str, int]) -> Any:
     if family == "res":
         return _zeros_like_aval(plan.res_avals[n])
     group = (plan.state_groups if family == "state" else plan.param_groups)[n]
-    return _zeros_like_aval(group.treedef.unflatten(list(group.leaves)))
+    return group.row_zeros()
 
 
 def _step(plan: Plan, step: Step, writes: Writes, branch: Callable[[int, Any], list], operand: Any) -> list[Any]:
@@ -273,10 +273,9 @@ def forward(plan: Plan, params: list[Any], states: list[Any], residuals: bool = 
             kind = plan.kinds[k]
             pos = _at(kind.step_pos, i)
             theta, inputs = _arguments(plan, kind, Primal(params, sts, []), pos)
-            fn = kind.layers[0].fn
             if not residuals:
-                return [fn(theta, *inputs)]
-            out, vjp = jax.vjp(fn, theta, *inputs)
+                return [kind.fn(theta, *inputs)]
+            out, vjp = jax.vjp(kind.fn, theta, *inputs)
             return [out, *kind.split_residuals(vjp)]
 
         bufs = {"state": list(carry[0]), "res": list(carry[1])}

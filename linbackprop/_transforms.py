@@ -94,16 +94,15 @@ def solving() -> bool:
 def network_call(net: Network, params: Any, inputs: tuple[Any, ...]) -> Any:
     net.check_inputs(inputs)
     theta = net.select_params(params)
-    for name, block in theta.items():
-        jax.tree.map(lambda leaf, n=name: leaf_aval(leaf, f"Parameter block {n!r}"), block)
-    for name, x in zip(net.inputs, inputs):
-        jax.tree.map(lambda leaf, n=name: leaf_aval(leaf, f"Network input {n!r}"), x)
-    if not solving():
-        return net.pick_outputs(net.states(theta, *inputs))
-    for where, tree in [*((f"parameter block {n!r}", b) for n, b in theta.items()),
-                        *((f"network input {n!r}", x) for n, x in zip(net.inputs, inputs))]:
+    solve = solving()
+    for where, tree in [*((f"Parameter block {n!r}", b) for n, b in theta.items()),
+                        *((f"Network input {n!r}", x) for n, x in zip(net.inputs, inputs))]:
         for leaf in jax.tree.leaves(tree):
-            _check_not_explicitly_sharded(leaf, where)
+            leaf_aval(leaf, where)
+            if solve:
+                _check_not_explicitly_sharded(leaf, where)
+    if not solve:
+        return net.pick_outputs(net.states(theta, *inputs))
     outs = _jitted_call_by_solve(net, theta, tuple(inputs))
     return outs[0] if net.single_output else outs
 
@@ -116,7 +115,8 @@ def _check_not_explicitly_sharded(leaf: Any, where: str) -> None:
         return
     if sharded:
         raise NotImplementedError(
-            f"The solve does not support explicitly sharded arrays yet: {where} is {aval}. Create the "
+            f"The solve does not support explicitly sharded arrays yet: {where[:1].lower() + where[1:]} is {aval}. "
+            "Create the "
             "mesh with axis_types=(jax.sharding.AxisType.Auto, ...) and shard with NamedSharding under "
             "jax.jit; XLA then partitions the solve and sums the gradients itself (README: several devices)."
         )
@@ -161,11 +161,9 @@ def solve_joint(plan: Plan, prim: Primal, h: list[Any], rhs: list[Any]) -> list[
     [[I, −ℳ], [0, ℒ*]] is solved by the back substitution for Λ with ℳΛ accumulated step by step
     from the same linearisation of each layer (the in-loop alternative to the batched ℳ).
     """
-    def matvec(x):
+    def matvec(x):  # (h, ℒZ − ℳ*h)
         hh, zz = x
-        minus = param_forward(plan, prim, hh, [None if b is None else jax.tree.map(jnp.zeros_like, b) for b in zz])
-        lz = state_product(plan, prim, zz)
-        return hh, [None if a is None else jax.tree.map(jnp.subtract, a, m) for a, m in zip(lz, minus)]
+        return hh, param_forward(plan, prim, jax.tree.map(jnp.negative, hh), state_product(plan, prim, zz))
 
     def solve(_, b):
         bh, bz = b
@@ -218,11 +216,11 @@ def _call_by_solve_jvp(net: Network, primals: tuple, tangents: tuple) -> tuple:
              if not _is_zero(dx) and plan.state_groups[plan.state_loc[name][0]].differentiable}
     rhs = plan.pack_states(_instantiate(given))
     rhs = [b if g.differentiable else None for b, g in zip(rhs, plan.state_groups)]
-    in_loop = (params_in_loop(_PARAM_PRODUCTS.value, _REMAT.value, plan)
-               and not all(_is_zero(dtheta[p]) for p in net.param_names)
+    moves_params = not all(_is_zero(dtheta[p]) for p in net.param_names)
+    in_loop = (moves_params and params_in_loop(_PARAM_PRODUCTS.value, _REMAT.value, plan)
                and all(g.differentiable for g in plan.param_groups))
     h = plan.pack_params(_instantiate(dtheta)) if in_loop else None
-    if not in_loop and not all(_is_zero(dtheta[p]) for p in net.param_names):
+    if moves_params and not in_loop:
         rhs = param_forward(plan, prim, plan.pack_params(_instantiate(dtheta)), rhs)
     # custom_linear_solve transposes only when every leaf of rhs is linear in the tangents; a part
     # built from symbolic zeros alone is not, so add to each an exact zero that is (an empty slice
@@ -264,12 +262,15 @@ _jitted_call_by_solve = jax.jit(_call_by_solve, static_argnums=0)
 
 
 # -- the public transforms ---------------------------------------------------------------------
+def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}.")
+
+
 def _in_solve_mode(transformed: Callable, fun: Callable, remat: bool, param_products: str,
                    engine: str) -> Callable:
-    if param_products not in PARAM_PRODUCTS:
-        raise ValueError(f"param_products must be one of {PARAM_PRODUCTS}, got {param_products!r}.")
-    if engine not in ENGINES:
-        raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}.")
+    _check_choice("param_products", param_products, PARAM_PRODUCTS)
+    _check_choice("engine", engine, ENGINES)
 
     @functools.wraps(fun)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
@@ -346,7 +347,6 @@ def jvp_by_solve(fun: Callable, primals: Sequence[Any], tangents: Sequence[Any],
         >>> float(y), float(dy)
         (6.0, 2.0)
     """
-    if engine not in ENGINES:
-        raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}.")
+    _check_choice("engine", engine, ENGINES)
     with _SOLVE_MODE(True), _REMAT(False), _PARAM_PRODUCTS("auto"), _ENGINE(engine):
         return jax.jvp(fun, primals, tangents, has_aux=has_aux)
