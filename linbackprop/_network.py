@@ -15,6 +15,8 @@ from typing import Any, NamedTuple
 
 import jax
 
+from ._stacking import take
+
 __all__ = ["GraphError", "Layer", "Network", "Row"]
 
 
@@ -337,10 +339,26 @@ class Network:
         """All states by name, inputs included: the plain forward substitution U = Φ(U, θ)."""
         self.check_inputs(inputs)
         theta = self.select_params(params)
+        rows = self._rows(theta)
         states: dict[Hashable, Any] = dict(zip(self._inputs, inputs))
         for layer in self._layers:
-            states[layer.name] = call_layer(layer, layer_theta(layer, theta), tuple(states[r] for r in layer.reads))
+            inputs_i = tuple(states[r] for r in layer.reads)
+            states[layer.name] = call_layer(layer, layer_theta(layer, theta, rows), inputs_i)
         return states
+
+    def _rows(self, theta: Mapping[Hashable, Any]) -> dict[Row, Any]:
+        """Every ``Row`` the layers use, read from its stacked block in one pass (``take``: one
+        kernel however many rows, where static slices would compile one kernel each)."""
+        used: dict[Hashable, set[int]] = {}
+        for layer in self._layers:
+            for p in layer.params:
+                if isinstance(p, Row):
+                    used.setdefault(p.block, set()).add(p.index)
+        out = {}
+        for block, indices in used.items():
+            indices = sorted(indices)
+            out.update((Row(block, i), v) for i, v in zip(indices, take(theta[block], indices)))
+        return out
 
     def __call__(self, params: Mapping[Hashable, Any], *inputs: Any) -> Any:
         """The output state(s). Differentiated by the solve inside ``grad_by_solve``."""
@@ -353,9 +371,9 @@ class Network:
         return outs[0] if self._single_output else outs
 
 
-def layer_theta(layer: Layer, theta: Mapping[Hashable, Any]) -> tuple[Any, ...]:
-    """The ``theta`` tuple that ``layer.fn`` receives."""
-    return tuple(resolve(p, theta) for p in layer.params)
+def layer_theta(layer: Layer, theta: Mapping[Hashable, Any], rows: Mapping[Row, Any] | None = None) -> tuple[Any, ...]:
+    """The ``theta`` tuple that ``layer.fn`` receives (``rows``: rows of stacked blocks already read)."""
+    return tuple(rows[p] if rows and isinstance(p, Row) else resolve(p, theta) for p in layer.params)
 
 
 def call_layer(layer: Layer, theta: tuple[Any, ...], inputs: tuple[Any, ...]) -> Any:

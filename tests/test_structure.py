@@ -75,6 +75,23 @@ def test_plain_network_is_unrolled():
     assert text.count("tanh") >= 16
 
 
+def test_plain_call_reads_rows_without_per_row_slices():
+    """net(params, x) outside the solve (and jax.grad of it) reads the rows of a stacked block with
+    one operand-indexed kernel: static slices would compile one XLA kernel per row."""
+    def lowered(depth):
+        layers = [lbp.Layer(i, residual, (i - 1,), (lbp.Row("W", i - 1), lbp.Row("b", i - 1)))
+                  for i in range(1, depth + 1)]
+        net = lbp.Network(layers, [0], depth)
+        params = {"W": jnp.zeros((depth, 4, 4)), "b": jnp.zeros((depth, 4))}
+        loss = lambda p, x: jnp.sum(net(p, x) ** 2)
+        text = jax.jit(jax.grad(loss)).lower(params, jnp.ones((2, 4))).as_text()
+        return collections.Counter(re.findall(r"stablehlo\.(\w+)", text))
+
+    shallow, deep = lowered(16), lowered(64)
+    assert deep["tanh"] == 4 * shallow["tanh"] > 0  # unrolled, as plain JAX is
+    assert deep["slice"] == shallow["slice"]
+
+
 def lowered_counts(depth):
     """Ops of the lowered program of grad_by_solve for a chain with one block per layer."""
     net, params = network(depth, 1)
