@@ -89,16 +89,20 @@ class Group:
         return self.treedef.unflatten([jnp.asarray(x, a.dtype) for x, a in
                                        zip(self.treedef.flatten_up_to(value), self.leaves)])
 
-    def stack(self, values: list[Any], as_rows: bool = False) -> Any:
-        """Stack the given members (a pad row of zeros appended where the group has one), or with
-        ``as_rows`` keep them as a :class:`RowList`."""
+    def stack(self, values: list[Any], as_rows: bool = False, slots: list[int] | None = None) -> Any:
+        """The members ``values`` at rows ``slots`` (default: all members, in order), zeros in the
+        other rows (and in the pad row where the group has one); with ``as_rows`` a
+        :class:`RowList`."""
         if self.stacked_rows is not None:
             (value,) = values
             return self.cast(value)
+        slots = tuple(range(len(values)) if slots is None else slots)
         if as_rows:
-            return RowList([self.cast(v) for v in values] + [self.row_zeros()] * self.pad)
+            rows = [self.row_zeros()] * self.rows
+            for s, v in zip(slots, values):
+                rows[s] = self.cast(v)
+            return RowList(rows)
         leaves = [self.treedef.flatten_up_to(v) for v in values]
-        slots = tuple(range(len(values)))
         return self.treedef.unflatten([place([jnp.asarray(row[n], a.dtype) for row in leaves], slots, self.rows)
                                        for n, a in enumerate(self.leaves)])
 
@@ -255,8 +259,8 @@ class Plan:
             if not any(name in values for name in g.names):
                 out.append(g.zeros(self.unrolled))
                 continue
-            zero = g.row_zeros()
-            out.append(g.stack([values.get(name, zero) for name in g.names], self.unrolled))
+            slots = [n for n, name in enumerate(g.names) if name in values]
+            out.append(g.stack([values[g.names[n]] for n in slots], self.unrolled, slots))
         return out
 
     def unpack(self, bufs: list[Any], names: tuple[Hashable, ...], loc: dict) -> dict[Hashable, Any]:

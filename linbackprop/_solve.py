@@ -49,13 +49,16 @@ def _cast(value: Any, like: Any) -> Any:
     return jax.tree.map(lambda v, b: v.astype(b.dtype), value, like)
 
 
-def _row(buf: Any, i: Any) -> Any:
+def _row(buf: Any, i: Any, written: bool = False) -> Any:
+    """Row i; ``written``: of a buffer the loop also writes (see :func:`_scalar`)."""
+    i = _scalar(i, affine=not written)
     if isinstance(buf, RowList):
         return buf.rows[int(i)]
     return jax.tree.map(lambda b: lax.dynamic_index_in_dim(b, i, 0, keepdims=False), buf)
 
 
 def _set_row(buf: Any, i: Any, value: Any) -> Any:
+    i = _scalar(i, affine=False)
     if isinstance(buf, RowList):
         rows = list(buf.rows)
         rows[int(i)] = _cast(value, rows[int(i)])
@@ -64,6 +67,7 @@ def _set_row(buf: Any, i: Any, value: Any) -> Any:
 
 
 def _add_row(buf: Any, i: Any, value: Any) -> Any:
+    i = _scalar(i, affine=False)
     if isinstance(buf, RowList):
         rows = list(buf.rows)
         rows[int(i)] = jax.tree.map(lambda b, v: b + v.astype(b.dtype), rows[int(i)], value)
@@ -110,14 +114,54 @@ def _zeros_like_aval(tree: Any, lead: tuple[int, ...] = ()) -> Any:
     return jax.tree.map(lambda a: jnp.zeros((*lead, *a.shape), a.dtype), tree)
 
 
+class Index:
+    """A step-dependent index inside a loop: ``values[t]`` for the loop counter ``t``.
+
+    Lookups through the plan's tables compose in numpy at trace time (:func:`_at`), so the
+    program computes each index it uses once, from ``t``: as c + d·t where the values are affine
+    in t — the usual case, and then reads of different blocks at the same row are one and the
+    same XLA kernel (compile time) — else by one gather from a constant (:func:`_scalar`).
+    """
+
+    __slots__ = ("t", "values")
+
+    def __init__(self, t: jax.Array, values: np.ndarray):
+        self.t, self.values = t, values
+
+    def __getitem__(self, key: Any) -> Index:  # columns of a table row: values[:, key]
+        key = key[1:] if isinstance(key, tuple) and key[0] is Ellipsis else key
+        return Index(self.t, self.values[(slice(None), *(key if isinstance(key, tuple) else (key,)))])
+
+    def __add__(self, offset: int) -> Index:
+        return Index(self.t, self.values + offset)
+
+    __radd__ = __add__
+
+
 def _at(table: np.ndarray, i: Any) -> Any:
-    """Entry i of a static table: static for a static i (unrolled), else a gather from a constant."""
-    return table[i] if isinstance(i, (int, np.integer)) else jnp.asarray(table)[i]
+    """Entry i of a static table (i: an int when unrolled, or an :class:`Index`)."""
+    return Index(i.t, table[i.values]) if isinstance(i, Index) else table[i]
+
+
+def _scalar(i: Any, affine: bool = True) -> Any:
+    """An index as the program computes it: static when it is, else c + d·t, else a gather.
+
+    ``affine=False`` (rows of buffers the loop writes): always a gather from a table XLA cannot
+    see into. Where XLA can compare a read's index with an earlier write's, it fuses the write
+    into the read, which then needs the buffer as it was, and copies the whole buffer each step.
+    """
+    if not isinstance(i, Index):
+        return i
+    v = i.values.astype(np.int64)
+    d = int(v[1] - v[0]) if len(v) > 1 else 0
+    if affine and np.array_equal(v, v[0] + d * np.arange(len(v))):
+        return int(v[0]) if d == 0 else int(v[0]) + d * i.t
+    return lax.optimization_barrier(jnp.asarray(v, np.int32))[i.t]
 
 
 class Step(NamedTuple):
-    """A step of a substitution: its index (an int when unrolled, else traced) and its kind when
-    known at trace time (unrolled, one kind, or inside a periodic segment)."""
+    """A step of a substitution: its index (an int when unrolled, else an :class:`Index`) and its
+    kind when known at trace time (unrolled, one kind, or inside a periodic segment)."""
 
     index: Any
     kind: int | None
@@ -141,30 +185,35 @@ def _segment(plan: Plan, body: Callable, carry: Any, start: int, stop: int, peri
     if period == 0:  # kinds in no pattern: one step per iteration, a switch over kinds
         single = 0 if len(plan.kinds) == 1 else None
 
+        steps = np.arange(start, stop)[::-1] if reverse else np.arange(start, stop)
+
         def one(t, c):
-            return body(Step(stop - 1 - t if reverse else start + t, single), c)
+            return body(Step(Index(t, steps), single), c)
 
         return lax.fori_loop(0, stop - start, one, carry)
     # Kinds repeat with this period: one iteration runs `period` steps of known kinds, no switch.
     blocks = (stop - start) // period
 
+    firsts = start + period * (np.arange(blocks)[::-1] if reverse else np.arange(blocks))
+
     def block(t, c):
-        first = start + (blocks - 1 - t if reverse else t) * period
         for j in reversed(range(period)) if reverse else range(period):
-            c = body(Step(first + j, int(plan.step_kind[start + j])), c)
+            c = body(Step(Index(t, firsts + j), int(plan.step_kind[start + j])), c)
         return c
 
     return lax.fori_loop(0, blocks, block, carry)
 
 
-def _arguments(plan: Plan, kind: Kind, prim: Primal, pos: Any) -> tuple[tuple, tuple]:
-    """θ and input states of the kind's member ``pos`` (an index or an array of indices)."""
+def _arguments(plan: Plan, kind: Kind, prim: Primal, pos: Any, written: bool = False) -> tuple[tuple, tuple]:
+    """θ and input states of the kind's member ``pos`` (an index or an array of indices);
+    ``written``: the loop writes the states."""
     if isinstance(pos, np.ndarray):  # all members at once: static tables
-        take, pslots, rslots = _rows, kind.param_slots[pos], kind.read_slots[pos]
-    else:
-        take, pslots, rslots = _row, _at(kind.param_slots, pos), _at(kind.read_slots, pos)
-    theta = tuple(take(prim.params[g], pslots[..., p]) for p, g in enumerate(kind.param_groups))
-    inputs = tuple(take(prim.states[g], rslots[..., r]) for r, g in enumerate(kind.read_groups))
+        theta = tuple(_rows(prim.params[g], kind.param_slots[pos, p]) for p, g in enumerate(kind.param_groups))
+        inputs = tuple(_rows(prim.states[g], kind.read_slots[pos, r]) for r, g in enumerate(kind.read_groups))
+        return theta, inputs
+    pslots, rslots = _at(kind.param_slots, pos), _at(kind.read_slots, pos)
+    theta = tuple(_row(prim.params[g], pslots[..., p]) for p, g in enumerate(kind.param_groups))
+    inputs = tuple(_row(prim.states[g], rslots[..., r], written) for r, g in enumerate(kind.read_groups))
     return theta, inputs
 
 
@@ -250,7 +299,7 @@ def _step(plan: Plan, step: Step, writes: Writes, branch: Callable[[int, Any], l
 
         return run
 
-    return lax.switch(jnp.asarray(plan.step_kind)[step.index], [make(k) for k in range(len(plan.kinds))], operand)
+    return lax.switch(_scalar(_at(plan.step_kind, step.index)), [make(k) for k in range(len(plan.kinds))], operand)
 
 
 def _write(bufs: dict[str, list], writes: Writes, i: Any, values: list, add: bool) -> None:
@@ -272,7 +321,7 @@ def forward(plan: Plan, params: list[Any], states: list[Any], residuals: bool = 
         def branch(k, sts):
             kind = plan.kinds[k]
             pos = _at(kind.step_pos, i)
-            theta, inputs = _arguments(plan, kind, Primal(params, sts, []), pos)
+            theta, inputs = _arguments(plan, kind, Primal(params, sts, []), pos, written=True)
             if not residuals:
                 return [kind.fn(theta, *inputs)]
             out, vjp = jax.vjp(kind.fn, theta, *inputs)
@@ -301,7 +350,7 @@ def forward_substitution(plan: Plan, prim: Primal, rhs: list[Any]) -> list[Any]:
                 return []
             pos = _at(kind.step_pos, i)
             slots = _at(kind.read_slots, pos)
-            reads = tuple(_row(zz[g], slots[r]) if zz[g] is not None else None
+            reads = tuple(_row(zz[g], slots[r], written=True) if zz[g] is not None else None
                           for r, g in enumerate(kind.read_groups))
             return [layer_maps(plan, kind, prim, k, pos).state_forward(reads)]
 
@@ -330,7 +379,7 @@ def back_substitution(plan: Plan, prim: Primal, rhs: list[Any], grads: list[Any]
             if ll[kind.out_group] is None:  # an integer state: no cotangent to propagate
                 return []
             pos = _at(kind.step_pos, i)
-            lam_i = _row(ll[kind.out_group], _at(kind.out_slots, pos))
+            lam_i = _row(ll[kind.out_group], _at(kind.out_slots, pos), written=True)
             maps = layer_maps(plan, kind, prim, k, pos)
             values = [ct for ct in maps.state_adjoint(lam_i) if ct is not None]
             return values + list(maps.param_adjoint(lam_i)) if in_loop else values

@@ -41,8 +41,11 @@ def opaque_rows(n: int, like: jax.Array) -> tuple[jax.Array, ...]:
 # -- place ------------------------------------------------------------------------------------------
 def _place_impl(*xs: jax.Array, slots: tuple[int, ...], rows: int) -> jax.Array:
     stacked = jnp.stack(xs)
-    if slots == tuple(range(len(xs))):  # the common case: members in order, maybe a pad row
-        return jnp.concatenate([stacked, jnp.zeros((rows - len(xs), *stacked.shape[1:]), stacked.dtype)])
+    first = slots[0]
+    if slots == tuple(range(first, first + len(xs))):  # consecutive rows: a pad with zeros (XLA CPU
+        # splits a concatenate with zeros into log2(rows) broadcast kernels)
+        padding = [(first, rows - first - len(xs), 0)] + [(0, 0, 0)] * (stacked.ndim - 1)
+        return lax.pad(stacked, jnp.zeros((), stacked.dtype), padding)
     return jnp.zeros((rows, *stacked.shape[1:]), stacked.dtype).at[np.asarray(slots)].add(stacked)
 
 

@@ -144,3 +144,32 @@ def test_cheap_residuals_are_recomputed_not_stored():
         (kind,) = plan.kinds
         assert len(kind.kept) == 1 and len(kind.recipes) == 1
         assert sum(plan.res_rows) == 3  # one stored row per layer
+
+
+def test_loops_update_buffers_in_place():
+    """No step copies a whole stacked buffer: reads of the buffers a loop writes use indices XLA
+    cannot compare with the writes' (else it fuses a write into a later read and copies)."""
+    blocks = 24
+    gate = lambda th, u: u * jax.nn.sigmoid(u @ th[0] + th[1])
+    skip2 = lambda th, u, s: u + jnp.tanh(u @ th[0] + s @ th[1])
+    layers = []
+    for k in range(blocks):
+        prev, back = (("c", k - 1) if k else "x"), (("c", k - 4) if k >= 4 else "x")
+        layers += [lbp.Layer(("a", k), residual, (prev,), (lbp.Row("A", k), lbp.Row("a", k))),
+                   lbp.Layer(("b", k), gate, (("a", k),), (lbp.Row("B", k), lbp.Row("b", k))),
+                   lbp.Layer(("c", k), skip2, (("b", k), back), (lbp.Row("C", k), lbp.Row("S", k)))]
+    net = lbp.Network(layers, ["x"], ("c", blocks - 1))
+    params = {**{n: jnp.zeros((blocks, 4, 4)) for n in "ABCS"}, **{n: jnp.zeros((blocks, 4)) for n in "ab"}}
+    loss = lambda p, x: jnp.sum(net(p, x) ** 2)
+    for mode in ("after", "in_loop"):
+        text = jax.jit(lbp.grad_by_solve(loss, param_products=mode)).lower(params, jnp.ones((2, 4))).compile().as_text()
+        bodies = set(re.findall(r"body=%([\w.\-]+)", text))
+        assert bodies
+        copies = [line for name in bodies for line in loop_body(text, name).splitlines()
+                  if (m := re.search(r"= \w+\[(\d+),[\d,]*\]\S* copy\(", line)) and int(m[1]) >= blocks]
+        assert not copies, (mode, copies)
+
+
+def loop_body(text, name):
+    """The HLO text of computation ``name`` (a while body)."""
+    return text.split(f"\n%{name} ", 1)[1].split("\n}\n", 1)[0]
