@@ -165,11 +165,14 @@ class Step(NamedTuple):
 
     index: Any
     kind: int | None
+    segment: tuple[int, int] | None = None  # (start, stop) of the loop segment, when looping
 
 
-def _loop(plan: Plan, body: Callable[[Step, Any], Any], init: Any, reverse: bool = False) -> Any:
+def _loop(plan: Plan, body: Callable[[Step, Any], Any], init: Any, reverse: bool = False,
+          enter: Callable[[int, int, Any], Any] | None = None) -> Any:
     """Run ``body`` over the steps, first to last (or last to first): straight-line code when the
-    plan is unrolled, else ``lax.fori_loop``s over its segments (``Plan.segments``)."""
+    plan is unrolled, else ``lax.fori_loop``s over its segments (``Plan.segments``), each entered
+    with ``enter(start, stop, carry)`` where given."""
     carry = init
     if plan.unrolled:
         steps = range(plan.depth)
@@ -177,6 +180,8 @@ def _loop(plan: Plan, body: Callable[[Step, Any], Any], init: Any, reverse: bool
             carry = body(Step(i, int(plan.step_kind[i])), carry)
         return carry
     for start, stop, period in reversed(plan.segments) if reverse else plan.segments:
+        if enter is not None:
+            carry = enter(start, stop, carry)
         carry = _segment(plan, body, carry, start, stop, period, reverse)
     return carry
 
@@ -188,7 +193,7 @@ def _segment(plan: Plan, body: Callable, carry: Any, start: int, stop: int, peri
         steps = np.arange(start, stop)[::-1] if reverse else np.arange(start, stop)
 
         def one(t, c):
-            return body(Step(Index(t, steps), single), c)
+            return body(Step(Index(t, steps), single, (start, stop)), c)
 
         return lax.fori_loop(0, stop - start, one, carry)
     # Kinds repeat with this period: one iteration runs `period` steps of known kinds, no switch.
@@ -198,7 +203,7 @@ def _segment(plan: Plan, body: Callable, carry: Any, start: int, stop: int, peri
 
     def block(t, c):
         for j in reversed(range(period)) if reverse else range(period):
-            c = body(Step(Index(t, firsts + j), int(plan.step_kind[start + j])), c)
+            c = body(Step(Index(t, firsts + j), int(plan.step_kind[start + j]), (start, stop)), c)
         return c
 
     return lax.fori_loop(0, blocks, block, carry)
@@ -317,23 +322,41 @@ def forward(plan: Plan, params: list[Any], states: list[Any], residuals: bool = 
 
     def body(step, carry):
         i = step.index
+        states, res, prev = carry
+        fwd = plan.forwarding(*step.segment) if step.segment else None
 
-        def branch(k, sts):
+        def branch(k, operand):
+            sts, prev = operand
             kind = plan.kinds[k]
             pos = _at(kind.step_pos, i)
             theta, inputs = _arguments(plan, kind, Primal(params, sts, []), pos, written=True)
+            if fwd is not None and k in fwd.read:  # the previous step's output, carried
+                r = fwd.read[k]
+                inputs = (*inputs[:r], prev, *inputs[r + 1:])
             if not residuals:
                 return [kind.fn(theta, *inputs)]
             out, vjp = jax.vjp(kind.fn, theta, *inputs)
             return [out, *kind.split_residuals(vjp)]
 
-        bufs = {"state": list(carry[0]), "res": list(carry[1])}
-        _write(bufs, writes, i, _step(plan, step, writes, branch, carry[0]), add=False)
-        return bufs["state"], bufs["res"]
+        values = _step(plan, step, writes, branch, (states, prev))
+        bufs = {"state": list(states), "res": list(res)}
+        _write(bufs, writes, i, values, add=False)
+        if fwd is not None:  # every kind here writes its output to fwd.group: one shared slot
+            out_slot = writes.of_kind[step.kind if step.kind is not None else next(iter(fwd.read))][0]
+            prev = plan.state_groups[fwd.group].cast(values[out_slot])
+        return bufs["state"], bufs["res"], prev
+
+    def enter(start, stop, carry):
+        states, res, _ = carry
+        fwd = plan.forwarding(start, stop)
+        if fwd is None:
+            return states, res, None
+        group = plan.state_groups[fwd.group]
+        return states, res, group.row_zeros() if fwd.first_row is None else _row(states[fwd.group], fwd.first_row)
 
     res0 = [RowList([jnp.zeros(a.shape, a.dtype)] * (n + 1)) if plan.unrolled else jnp.zeros((n + 1, *a.shape), a.dtype)
             for a, n in zip(plan.res_avals, plan.res_rows)] if residuals else []
-    states, res = _loop(plan, body, (list(states), res0))
+    states, res, _ = _loop(plan, body, (list(states), res0, None), enter=enter)
     return Primal(params, states, res if residuals else None)
 
 

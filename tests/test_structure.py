@@ -173,3 +173,38 @@ def test_loops_update_buffers_in_place():
 def loop_body(text, name):
     """The HLO text of computation ``name`` (a while body)."""
     return text.split(f"\n%{name} ", 1)[1].split("\n}\n", 1)[0]
+
+
+def test_forward_loop_carries_the_previous_output():
+    """Reads that are always the previous step's output come from the loop's carry (no round trip
+    through the state buffer); other reads (skips, a read two steps back) still read the buffer,
+    and the gradients stay exact."""
+    from linbackprop._plan import plan_for
+
+    def build(back):
+        layers = [lbp.Layer(1, residual, (0,), (lbp.Row("W", 0), lbp.Row("b", 0)))]
+        layers += [lbp.Layer(i, skip, (i - 1, i - back), (lbp.Row("S", i - 2),)) if i % 2 == 0 else
+                   lbp.Layer(i, residual, (i - 1,), (lbp.Row("W", i // 2), lbp.Row("b", i // 2)))
+                   for i in range(2, 33)]
+        return lbp.Network(layers, [0], 32)
+
+    params = {"W": jnp.full((16, 4, 4), 0.1), "b": jnp.zeros((16, 4)), "S": jnp.full((31, 4, 4), 0.05)}
+    params = jax.tree.map(lambda v: v.astype(jnp.float64), params)
+    x = jnp.linspace(-1.0, 1.0, 8, dtype=jnp.float64).reshape(2, 4)
+    for back in (2, 1):
+        net = build(back)
+        plan = plan_for(net, net.select_params(params), (x,), "loop")
+        found = [plan.forwarding(start, stop) for start, stop, _ in plan.segments]
+        assert any(f is not None for f in found)
+        assert {r for f in found if f is not None for r in f.read.values()} == {0}  # U_{i-1}, never U_{i-2}
+        loss = lambda p, x: jnp.sum(jnp.sin(net(p, x)))
+        expected = jax.grad(loss, (0, 1))(params, x)
+        got = jax.jit(lbp.grad_by_solve(loss, (0, 1), engine="loop"))(params, x)
+        for a, e in zip(jax.tree.leaves(got), jax.tree.leaves(expected)):
+            np.testing.assert_allclose(a, e, rtol=1e-9, atol=1e-12)
+
+    chain = lbp.Network([lbp.Layer(i, residual, (i - 1,), (lbp.Row("W", i - 1), lbp.Row("b", i - 1)))
+                         for i in range(1, 21)], [0], 20)
+    p = {"W": jnp.zeros((20, 4, 4)), "b": jnp.zeros((20, 4))}
+    plan = plan_for(chain, chain.select_params(p), (jnp.ones((2, 4)),), "loop")
+    assert [plan.forwarding(a, b) for a, b, _ in plan.segments] == [(0, {0: 0}, 0)]
