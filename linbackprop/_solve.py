@@ -310,10 +310,20 @@ def _step(plan: Plan, step: Step, writes: Writes, branch: Callable[[int, Any], l
 def _write(bufs: dict[str, list], writes: Writes, i: Any, values: list, add: bool) -> None:
     """All writes of a step, outside any switch: XLA updates the big buffers in place."""
     rows = _at(writes.rows, i)
+    by_buffer: dict[tuple[str, int], list[int]] = {}
     for s, v in enumerate(values):
         if v is not None:
-            family, n = writes.buffers[s]
-            bufs[family][n] = (_add_row if add else _set_row)(bufs[family][n], rows[s], v)
+            by_buffer.setdefault(writes.buffers[s], []).append(s)
+    for (family, n), slots in by_buffer.items():
+        buf = bufs[family][n]
+        if len(slots) == 1 or isinstance(buf, RowList) or not add:
+            for s in slots:
+                buf = (_add_row if add else _set_row)(buf, rows[s], values[s])
+        else:  # one scatter: the write depends on every value, so on every read behind them
+            idx = jnp.stack([jnp.asarray(_scalar(rows[s], affine=False)) for s in slots])
+            buf = jax.tree.map(lambda b, *vs: b.at[idx].add(jnp.stack([v.astype(b.dtype) for v in vs])),
+                               buf, *[values[s] for s in slots])
+        bufs[family][n] = buf
 
 
 def forward(plan: Plan, params: list[Any], states: list[Any], residuals: bool = True) -> Primal:

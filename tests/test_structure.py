@@ -146,12 +146,15 @@ def test_cheap_residuals_are_recomputed_not_stored():
         assert sum(plan.res_rows) == 3  # one stored row per layer
 
 
-def test_loops_update_buffers_in_place():
+@pytest.mark.parametrize("bare", [False, True])
+def test_loops_update_buffers_in_place(bare):
     """No step copies a whole stacked buffer: reads of the buffers a loop writes use indices XLA
-    cannot compare with the writes' (else it fuses a write into a later read and copies)."""
+    cannot compare with the writes' (else it fuses a write into a later read and copies), and a
+    step's several writes into one buffer are one scatter that depends on all its reads. ``bare``:
+    a skip layer whose VJP passes its cotangent straight through to one input."""
     blocks = 24
-    gate = lambda th, u: u * jax.nn.sigmoid(u @ th[0] + th[1])
-    skip2 = lambda th, u, s: u + jnp.tanh(u @ th[0] + s @ th[1])
+    gate = lambda th, u: u * jax.nn.sigmoid(u @ th[0] + (0 if bare else th[1]))
+    skip2 = lambda th, u, s: u + jnp.tanh((0 if bare else u @ th[0]) + s @ th[1])
     layers = []
     for k in range(blocks):
         prev, back = (("c", k - 1) if k else "x"), (("c", k - 4) if k >= 4 else "x")
