@@ -339,14 +339,14 @@ class Network:
         """All states by name, inputs included: the plain forward substitution U = Φ(U, θ)."""
         self.check_inputs(inputs)
         theta = self.select_params(params)
-        rows = self._rows(theta)
+        rows = self._read_rows(theta)
         states: dict[Hashable, Any] = dict(zip(self._inputs, inputs))
         for layer in self._layers:
             inputs_i = tuple(states[r] for r in layer.reads)
             states[layer.name] = call_layer(layer, layer_theta(layer, theta, rows), inputs_i)
         return states
 
-    def _rows(self, theta: Mapping[Hashable, Any]) -> dict[Row, Any]:
+    def _read_rows(self, theta: Mapping[Hashable, Any]) -> dict[Row, Any]:
         """Every ``Row`` the layers use, read from its stacked block in one pass (``take``: one
         kernel however many rows, where static slices would compile one kernel each)."""
         used: dict[Hashable, set[int]] = {}

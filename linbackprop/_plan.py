@@ -158,7 +158,7 @@ class Kind:
 class Forwarding(NamedTuple):
     """Reads in a stretch of the forward loop that are the previous step's output: the loop
     carries that output instead of writing it and reading it back (a round trip through a big
-    buffer that dominates latency-bound steps: a chain is 20–25 % faster without it)."""
+    buffer that dominates latency-bound steps: a narrow chain is 10–20 % faster without it)."""
 
     group: int  # the state group every step of the stretch writes its output to
     read: dict[int, int]  # kind -> the read slot that is always the previous step's output
