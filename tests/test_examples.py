@@ -65,4 +65,5 @@ def test_deep_residual_reports_times_and_agrees():
     with jax.enable_x64(False):
         result = load("deep_residual").main(depth=24, width=8, batch=4, repeats=2)
     assert result["difference"] < 1e-5
-    assert {"grad_by_solve", "jax.grad (unrolled)", "jax.grad (lax.scan)"} <= set(result)
+    assert {"grad_by_solve", "grad_by_solve (Row)", "jax.grad (unrolled)", "jax.grad (unrolled, Row)",
+            "jax.grad (lax.scan)"} <= set(result)
