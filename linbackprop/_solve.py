@@ -54,7 +54,7 @@ def _row(buf: Any, i: Any, written: bool = False) -> Any:
     i = _scalar(i, affine=not written)
     if isinstance(buf, RowList):
         return buf.rows[int(i)]
-    return jax.tree.map(lambda b: lax.dynamic_index_in_dim(b, i, 0, keepdims=False), buf)
+    return jax.tree.map(lambda b: lax.dynamic_index_in_dim(b, i, 0, keepdims=False, allow_negative_indices=False), buf)
 
 
 def _set_row(buf: Any, i: Any, value: Any) -> Any:
@@ -63,7 +63,10 @@ def _set_row(buf: Any, i: Any, value: Any) -> Any:
         rows = list(buf.rows)
         rows[int(i)] = _cast(value, rows[int(i)])
         return RowList(rows)
-    return jax.tree.map(lambda b, v: lax.dynamic_update_index_in_dim(b, v.astype(b.dtype), i, 0), buf, value)
+    def set_(b, v):
+        return lax.dynamic_update_index_in_dim(b, v.astype(b.dtype), i, 0, allow_negative_indices=False)
+
+    return jax.tree.map(set_, buf, value)
 
 
 def _add_row(buf: Any, i: Any, value: Any) -> Any:
@@ -74,7 +77,8 @@ def _add_row(buf: Any, i: Any, value: Any) -> Any:
         return RowList(rows)
 
     def add(b, v):
-        return lax.dynamic_update_index_in_dim(b, lax.dynamic_index_in_dim(b, i, 0, False) + v.astype(b.dtype), i, 0)
+        row = lax.dynamic_index_in_dim(b, i, 0, False, allow_negative_indices=False)
+        return lax.dynamic_update_index_in_dim(b, row + v.astype(b.dtype), i, 0, allow_negative_indices=False)
 
     return jax.tree.map(add, buf, value)
 
@@ -156,7 +160,8 @@ def _scalar(i: Any, affine: bool = True) -> Any:
     d = int(v[1] - v[0]) if len(v) > 1 else 0
     if affine and np.array_equal(v, v[0] + d * np.arange(len(v))):
         return int(v[0]) if d == 0 else int(v[0]) + d * i.t
-    return lax.optimization_barrier(jnp.asarray(v, np.int32))[i.t]
+    table = lax.optimization_barrier(jnp.asarray(v, np.int32))
+    return lax.dynamic_index_in_dim(table, i.t, 0, keepdims=False, allow_negative_indices=False)
 
 
 class Step(NamedTuple):

@@ -75,7 +75,7 @@ batching.primitive_batchers[place_p] = _place_batch
 # -- take -------------------------------------------------------------------------------------------
 def _take_impl(buf: jax.Array, *, slots: tuple[int, ...]) -> list[jax.Array]:
     rows = opaque_rows(buf.shape[0], buf)
-    return [lax.dynamic_index_in_dim(buf, rows[s], 0, keepdims=False) for s in slots]
+    return [lax.dynamic_index_in_dim(buf, rows[s], 0, keepdims=False, allow_negative_indices=False) for s in slots]
 
 
 def _take_abstract(buf: Any, *, slots: tuple[int, ...]) -> list[jax.core.ShapedArray]:
