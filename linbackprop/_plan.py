@@ -231,6 +231,19 @@ class Plan:
                                                                   self.kinds], self._pad_rows())
         return cache[key]
 
+    @functools.cached_property
+    def params_written_once(self) -> frozenset[int]:
+        """Parameter groups no row of which two layers (or two slots of one layer) use: in the
+        back substitution each of their rows of ℳΛ is set once, not accumulated (a read saved)."""
+        once = set()
+        for g in range(len(self.param_groups)):
+            rows = [kind.param_slots[:kind.size, p] for kind in self.kinds
+                    for p, pg in enumerate(kind.param_groups) if pg == g]
+            rows = np.concatenate(rows) if rows else np.zeros(0, np.int32)
+            if len(np.unique(rows)) == len(rows):
+                once.add(g)
+        return frozenset(once)
+
     def forwarding(self, start: int, stop: int) -> Forwarding | None:
         """Which reads of steps ``start:stop`` are always the previous step's output (None: none,
         or the steps write their outputs to different groups)."""

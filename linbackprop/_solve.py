@@ -30,6 +30,7 @@ import numpy as np
 from jax import lax
 
 from ._plan import Kind, Plan, RowList, Writes
+from ._stacking import index_row, update_row
 
 
 class Primal(NamedTuple):
@@ -54,7 +55,7 @@ def _row(buf: Any, i: Any, written: bool = False) -> Any:
     i = _scalar(i, affine=not written)
     if isinstance(buf, RowList):
         return buf.rows[int(i)]
-    return jax.tree.map(lambda b: lax.dynamic_index_in_dim(b, i, 0, keepdims=False, allow_negative_indices=False), buf)
+    return jax.tree.map(lambda b: index_row(b, i), buf)
 
 
 def _set_row(buf: Any, i: Any, value: Any) -> Any:
@@ -64,7 +65,7 @@ def _set_row(buf: Any, i: Any, value: Any) -> Any:
         rows[int(i)] = _cast(value, rows[int(i)])
         return RowList(rows)
     def set_(b, v):
-        return lax.dynamic_update_index_in_dim(b, v.astype(b.dtype), i, 0, allow_negative_indices=False)
+        return update_row(b, i, v.astype(b.dtype))
 
     return jax.tree.map(set_, buf, value)
 
@@ -77,8 +78,7 @@ def _add_row(buf: Any, i: Any, value: Any) -> Any:
         return RowList(rows)
 
     def add(b, v):
-        row = lax.dynamic_index_in_dim(b, i, 0, False, allow_negative_indices=False)
-        return lax.dynamic_update_index_in_dim(b, row + v.astype(b.dtype), i, 0, allow_negative_indices=False)
+        return update_row(b, i, index_row(b, i) + v.astype(b.dtype))
 
     return jax.tree.map(add, buf, value)
 
@@ -161,7 +161,7 @@ def _scalar(i: Any, affine: bool = True) -> Any:
     if affine and np.array_equal(v, v[0] + d * np.arange(len(v))):
         return int(v[0]) if d == 0 else int(v[0]) + d * i.t
     table = lax.optimization_barrier(jnp.asarray(v, np.int32))
-    return lax.dynamic_index_in_dim(table, i.t, 0, keepdims=False, allow_negative_indices=False)
+    return index_row(table, i.t)
 
 
 class Step(NamedTuple):
@@ -312,8 +312,10 @@ def _step(plan: Plan, step: Step, writes: Writes, branch: Callable[[int, Any], l
     return lax.switch(_scalar(_at(plan.step_kind, step.index)), [make(k) for k in range(len(plan.kinds))], operand)
 
 
-def _write(bufs: dict[str, list], writes: Writes, i: Any, values: list, add: bool) -> None:
-    """All writes of a step, outside any switch: XLA updates the big buffers in place."""
+def _write(bufs: dict[str, list], writes: Writes, i: Any, values: list, add: bool,
+           set_buffers: frozenset = frozenset()) -> None:
+    """All writes of a step, outside any switch: XLA updates the big buffers in place.
+    ``add``: values are added, except into ``set_buffers`` (rows written once: set)."""
     rows = _at(writes.rows, i)
     by_buffer: dict[tuple[str, int], list[int]] = {}
     for s, v in enumerate(values):
@@ -321,7 +323,10 @@ def _write(bufs: dict[str, list], writes: Writes, i: Any, values: list, add: boo
             by_buffer.setdefault(writes.buffers[s], []).append(s)
     for (family, n), slots in by_buffer.items():
         buf = bufs[family][n]
-        if len(slots) == 1 or isinstance(buf, RowList) or not add:
+        if (family, n) in set_buffers:
+            for s in slots:
+                buf = _set_row(buf, rows[s], values[s])
+        elif len(slots) == 1 or isinstance(buf, RowList) or not add:
             for s in slots:
                 buf = (_add_row if add else _set_row)(buf, rows[s], values[s])
         else:  # one scatter: the write depends on every value, so on every read behind them
@@ -425,11 +430,18 @@ def back_substitution(plan: Plan, prim: Primal, rhs: list[Any], grads: list[Any]
             return values + list(maps.param_adjoint(lam_i)) if in_loop else values
 
         bufs = {"state": list(lam), "param": list(acc)}
-        _write(bufs, writes, i, _step(plan, step, writes, branch, lam), add=True)
+        # With kinds known at trace time no slot of a parameter group written once is inactive
+        # (an inactive one adds zeros to row 0), so its rows are set: no read of the old row.
+        once = frozenset(("param", g) for g in plan.params_written_once) if step.kind is not None else frozenset()
+        _write(bufs, writes, i, _step(plan, step, writes, branch, lam), add=True, set_buffers=once)
         return (bufs["state"], bufs["param"]) if in_loop else bufs["state"]
 
-    init = (list(rhs), list(grads)) if in_loop else list(rhs)
-    return _loop(plan, body, init, reverse=True)
+    if not in_loop:
+        return _loop(plan, body, list(rhs), reverse=True)
+    # ℳΛ goes into fresh zeros, added to ``grads`` after the loop: rows can then be set rather
+    # than accumulated, and XLA drops the addition where ``grads`` is zeros (a gradient).
+    lam, acc = _loop(plan, body, (list(rhs), [g.zeros(plan.unrolled) for g in plan.param_groups]), reverse=True)
+    return lam, [jax.tree.map(jnp.add, g, a) for g, a in zip(grads, acc)]
 
 
 # -- the parallel parts: one vmapped application per kind -------------------------------------------

@@ -258,6 +258,9 @@ def _tangent_or_zero(plan: Plan, name: Hashable, z: list[Any]) -> Any:
 _call_by_solve.defjvp(_call_by_solve_jvp, symbolic_zeros=True)
 # Staged as one computation even when called eagerly: JAX then compiles the solve (and its JVP and
 # transpose) as a whole instead of dispatching its operations one by one. Inside jit it inlines.
+# The jit also caches the traced solve and its linearisation: a loss that calls one network 20
+# times traces in 0.16 s, against 1.0 s calling the custom_jvp directly (which would save only
+# the primal trace, ~10 % of one call's tracing).
 _jitted_call_by_solve = jax.jit(_call_by_solve, static_argnums=0)
 
 

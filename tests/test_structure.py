@@ -211,3 +211,22 @@ def test_forward_loop_carries_the_previous_output():
     p = {"W": jnp.zeros((20, 4, 4)), "b": jnp.zeros((20, 4))}
     plan = plan_for(chain, chain.select_params(p), (jnp.ones((2, 4)),), "loop")
     assert [plan.forwarding(a, b) for a, b, _ in plan.segments] == [(0, {0: 0}, 0)]
+
+
+def test_rows_of_unshared_blocks_are_set_once():
+    """ℳΛ in the loop sets the rows of blocks no two layers share (no read of the old row) and
+    accumulates the others; the gradients are jax.grad's either way."""
+    from networks import REGISTRY
+
+    from linbackprop._plan import plan_for
+
+    case = REGISTRY["stacked"]()  # row R[1] and block "scale" shared; S's rows used once each
+    params = case.net.select_params(case.params)
+    plan = plan_for(case.net, params, case.inputs, "loop")
+    once = {plan.param_groups[g].names for g in plan.params_written_once}
+    assert once == {("S",)}
+    expected = jax.grad(case.loss)(case.params, *case.inputs)
+    for engine in ("loop", "unrolled"):
+        got = jax.jit(lbp.grad_by_solve(case.loss, param_products="in_loop", engine=engine))(case.params, *case.inputs)
+        for a, e in zip(jax.tree.leaves(got), jax.tree.leaves(expected)):
+            np.testing.assert_allclose(a, e, rtol=1e-9, atol=1e-12)
