@@ -177,6 +177,24 @@ def timing_row(name: str, reference: str, made, repeats: int, grad=lbp.grad_by_s
     return row
 
 
+def jvp_row(name: str, made, repeats: int) -> dict:
+    """Forward mode: jvp_by_solve against jax.jvp of the reference, tangents all ones."""
+    loss, (params, x), ref_loss, (ref_params, ref_x) = made
+    ones = lambda tree: jax.tree.map(jnp.ones_like, tree)
+    ours, c_ours = compiled(lambda p, t: lbp.jvp_by_solve(lambda q: loss(q, x), (p,), (t,)), (params, ones(params)))
+    ref, c_ref = compiled(lambda p, t: jax.jvp(lambda q: ref_loss(q, ref_x), (p,), (t,)),
+                          (ref_params, ones(ref_params)))
+    fwd, _ = compiled(ref_loss, (ref_params, ref_x))
+    t_ours, t_ref, t_fwd = interleaved([(ours, (params, ones(params))), (ref, (ref_params, ones(ref_params))),
+                                        (fwd, (ref_params, ref_x))], repeats)
+    (p_ours, m_ours), (p_ref, m_ref) = memory(ours), memory(ref)
+    row = {"network": name, "reference": "jit(jax.jvp), lax.scan over stacked weights", "ratio": t_ours / t_ref,
+           "ours ms": t_ours * 1e3, "ref ms": t_ref * 1e3, "peak": p_ours / p_ref, "temp": m_ours / max(m_ref, 1),
+           "grad/fwd": t_ours / t_fwd, "compile": (c_ours, c_ref)}
+    print(row, flush=True)
+    return row
+
+
 def compile_rows(quick: bool) -> list[tuple[str, str, str]]:
     """(what, measured, target) rows about compile time."""
     deep, shallow = (256, 32) if quick else (512, 64)
@@ -242,6 +260,8 @@ def main() -> None:
                    grad=lambda f: lbp.grad_by_solve(f, remat=True)),
         timing_row("same, `remat=True`, ℳ batched after the loop", scan, chain(128, 128, 64), r,
                    grad=lambda f: lbp.grad_by_solve(f, remat=True, param_products="after")),
+        jvp_row("same, forward mode: `jvp_by_solve` (the substitution inside the forward loop; last column: "
+                "jvp / forward)", chain(128, 128, 64), r),
         timing_row("deep narrow chain 512×32×8, `Row` blocks (latency-bound: ℳ after the loop)", scan,
                    chain(512, 32, 8), r),
         timing_row("same, ℳΛ inside the loop", scan, chain(512, 32, 8), r,

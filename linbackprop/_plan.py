@@ -223,7 +223,8 @@ class Plan:
         return periodic_segments(self.step_kind, len(self.kinds))
 
     def writes(self, loop: str, with_params: bool = False) -> Writes:
-        """The write slots of ``loop``: "forward", "forward+res", "forward_sub" or "back"."""
+        """The write slots of ``loop``: "forward", "forward+res", "forward+tangent", "forward_sub"
+        or "back"."""
         key = (loop, with_params)
         cache = self.__dict__.setdefault("_writes", {})
         if key not in cache:
@@ -276,17 +277,20 @@ class Plan:
         return Forwarding(group, read, first_row)
 
     def _pad_rows(self) -> dict[Hashable, int]:
-        return {**{("state", g): grp.rows - 1 for g, grp in enumerate(self.state_groups)},
+        return {**{(family, g): grp.rows - 1 for g, grp in enumerate(self.state_groups)
+                   for family in ("state", "tangent")},
                 **{("res", r): n for r, n in enumerate(self.res_rows)},
                 **{("param", p): 0 for p in range(len(self.param_groups))}}  # adds zeros to row 0
 
     def _targets(self, kind: Kind, loop: str, with_params: bool) -> list[tuple[Hashable, np.ndarray]]:
         n = kind.size
         out_diff = self.state_groups[kind.out_group].differentiable
-        if loop in ("forward", "forward+res"):
+        if loop.startswith("forward") and loop != "forward_sub":
             values = [(("state", kind.out_group), kind.out_slots[:n])]
             if loop == "forward+res":
                 values += [(("res", r), off + np.arange(n)) for r, off in zip(kind.own_groups, kind.own_offsets)]
+            if loop == "forward+tangent" and out_diff:
+                values += [(("tangent", kind.out_group), kind.out_slots[:n])]
             return values
         if not out_diff:  # integer states carry no tangent or cotangent
             return []

@@ -286,7 +286,7 @@ def _slot_zeros(plan: Plan, buffer: tuple[str, int]) -> Any:
     family, n = buffer
     if family == "res":
         return _zeros_like_aval(plan.res_avals[n])
-    group = (plan.state_groups if family == "state" else plan.param_groups)[n]
+    group = (plan.param_groups if family == "param" else plan.state_groups)[n]
     return group.row_zeros()
 
 
@@ -336,48 +336,97 @@ def _write(bufs: dict[str, list], writes: Writes, i: Any, values: list, add: boo
         bufs[family][n] = buf
 
 
-def forward(plan: Plan, params: list[Any], states: list[Any], residuals: bool = True) -> Primal:
-    """U = Φ(U, θ) by forward substitution; with ``residuals``, each layer's VJP residuals too."""
-    writes = plan.writes("forward+res" if residuals else "forward")
+def _jvp_moving(fn: Callable, theta: tuple, inputs: tuple, dtheta: tuple, dinputs: tuple) -> tuple[Any, Any]:
+    """fn(θ, *inputs) and its derivative along the tangents that are not None (the rest held)."""
+    moving = [(0, p, t) for p, t in enumerate(dtheta) if t is not None]
+    moving += [(1, r, t) for r, t in enumerate(dinputs) if t is not None]
+
+    def f(*args):
+        th, ins = list(theta), list(inputs)
+        for (where, n, _), a in zip(moving, args):
+            (th if where == 0 else ins)[n] = a
+        return fn(tuple(th), *ins)
+
+    primals = tuple((theta if where == 0 else inputs)[n] for where, n, _ in moving)
+    if not primals:  # nothing moves: the tangent is zero
+        out = fn(theta, *inputs)
+        return out, jax.tree.map(jnp.zeros_like, out)
+    return jax.jvp(f, primals, tuple(t for _, _, t in moving))
+
+
+def forward(plan: Plan, params: list[Any], states: list[Any], residuals: bool = True,
+            tangents: tuple[list[Any] | None, list[Any]] | None = None) -> Any:
+    """U = Φ(U, θ) by forward substitution; with ``residuals``, each layer's VJP residuals too.
+
+    With ``tangents`` = (h, Z₀) — parameter- and state-layout tangents, None for constant groups —
+    the same sweep also solves ℒ Z = ℳ* h + Z₀: row i, Z_i = ∂Φ_i/∂θ h + Σ_j ∂Φ_i/∂U_j Z_j (+ Z₀_i),
+    needs only layer i's linearisation, at hand the moment U_i is computed (a JVP of the layer),
+    so nothing is stored for it. Returns (Primal, Z) then.
+    """
+    assert not (residuals and tangents is not None)
+    h, _ = tangents if tangents is not None else (None, None)
+    writes = plan.writes("forward+res" if residuals else "forward+tangent" if tangents is not None else "forward")
 
     def body(step, carry):
         i = step.index
-        states, res, prev = carry
+        states, res, tans, prev = carry
         fwd = plan.forwarding(*step.segment) if step.segment else None
 
         def branch(k, operand):
-            sts, prev = operand
+            sts, tns, prev = operand
             kind = plan.kinds[k]
             pos = _at(kind.step_pos, i)
             theta, inputs = _arguments(plan, kind, Primal(params, sts, []), pos, written=True)
-            if fwd is not None and k in fwd.read:  # the previous step's output, carried
+            carried = fwd is not None and k in fwd.read  # the previous step's output, carried
+            if carried:
                 r = fwd.read[k]
-                inputs = (*inputs[:r], prev, *inputs[r + 1:])
-            if not residuals:
+                inputs = (*inputs[:r], prev[0], *inputs[r + 1:])
+            if residuals:
+                out, vjp = jax.vjp(kind.fn, theta, *inputs)
+                return [out, *kind.split_residuals(vjp)]
+            if tangents is None:
                 return [kind.fn(theta, *inputs)]
-            out, vjp = jax.vjp(kind.fn, theta, *inputs)
-            return [out, *kind.split_residuals(vjp)]
+            pslots, rslots = _at(kind.param_slots, pos), _at(kind.read_slots, pos)
+            dtheta = tuple(None if h is None or h[g] is None else _row(h[g], pslots[..., p])
+                           for p, g in enumerate(kind.param_groups))
+            dinputs = [None if tns[g] is None else _row(tns[g], rslots[..., r], written=True)
+                       for r, g in enumerate(kind.read_groups)]
+            if carried and prev[1] is not None:
+                dinputs[fwd.read[k]] = prev[1]
+            out, dout = _jvp_moving(kind.fn, theta, inputs, dtheta, tuple(dinputs))
+            return [out, dout] if tns[kind.out_group] is not None else [out]
 
-        values = _step(plan, step, writes, branch, (states, prev))
-        bufs = {"state": list(states), "res": list(res)}
+        values = _step(plan, step, writes, branch, (states, tans, prev))
+        bufs = {"state": list(states), "res": list(res), "tangent": list(tans)}
         _write(bufs, writes, i, values, add=False)
-        if fwd is not None:  # every kind here writes its output to fwd.group: one shared slot
-            out_slot = writes.of_kind[step.kind if step.kind is not None else next(iter(fwd.read))][0]
-            prev = plan.state_groups[fwd.group].cast(values[out_slot])
-        return bufs["state"], bufs["res"], prev
+        if fwd is not None:  # every kind here writes its output to fwd.group: the same slots
+            slots = writes.of_kind[step.kind if step.kind is not None else next(iter(fwd.read))]
+            group = plan.state_groups[fwd.group]
+            prev = (group.cast(values[slots[0]]),
+                    group.cast(values[slots[1]]) if prev[1] is not None else None)
+        return bufs["state"], bufs["res"], bufs["tangent"], prev
 
     def enter(start, stop, carry):
-        states, res, _ = carry
+        states, res, tans, _ = carry
         fwd = plan.forwarding(start, stop)
         if fwd is None:
-            return states, res, None
-        group = plan.state_groups[fwd.group]
-        return states, res, group.row_zeros() if fwd.first_row is None else _row(states[fwd.group], fwd.first_row)
+            return states, res, tans, None
+
+        def start_row(bufs):
+            if bufs[fwd.group] is None:
+                return None
+            if fwd.first_row is None:
+                return plan.state_groups[fwd.group].row_zeros()
+            return _row(bufs[fwd.group], fwd.first_row)
+
+        return states, res, tans, (start_row(states), start_row(tans) if tangents is not None else None)
 
     res0 = [RowList([jnp.zeros(a.shape, a.dtype)] * (n + 1)) if plan.unrolled else jnp.zeros((n + 1, *a.shape), a.dtype)
             for a, n in zip(plan.res_avals, plan.res_rows)] if residuals else []
-    states, res, _ = _loop(plan, body, (list(states), res0, None), enter=enter)
-    return Primal(params, states, res if residuals else None)
+    tans0 = list(tangents[1]) if tangents is not None else [None] * len(plan.state_groups)
+    states, res, tans, _ = _loop(plan, body, (list(states), res0, tans0, None), enter=enter)
+    prim = Primal(params, states, res if residuals else None)
+    return (prim, tans) if tangents is not None else prim
 
 
 def forward_substitution(plan: Plan, prim: Primal, rhs: list[Any]) -> list[Any]:

@@ -11,6 +11,8 @@ whose transpose is the back substitution ℒ* Λ = 𝒫* ḡ. Reverse mode is JA
 rule: the back substitution runs, then ℳ Λ — the transpose of the batched ℳ* h — is applied to
 all layers of a kind at once, after the loop. Because everything is a JVP rule plus
 transposition, jit, vmap, jvp-of-grad (Hessian-vector products) and jax.hessian all compose.
+Under jvp_by_solve alone, whose tangents are never transposed, the rule runs the substitution
+inside the forward loop instead (one JVP per layer, nothing stored).
 
 Outside these transforms a Network call is plain JAX code, so ``jax.grad`` of the same function
 is the independent reference. The mode is a JAX configuration state included in the jit key,
@@ -73,6 +75,8 @@ _REMAT = _mode("linbackprop_rematerialise",
                "linbackprop: keep only the states; re-linearise each layer in the substitutions and products.")
 ENGINES = ("auto", "loop", "unrolled")
 _ENGINE = _mode("linbackprop_engine", "linbackprop: how the substitutions run.", ENGINES)
+_FORWARD_ONLY = _mode("linbackprop_forward_only",
+                      "linbackprop: jvp_by_solve, whose tangents are not transposed: one fused forward sweep.")
 PARAM_PRODUCTS = ("auto", "after", "in_loop")
 _PARAM_PRODUCTS = _mode("linbackprop_param_products", "linbackprop: where ℳΛ is formed.", PARAM_PRODUCTS)
 
@@ -210,13 +214,20 @@ def _instantiate(t: Any) -> Any:
 def _call_by_solve_jvp(net: Network, primals: tuple, tangents: tuple) -> tuple:
     theta, inputs = primals
     dtheta, dinputs = tangents
-    plan, prim = prepare(net, theta, inputs)
+    plan = plan_for(net, theta, inputs, _ENGINE.value)
     # rhs = E₀ dU₀ + ℳ* h: input tangents on the identity rows of the inputs, then ℳ* h.
     given = {name: dx for name, dx in zip(net.inputs, dinputs)
              if not _is_zero(dx) and plan.state_groups[plan.state_loc[name][0]].differentiable}
     rhs = plan.pack_states(_instantiate(given))
     rhs = [b if g.differentiable else None for b, g in zip(rhs, plan.state_groups)]
     moves_params = not all(_is_zero(dtheta[p]) for p in net.param_names)
+    if _FORWARD_ONLY.value:  # jvp_by_solve: the substitution runs inside the forward sweep
+        h = [b if g.differentiable else None for b, g in
+             zip(plan.pack_params(_instantiate(dtheta)), plan.param_groups)] if moves_params else None
+        prim, z = forward(plan, plan.pack_params(theta), plan.pack_states(dict(zip(net.inputs, inputs))),
+                          residuals=False, tangents=(h, rhs))
+        return _outputs(plan, prim.states), tuple(_tangent_or_zero(plan, o, z) for o in net.outputs)
+    prim = prepare(net, theta, inputs)[1]
     in_loop = (moves_params and params_in_loop(_PARAM_PRODUCTS.value, _REMAT.value, plan)
                and all(g.differentiable for g in plan.param_groups))
     h = plan.pack_params(_instantiate(dtheta)) if in_loop else None
@@ -277,7 +288,8 @@ def _in_solve_mode(transformed: Callable, fun: Callable, remat: bool, param_prod
 
     @functools.wraps(fun)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
-        with _SOLVE_MODE(True), _REMAT(bool(remat)), _PARAM_PRODUCTS(param_products), _ENGINE(engine):
+        with (_SOLVE_MODE(True), _FORWARD_ONLY(False), _REMAT(bool(remat)), _PARAM_PRODUCTS(param_products),
+              _ENGINE(engine)):
             return transformed(*args, **kwargs)
 
     return wrapped
@@ -343,6 +355,11 @@ def jvp_by_solve(fun: Callable, primals: Sequence[Any], tangents: Sequence[Any],
     """Drop-in for ``jax.jvp``: Network calls are differentiated by forward substitution
     ℒ Z = ℳ* h (+ the input tangents), first layer to last (``engine`` as in :func:`grad_by_solve`).
 
+    Row i of the substitution needs only layer i's linearisation, so it runs inside the forward
+    loop (one JVP per layer, nothing stored). Reverse mode of the result (``jax.grad`` of it)
+    differentiates that loop with JAX's rules; for gradients use :func:`grad_by_solve`, whose
+    forward rule stays a transposable linear solve.
+
     Example:
         >>> import jax.numpy as jnp, linbackprop as lbp
         >>> net = lbp.Network([lbp.Layer("y", lambda th, x: x * th[0], ("x",), ("a",))], ["x"], "y")
@@ -351,5 +368,5 @@ def jvp_by_solve(fun: Callable, primals: Sequence[Any], tangents: Sequence[Any],
         (6.0, 2.0)
     """
     _check_choice("engine", engine, ENGINES)
-    with _SOLVE_MODE(True), _REMAT(False), _PARAM_PRODUCTS("auto"), _ENGINE(engine):
+    with _SOLVE_MODE(True), _FORWARD_ONLY(True), _REMAT(False), _PARAM_PRODUCTS("auto"), _ENGINE(engine):
         return jax.jvp(fun, primals, tangents, has_aux=has_aux)

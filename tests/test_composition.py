@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from networks import REGISTRY
 
 import linbackprop as lbp
@@ -69,3 +70,24 @@ def test_optax_training_steps_equal_those_with_jax_grad():
     for a, e in zip(jax.tree.leaves(ours), jax.tree.leaves(ref)):
         np.testing.assert_allclose(a, e, rtol=1e-9, atol=1e-12)
     assert not np.allclose(jax.tree.leaves(ours)[0], jax.tree.leaves(case.params)[0])
+
+
+@pytest.mark.parametrize("engine", ["loop", "unrolled"])
+def test_forward_mode_nests_with_reverse_mode_both_ways(engine):
+    """jvp_by_solve runs its substitution inside the forward sweep (its tangents are never
+    transposed by the solve): jax.grad of it differentiates that sweep, and jvp_by_solve of
+    grad_by_solve (a Hessian-vector product) still transposes the solve."""
+    case = REGISTRY["lstm"]()
+    f = lambda q: case.loss(q, *case.inputs)
+    t = jax.tree.map(lambda a: jnp.full_like(a, 0.3), case.params)
+    expected = jax.grad(lambda q: jax.jvp(f, (q,), (t,))[1])(case.params)  # = the HVP too
+    checks = {
+        "grad of jvp_by_solve": jax.grad(lambda q: lbp.jvp_by_solve(f, (q,), (t,), engine=engine)[1])(case.params),
+        "grad_by_solve of jvp_by_solve": lbp.grad_by_solve(
+            lambda q: lbp.jvp_by_solve(f, (q,), (t,), engine=engine)[1], engine=engine)(case.params),
+        "jvp_by_solve of grad_by_solve": lbp.jvp_by_solve(lbp.grad_by_solve(f, engine=engine), (case.params,), (t,),
+                                                          engine=engine)[1],
+    }
+    for what, got in checks.items():
+        for a, e in zip(jax.tree.leaves(got), jax.tree.leaves(expected)):
+            np.testing.assert_allclose(a, e, rtol=1e-9, atol=1e-12, err_msg=what)
