@@ -215,6 +215,50 @@ class Plan:
     res_avals: tuple[Aval, ...]  # the stored residuals, one buffer per shape and dtype ...
     res_rows: tuple[int, ...]  # ... with this many rows (and a pad row)
     unrolled: bool = False  # the substitutions as straight-line code (shallow networks, see loop_pays)
+    full: Plan | None = None  # for a compact plan (see ``compact``): the plan it was made from
+
+    @functools.cached_property
+    def compact(self) -> Plan:
+        """The layout for a sweep that keeps only what is read again: a forward pass without
+        residuals (``jvp_by_solve``'s, with its tangents). States that later steps read only from
+        the loop's carry (the previous step's output, see ``forwarding``) and that are no input or
+        output of the network get no row: their writes go to the pad row. A chain keeps its
+        input and output rows only, instead of every state (and every tangent)."""
+        if self.unrolled or self.full is not None:
+            return self
+        needed = [set() for _ in self.state_groups]
+        for name in (*self.net.inputs, *self.net.outputs):
+            g, row = self.state_loc[name]
+            needed[g].add(row)
+        for start, stop, _ in self.segments:
+            fwd = self.forwarding(start, stop)
+            for j in range(start, stop):
+                k = int(self.step_kind[j])
+                kind = self.kinds[k]
+                for r, g in enumerate(kind.read_groups):
+                    if not (fwd is not None and j > start and fwd.read.get(k) == r):
+                        needed[g].add(int(kind.step_read_slots[j, r]))
+        groups, remap = [], []
+        for g, group in enumerate(self.state_groups):
+            keep = [row for row in range(len(group.names)) if row in needed[g]]
+            new = np.full(group.rows, len(keep), dtype=np.int32)  # default: the new pad row
+            new[keep] = np.arange(len(keep))
+            groups.append(dataclasses.replace(group, names=tuple(group.names[row] for row in keep)))
+            remap.append(new)
+        loc = {name: (g, int(remap[g][row])) for name, (g, row) in self.state_loc.items()}
+
+        def columns(table: np.ndarray, gs: tuple[int, ...]) -> np.ndarray:
+            out = table.copy()
+            for r, g in enumerate(gs):
+                out[:, r] = remap[g][table[:, r]]
+            return out
+
+        kinds = tuple(dataclasses.replace(
+            kind, read_slots=columns(kind.read_slots, kind.read_groups),
+            step_read_slots=columns(kind.step_read_slots, kind.read_groups),
+            out_slots=remap[kind.out_group][kind.out_slots], step_out_slot=remap[kind.out_group][kind.step_out_slot],
+        ) for kind in self.kinds)
+        return dataclasses.replace(self, state_groups=tuple(groups), state_loc=loc, kinds=kinds, full=self)
 
     @functools.cached_property
     def segments(self) -> list[tuple[int, int, int]]:
@@ -248,6 +292,12 @@ class Plan:
     def forwarding(self, start: int, stop: int) -> Forwarding | None:
         """Which reads of steps ``start:stop`` are always the previous step's output (None: none,
         or the steps write their outputs to different groups)."""
+        if self.full is not None:  # the compact layout aliases rows: decide on the full one
+            fwd = self.full.forwarding(start, stop)
+            if fwd is None or fwd.first_row is None:
+                return fwd
+            name = self.full.state_groups[fwd.group].names[fwd.first_row]
+            return fwd._replace(first_row=self.state_loc[name][1])
         cache = self.__dict__.setdefault("_forwarding_cache", {})
         if (start, stop) not in cache:
             cache[(start, stop)] = self._forwarding(start, stop)

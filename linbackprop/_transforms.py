@@ -193,7 +193,7 @@ def solve_forward(plan: Plan, prim: Primal, rhs: list[Any]) -> list[Any]:
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
 def _call_by_solve(net: Network, theta: dict, inputs: tuple) -> tuple[Any, ...]:
-    plan = plan_for(net, theta, inputs, _ENGINE.value)
+    plan = plan_for(net, theta, inputs, _ENGINE.value).compact
     prim = forward(plan, plan.pack_params(theta), plan.pack_states(dict(zip(net.inputs, inputs))),
                    residuals=False)
     return _outputs(plan, prim.states)
@@ -222,10 +222,13 @@ def _call_by_solve_jvp(net: Network, primals: tuple, tangents: tuple) -> tuple:
     rhs = [b if g.differentiable else None for b, g in zip(rhs, plan.state_groups)]
     moves_params = not all(_is_zero(dtheta[p]) for p in net.param_names)
     if _FORWARD_ONLY.value:  # jvp_by_solve: the substitution runs inside the forward sweep
+        plan = plan.compact
+        z0 = [b if g.differentiable else None for b, g in
+              zip(plan.pack_states(_instantiate(given)), plan.state_groups)]
         h = [b if g.differentiable else None for b, g in
              zip(plan.pack_params(_instantiate(dtheta)), plan.param_groups)] if moves_params else None
         prim, z = forward(plan, plan.pack_params(theta), plan.pack_states(dict(zip(net.inputs, inputs))),
-                          residuals=False, tangents=(h, rhs))
+                          residuals=False, tangents=(h, z0))
         return _outputs(plan, prim.states), tuple(_tangent_or_zero(plan, o, z) for o in net.outputs)
     prim = prepare(net, theta, inputs)[1]
     in_loop = (moves_params and params_in_loop(_PARAM_PRODUCTS.value, _REMAT.value, plan)

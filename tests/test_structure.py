@@ -230,3 +230,31 @@ def test_rows_of_unshared_blocks_are_set_once():
         got = jax.jit(lbp.grad_by_solve(case.loss, param_products="in_loop", engine=engine))(case.params, *case.inputs)
         for a, e in zip(jax.tree.leaves(got), jax.tree.leaves(expected)):
             np.testing.assert_allclose(a, e, rtol=1e-9, atol=1e-12)
+
+
+def test_forward_only_sweeps_keep_only_rows_read_again():
+    """jvp_by_solve's sweep (no residuals) stores a state only where a later step reads it from the
+    buffer (not from the carry) or it is an input or output: a chain keeps two rows, a skip
+    network also the states its skips read; tangents stay exact either way."""
+    from linbackprop._plan import plan_for
+
+    chain = lbp.Network([lbp.Layer(i, residual, (i - 1,), (lbp.Row("W", i - 1), lbp.Row("b", i - 1)))
+                         for i in range(1, 41)], [0], 40)
+    p = {"W": jnp.full((40, 4, 4), 0.1, jnp.float64), "b": jnp.zeros((40, 4), jnp.float64)}
+    x = jnp.linspace(-1.0, 1.0, 8, dtype=jnp.float64).reshape(2, 4)
+    compact = plan_for(chain, chain.select_params(p), (x,), "loop").compact
+    assert [g.names for g in compact.state_groups] == [(0, 40)]
+
+    layers = [lbp.Layer(1, residual, (0,), (lbp.Row("W", 0), lbp.Row("b", 0)))]
+    layers += [lbp.Layer(i, skip, (i - 1, max(i - 3, 0)), (lbp.Row("S", i - 2),)) if i % 2 == 0 else
+               lbp.Layer(i, residual, (i - 1,), (lbp.Row("W", i // 2), lbp.Row("b", i // 2))) for i in range(2, 41)]
+    net = lbp.Network(layers, [0], 40)
+    params = {"W": jnp.full((20, 4, 4), 0.1, jnp.float64), "b": jnp.zeros((20, 4), jnp.float64),
+              "S": jnp.full((39, 4, 4), 0.05, jnp.float64)}
+    compact = plan_for(net, net.select_params(params), (x,), "loop").compact
+    kept = {name for g in compact.state_groups for name in g.names}
+    assert kept == {0, 40} | {i - 3 for i in range(4, 41, 2)}  # the states the skips read (and 0)
+    loss = lambda q, x: jnp.sum(jnp.sin(net(q, x)))
+    t = (jax.tree.map(jnp.ones_like, params), jnp.ones_like(x))
+    np.testing.assert_allclose(lbp.jvp_by_solve(loss, (params, x), t, engine="loop")[1],
+                               jax.jvp(loss, (params, x), t)[1], rtol=1e-10)
