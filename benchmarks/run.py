@@ -4,7 +4,8 @@
 
 Every timing row runs jit(grad_by_solve) and its reference jit(jax.grad) interleaved (medians of
 ``--repeats`` runs each) and prints the ratio: absolute times are not comparable across runs on a
-noisy machine. Compile times are lower + compile. Peak memory is temp + argument + output bytes
+noisy machine. Compile times are lower + compile of a freshly built network (the compile-and-scaling
+rows: medians of three builds). Peak memory is temp + argument + output bytes
 from ``compiled.memory_analysis()``. With ``--write-readme`` the tables replace those between the
 markers in README.md.
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import re
 import time
+import types
 from collections.abc import Callable
 from pathlib import Path
 
@@ -38,6 +40,12 @@ def skip(th, u, s):
     return u + jnp.tanh(u @ th[0] + s @ th[1])
 
 
+def _fresh(fn):
+    """A new function object with fn's code: JAX caches traces per function object, so every
+    network built here compiles cold, as a user's first compile does."""
+    return types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+
+
 def _normal(key, shape, scale):
     return jax.random.normal(key, shape, jnp.float32) * scale
 
@@ -56,11 +64,12 @@ def chain(depth: int, width: int, batch: int, rows: bool = True):
     else:
         blocks = lambda i: (("W", i), ("b", i))
         params = {k: v for i in range(1, depth + 1) for k, v in ((("W", i), ws[i - 1]), (("b", i), bs[i - 1]))}
-    net = lbp.Network([lbp.Layer(i, residual, (i - 1,), blocks(i)) for i in range(1, depth + 1)], [0], depth)
+    layer = _fresh(residual)
+    net = lbp.Network([lbp.Layer(i, layer, (i - 1,), blocks(i)) for i in range(1, depth + 1)], [0], depth)
     loss = lambda p, x: jnp.sum(net(p, x) ** 2)
 
     def scan_loss(stacked, x):
-        u, _ = jax.lax.scan(lambda u, wb: (residual(wb, u), None), x, stacked)
+        u, _ = jax.lax.scan(lambda u, wb: (layer(wb, u), None), x, stacked)
         return jnp.sum(u**2)
 
     return loss, (params, x), scan_loss, ((ws, bs), x)
@@ -79,21 +88,22 @@ def kinds_dag(blocks: int, width: int, batch: int):
          "B": _normal(keys[1], (blocks, width, width), s), "b": jnp.zeros((blocks, width)),
          "C": _normal(keys[2], (blocks, width, width), s), "S": _normal(keys[3], (blocks, width, width), s)}
     x = _normal(keys[4], (batch, width), 1.0)
+    residual_, gated_, skip_ = _fresh(residual), _fresh(gated), _fresh(skip)
     layers = []
     for k in range(blocks):
         prev = ("c", k - 1) if k else "x"
         back = ("c", k - SKIP) if k >= SKIP else "x"
-        layers += [lbp.Layer(("a", k), residual, (prev,), (lbp.Row("A", k), lbp.Row("a", k))),
-                   lbp.Layer(("b", k), gated, (("a", k),), (lbp.Row("B", k), lbp.Row("b", k))),
-                   lbp.Layer(("c", k), skip, (("b", k), back), (lbp.Row("C", k), lbp.Row("S", k)))]
+        layers += [lbp.Layer(("a", k), residual_, (prev,), (lbp.Row("A", k), lbp.Row("a", k))),
+                   lbp.Layer(("b", k), gated_, (("a", k),), (lbp.Row("B", k), lbp.Row("b", k))),
+                   lbp.Layer(("c", k), skip_, (("b", k), back), (lbp.Row("C", k), lbp.Row("S", k)))]
     net = lbp.Network(layers, ["x"], ("c", blocks - 1))
     loss = lambda p, x: jnp.sum(net(p, x) ** 2)
 
     def scan_loss(p, x):
         def step(window, w):
-            a = residual((w["A"], w["a"]), window[-1])
-            b = gated((w["B"], w["b"]), a)
-            c = skip((w["C"], w["S"]), b, window[0])
+            a = residual_((w["A"], w["a"]), window[-1])
+            b = gated_((w["B"], w["b"]), a)
+            c = skip_((w["C"], w["S"]), b, window[0])
             return jnp.concatenate([window[1:], c[None]]), None
 
         window, _ = jax.lax.scan(step, jnp.broadcast_to(x, (SKIP, *x.shape)), p)
@@ -195,26 +205,34 @@ def jvp_row(name: str, made, repeats: int) -> dict:
     return row
 
 
+def cold_compile(build: Callable, grad: Callable = lbp.grad_by_solve, builds: int = 3) -> float:
+    """Median lower + compile time of ``grad`` of ``build()``'s loss over fresh builds (one
+    compile is too noisy to compare: single runs of the same row differed by 1.6x)."""
+    times = []
+    for _ in range(builds):
+        loss, args = build()[:2]
+        times.append(compiled(grad(loss), args)[1])
+    return float(np.median(times))
+
+
 def compile_rows(quick: bool) -> list[tuple[str, str, str]]:
-    """(what, measured, target) rows about compile time."""
+    """(what, measured, target) rows about compile time (each a median of fresh builds)."""
     deep, shallow = (256, 32) if quick else (512, 64)
     out = []
-    _, c_shallow = compiled(lbp.grad_by_solve(chain(shallow, 64, 8)[0]), chain(shallow, 64, 8)[1])
-    _, c_deep = compiled(lbp.grad_by_solve(chain(deep, 64, 8)[0]), chain(deep, 64, 8)[1])
+    c_shallow = cold_compile(lambda: chain(shallow, 64, 8))
+    c_deep = cold_compile(lambda: chain(deep, 64, 8))
     out.append((f"chain, compile(depth {deep}) / compile(depth {shallow})",
                 f"{c_deep / c_shallow:.2f} ({c_deep:.2f} s / {c_shallow:.2f} s)", "<= 1.5"))
-    loss, args, _, _ = chain(128, 64, 8, rows=False)
-    _, c_ours = compiled(lbp.grad_by_solve(loss), args)
-    _, c_unrolled = compiled(jax.grad(loss), args)
-    loss_rows, args_rows, _, _ = chain(128, 64, 8)
-    _, c_rows = compiled(lbp.grad_by_solve(loss_rows), args_rows)
+    c_ours = cold_compile(lambda: chain(128, 64, 8, rows=False))
+    c_unrolled = cold_compile(lambda: chain(128, 64, 8, rows=False), jax.grad)
+    c_rows = cold_compile(lambda: chain(128, 64, 8))
     out.append(("depth 128: compile grad_by_solve (`Row` blocks) / jax.grad of the unrolled network",
                 f"{c_rows / c_unrolled:.2f} ({c_rows:.2f} s / {c_unrolled:.2f} s)", "<= 0.25"))
     out.append(("same, one block per layer (256 arrays to pack and unpack)",
                 f"{c_ours / c_unrolled:.2f} ({c_ours:.2f} s / {c_unrolled:.2f} s)", "<= 0.25"))
     blocks = 85  # 255 layers of three kinds
-    _, c_kinds = compiled(lbp.grad_by_solve(kinds_dag(blocks, 64, 8)[0]), kinds_dag(blocks, 64, 8)[1])
-    _, c_one = compiled(lbp.grad_by_solve(chain(3 * blocks, 64, 8)[0]), chain(3 * blocks, 64, 8)[1])
+    c_kinds = cold_compile(lambda: kinds_dag(blocks, 64, 8))
+    c_one = cold_compile(lambda: chain(3 * blocks, 64, 8))
     out.append((f"{3 * blocks} layers of three kinds with long skips / one-kind chain, compile",
                 f"{c_kinds / c_one:.2f} ({c_kinds:.2f} s / {c_one:.2f} s)", "<= 1.5"))
     small, large = (30, 120) if quick else (42, 168)
