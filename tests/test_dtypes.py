@@ -84,29 +84,31 @@ def embed_problem():
     return params, jnp.array([1, 3, 3, 7])
 
 
-def test_integer_inputs_have_no_gradient():
+@pytest.mark.parametrize("engine", ["auto", "loop"])
+def test_integer_inputs_have_no_gradient(engine):
     params, ids = embed_problem()
     embed_loss = lambda p, ids: jnp.sum(EMBED(p, ids) ** 2)
-    ours, ref = jax.jit(lbp.grad_by_solve(embed_loss))(params, ids), jax.grad(embed_loss)(params, ids)
+    ours, ref = jax.jit(lbp.grad_by_solve(embed_loss, engine=engine))(params, ids), jax.grad(embed_loss)(params, ids)
     for k in params:
         np.testing.assert_allclose(ours[k], ref[k], rtol=1e-12)
     with pytest.raises(TypeError, match="int"):  # exactly as jax.grad
         lbp.grad_by_solve(embed_loss, (0, 1))(params, ids)
     float0 = np.zeros(ids.shape, jax.dtypes.float0)
     h = jax.tree.map(jnp.ones_like, params)
-    np.testing.assert_allclose(lbp.jvp_by_solve(embed_loss, (params, ids), (h, float0))[1],
+    np.testing.assert_allclose(lbp.jvp_by_solve(embed_loss, (params, ids), (h, float0), engine=engine)[1],
                                jax.jvp(embed_loss, (params, ids), (h, float0))[1], rtol=1e-12)
 
 
-def test_integer_states_inside_the_network():
+@pytest.mark.parametrize("engine", ["auto", "loop"])
+def test_integer_states_inside_the_network(engine):
     net = lbp.Network([lbp.Layer("h", dense, ("x",), ("W1", "b1")),
                        lbp.Layer("k", lambda th, h: jnp.argmax(h, -1), ("h",)),
                        lbp.Layer("y", lambda th, h, k: h * k[:, None] @ th[0], ("h", "k"), ("W2",))], ["x"], ["y", "k"])
     params, x = problem({"x": jnp.float64})
     int_loss = lambda p, x: jnp.sum(net(p, x)[0] ** 2)
-    ours, ref = lbp.grad_by_solve(int_loss, (0, 1))(params, x), jax.grad(int_loss, (0, 1))(params, x)
+    ours, ref = lbp.grad_by_solve(int_loss, (0, 1), engine=engine)(params, x), jax.grad(int_loss, (0, 1))(params, x)
     for a, e in zip(jax.tree.leaves(ours), jax.tree.leaves(ref)):
         np.testing.assert_allclose(a, e, rtol=1e-12)
     h = (jax.tree.map(jnp.ones_like, params), jnp.ones_like(x))
-    np.testing.assert_allclose(lbp.jvp_by_solve(int_loss, (params, x), h)[1], jax.jvp(int_loss, (params, x), h)[1],
-                               rtol=1e-12)
+    np.testing.assert_allclose(lbp.jvp_by_solve(int_loss, (params, x), h, engine=engine)[1],
+                               jax.jvp(int_loss, (params, x), h)[1], rtol=1e-12)
