@@ -75,35 +75,39 @@ def chain(depth: int, width: int, batch: int, rows: bool = True):
     return loss, (params, x), scan_loss, ((ws, bs), x)
 
 
-SKIP = 4  # the DAG's long skips reach SKIP blocks (3 * SKIP layers) back
+SKIP = 4  # the DAG's long skips reach SKIP blocks (kinds * SKIP layers) back
 
 
-def kinds_dag(blocks: int, width: int, batch: int):
-    """Three kinds of layer per block k (residual, gated, skip) and a long skip from the block
-    output SKIP blocks back: 3 * blocks layers. Reference: lax.scan over blocks carrying a window
-    of the last SKIP block outputs — the best jax.grad formulation we know for it."""
+def kinds_dag(blocks: int, width: int, batch: int, kinds: int = 3):
+    """Three kinds of layer per block k (residual, gated, skip; ``kinds=2``: residual, skip) and a
+    long skip from the block output SKIP blocks back: kinds * blocks layers. Reference: lax.scan
+    over blocks carrying a window of the last SKIP block outputs — the best jax.grad formulation
+    we know for it."""
     keys = jax.random.split(jax.random.PRNGKey(1), 6)
     s = 0.5 / np.sqrt(width)
     p = {"A": _normal(keys[0], (blocks, width, width), s), "a": jnp.zeros((blocks, width)),
-         "B": _normal(keys[1], (blocks, width, width), s), "b": jnp.zeros((blocks, width)),
          "C": _normal(keys[2], (blocks, width, width), s), "S": _normal(keys[3], (blocks, width, width), s)}
+    if kinds == 3:
+        p |= {"B": _normal(keys[1], (blocks, width, width), s), "b": jnp.zeros((blocks, width))}
     x = _normal(keys[4], (batch, width), 1.0)
     residual_, gated_, skip_ = _fresh(residual), _fresh(gated), _fresh(skip)
     layers = []
     for k in range(blocks):
         prev = ("c", k - 1) if k else "x"
         back = ("c", k - SKIP) if k >= SKIP else "x"
-        layers += [lbp.Layer(("a", k), residual_, (prev,), (lbp.Row("A", k), lbp.Row("a", k))),
-                   lbp.Layer(("b", k), gated_, (("a", k),), (lbp.Row("B", k), lbp.Row("b", k))),
-                   lbp.Layer(("c", k), skip_, (("b", k), back), (lbp.Row("C", k), lbp.Row("S", k)))]
+        layers.append(lbp.Layer(("a", k), residual_, (prev,), (lbp.Row("A", k), lbp.Row("a", k))))
+        if kinds == 3:
+            layers.append(lbp.Layer(("b", k), gated_, (("a", k),), (lbp.Row("B", k), lbp.Row("b", k))))
+        layers.append(lbp.Layer(("c", k), skip_, (layers[-1].name, back), (lbp.Row("C", k), lbp.Row("S", k))))
     net = lbp.Network(layers, ["x"], ("c", blocks - 1))
     loss = lambda p, x: jnp.sum(net(p, x) ** 2)
 
     def scan_loss(p, x):
         def step(window, w):
-            a = residual_((w["A"], w["a"]), window[-1])
-            b = gated_((w["B"], w["b"]), a)
-            c = skip_((w["C"], w["S"]), b, window[0])
+            u = residual_((w["A"], w["a"]), window[-1])
+            if kinds == 3:
+                u = gated_((w["B"], w["b"]), u)
+            c = skip_((w["C"], w["S"]), u, window[0])
             return jnp.concatenate([window[1:], c[None]]), None
 
         window, _ = jax.lax.scan(step, jnp.broadcast_to(x, (SKIP, *x.shape)), p)
@@ -230,11 +234,12 @@ def compile_rows(quick: bool) -> list[tuple[str, str, str]]:
                 f"{c_rows / c_unrolled:.2f} ({c_rows:.2f} s / {c_unrolled:.2f} s)", "<= 0.25"))
     out.append(("same, one block per layer (256 arrays to pack and unpack)",
                 f"{c_ours / c_unrolled:.2f} ({c_ours:.2f} s / {c_unrolled:.2f} s)", "<= 0.25"))
-    blocks = 85  # 255 layers of three kinds
-    c_kinds = cold_compile(lambda: kinds_dag(blocks, 64, 8))
-    c_one = cold_compile(lambda: chain(3 * blocks, 64, 8))
-    out.append((f"{3 * blocks} layers of three kinds with long skips / one-kind chain, compile",
-                f"{c_kinds / c_one:.2f} ({c_kinds:.2f} s / {c_one:.2f} s)", "<= 1.5"))
+    c_one = cold_compile(lambda: chain(256, 64, 8))
+    for kinds, word in ((2, "two"), (3, "three")):
+        blocks = 256 // kinds
+        c_kinds = cold_compile(lambda: kinds_dag(blocks, 64, 8, kinds))
+        out.append((f"{kinds * blocks} layers of {word} kinds with long skips / 256-layer one-kind chain, compile",
+                    f"{c_kinds / c_one:.2f} ({c_kinds:.2f} s / {c_one:.2f} s)", "<= 1.5"))
     small, large = (30, 120) if quick else (42, 168)
     runs = []
     for b in (small, large):
