@@ -215,20 +215,19 @@ def _call_by_solve_jvp(net: Network, primals: tuple, tangents: tuple) -> tuple:
     theta, inputs = primals
     dtheta, dinputs = tangents
     plan = plan_for(net, theta, inputs, _ENGINE.value)
+    if _FORWARD_ONLY.value:  # jvp_by_solve: the substitution runs inside the forward sweep
+        plan = plan.compact
     # rhs = E₀ dU₀ + ℳ* h: input tangents on the identity rows of the inputs, then ℳ* h.
     given = {name: dx for name, dx in zip(net.inputs, dinputs)
              if not _is_zero(dx) and plan.state_groups[plan.state_loc[name][0]].differentiable}
     rhs = plan.pack_states(_instantiate(given))
     rhs = [b if g.differentiable else None for b, g in zip(rhs, plan.state_groups)]
     moves_params = not all(_is_zero(dtheta[p]) for p in net.param_names)
-    if _FORWARD_ONLY.value:  # jvp_by_solve: the substitution runs inside the forward sweep
-        plan = plan.compact
-        z0 = [b if g.differentiable else None for b, g in
-              zip(plan.pack_states(_instantiate(given)), plan.state_groups)]
+    if _FORWARD_ONLY.value:
         h = [b if g.differentiable else None for b, g in
              zip(plan.pack_params(_instantiate(dtheta)), plan.param_groups)] if moves_params else None
         prim, z = forward(plan, plan.pack_params(theta), plan.pack_states(dict(zip(net.inputs, inputs))),
-                          residuals=False, tangents=(h, z0))
+                          residuals=False, tangents=(h, rhs))
         return _outputs(plan, prim.states), tuple(_tangent_or_zero(plan, o, z) for o in net.outputs)
     prim = prepare(net, theta, inputs)[1]
     in_loop = (moves_params and params_in_loop(_PARAM_PRODUCTS.value, _REMAT.value, plan)
