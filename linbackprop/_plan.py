@@ -335,7 +335,7 @@ class Plan:
     def _targets(self, kind: Kind, loop: str, with_params: bool) -> list[tuple[Hashable, np.ndarray]]:
         n = kind.size
         out_diff = self.state_groups[kind.out_group].differentiable
-        if loop.startswith("forward") and loop != "forward_sub":
+        if loop in ("forward", "forward+res", "forward+tangent"):
             values = [(("state", kind.out_group), kind.out_slots[:n])]
             if loop == "forward+res":
                 values += [(("res", r), off + np.arange(n)) for r, off in zip(kind.own_groups, kind.own_offsets)]

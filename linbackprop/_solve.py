@@ -64,10 +64,7 @@ def _set_row(buf: Any, i: Any, value: Any) -> Any:
         rows = list(buf.rows)
         rows[int(i)] = _cast(value, rows[int(i)])
         return RowList(rows)
-    def set_(b, v):
-        return update_row(b, i, v.astype(b.dtype))
-
-    return jax.tree.map(set_, buf, value)
+    return jax.tree.map(lambda b, v: update_row(b, i, v.astype(b.dtype)), buf, value)
 
 
 def _add_row(buf: Any, i: Any, value: Any) -> Any:

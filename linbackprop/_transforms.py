@@ -120,8 +120,7 @@ def _check_not_explicitly_sharded(leaf: Any, where: str) -> None:
     if sharded:
         raise NotImplementedError(
             f"The solve does not support explicitly sharded arrays yet: {where[:1].lower() + where[1:]} is {aval}. "
-            "Create the "
-            "mesh with axis_types=(jax.sharding.AxisType.Auto, ...) and shard with NamedSharding under "
+            "Create the mesh with axis_types=(jax.sharding.AxisType.Auto, ...) and shard with NamedSharding under "
             "jax.jit; XLA then partitions the solve and sums the gradients itself (README: several devices)."
         )
 
@@ -273,7 +272,7 @@ _call_by_solve.defjvp(_call_by_solve_jvp, symbolic_zeros=True)
 # transpose) as a whole instead of dispatching its operations one by one. Inside jit it inlines.
 # The jit also caches the traced solve and its linearisation: a loss that calls one network 20
 # times traces in 0.16 s, against 1.0 s calling the custom_jvp directly (which would save only
-# the primal trace, ~10 % of one call's tracing).
+# the primal trace: a few percent of one call's tracing time, as measured).
 _jitted_call_by_solve = jax.jit(_call_by_solve, static_argnums=0)
 
 
