@@ -68,7 +68,7 @@ def resolve(p: Hashable, theta: Mapping[Hashable, Any]) -> Any:
     return theta[p]
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class Layer:
     """One layer U_name = fn(theta, *inputs) of a :class:`Network`.
 
@@ -110,6 +110,19 @@ class Layer:
             hash((self.name, self.reads, self.params))
         except TypeError as err:
             raise TypeError(f"Layer {self.name!r}: names must be hashable ({err}).") from None
+
+    def _key(self) -> tuple:
+        # fn by identity: two functions that compare equal may still compute different things
+        # (a Network keys jit's and the plan's caches); Row("W", 1) is not the block ("W", 1).
+        return (self.name, id(self.fn), self.reads, tuple((type(p) is Row, p) for p in self.params))
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Layer):
+            return NotImplemented
+        return self.fn is other.fn and self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
 
 
 def _topological_order(layers: Sequence[Layer], inputs: tuple[Hashable, ...]) -> tuple[int, ...]:

@@ -387,21 +387,49 @@ class Plan:
         return {name: out[name] for name in names}
 
 
+class Same:
+    """``obj`` in a key, compared by identity: ``==`` may call two different computations equal
+    (0.0 == -0.0, dataclass fields with ``compare=False``, a user-defined ``__eq__``)."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj: Any):
+        self.obj = obj  # held, so that its id cannot be reused while the key lives
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Same) and self.obj is other.obj
+
+    def __hash__(self) -> int:
+        return id(self.obj)
+
+
 def function_key(fn: Any) -> Any:
-    """Equal for functions that behave identically: same code, globals, defaults, closure.
+    """Equal only for callables that provably run the same computation.
 
     Lambdas written inside a loop are distinct objects with the same code; keying on what they
-    are made of lets them share one kind (one branch of the loop) instead of one per layer.
+    are made of — the same code object, globals, and defaults and closure cells holding the same
+    *objects* — lets them share one kind (one branch of the loop) instead of one per layer.
+    ``functools.partial`` and bound methods are keyed likewise by their parts; any other callable
+    by its identity. Every part is compared by identity, never with ``==``: a wrong merge would
+    run one layer's function for another's (a silent wrong gradient), a missed one only costs
+    compile time.
     """
     if isinstance(fn, types.FunctionType):
-        cells = tuple(id(c.cell_contents) for c in fn.__closure__ or ())
-        kw = tuple(sorted((fn.__kwdefaults__ or {}).items(), key=lambda kv: kv[0]))
-        try:
-            hash((fn.__defaults__, kw))
-        except TypeError:
-            return fn
-        return (fn.__code__, id(fn.__globals__), fn.__defaults__, kw, cells)
-    return fn
+        cells = []
+        for cell in fn.__closure__ or ():
+            try:
+                cells.append(Same(cell.cell_contents))
+            except ValueError:  # an empty cell: only that very cell is the same
+                cells.append(Same(cell))
+        kw = tuple((k, Same(v)) for k, v in sorted((fn.__kwdefaults__ or {}).items()))
+        return ("function", Same(fn.__code__), Same(fn.__globals__),
+                tuple(map(Same, fn.__defaults__ or ())), kw, tuple(cells))
+    if isinstance(fn, functools.partial):
+        kw = tuple((k, Same(v)) for k, v in sorted(fn.keywords.items()))
+        return ("partial", function_key(fn.func), tuple(map(Same, fn.args)), kw)
+    if isinstance(fn, types.MethodType):
+        return ("method", function_key(fn.__func__), Same(fn.__self__))
+    return Same(fn)
 
 
 def _avals_of(tree: Any, where: str) -> tuple[Any, tuple[Aval, ...]]:

@@ -180,6 +180,40 @@ def solve_joint(plan: Plan, prim: Primal, h: list[Any], rhs: list[Any]) -> list[
     return lax.custom_linear_solve(matvec, (h, rhs), solve=solve, transpose_solve=transpose_solve)[1]
 
 
+def _relax_linear_solve_transpose() -> None:
+    """Let ``lax.custom_linear_solve`` transpose when some leaves of its right-hand side are zeros.
+
+    Reverse-over-reverse (``jax.grad`` of a gradient: penalties, MAML) differentiates the back
+    substitution, itself the transposed solve. JAX's JVP rule of a linear solve binds the tangent
+    solve with instantiated zeros wherever a leaf of b has no tangent (a state no output reads,
+    a row of an unrolled buffer), and its transpose rule then asserts that every leaf of b is
+    linear (jax-ml/jax#10929). Those leaves are zeros, so the transpose of the linear part treats
+    them as absent: their cotangents are dropped and x's is exact. Only programs JAX would reject
+    are affected; without the private API JAX is left as it is.
+    """
+    try:
+        from jax._src.interpreters import ad
+        from jax._src.lax.control_flow.solves import linear_solve_p
+    except ImportError:  # pragma: no cover - another JAX layout
+        return
+    strict = ad.primitive_transposes.get(linear_solve_p)
+    if strict is None or getattr(strict, "_linbackprop_relaxed", False):
+        return
+
+    def relaxed(cotangent, *primals, const_lengths, jaxprs):
+        n = sum(const_lengths)
+        consts, b = primals[:n], primals[n:]
+        linear = [x if ad.is_undefined_primal(x) else ad.UndefinedPrimal(jax.typeof(x)) for x in b]
+        cts = strict(cotangent, *consts, *linear, const_lengths=const_lengths, jaxprs=jaxprs)
+        return [*cts[:n], *(ct if ad.is_undefined_primal(x) else None for x, ct in zip(b, cts[n:]))]
+
+    relaxed._linbackprop_relaxed = True
+    ad.primitive_transposes[linear_solve_p] = relaxed
+
+
+_relax_linear_solve_transpose()
+
+
 def solve_forward(plan: Plan, prim: Primal, rhs: list[Any]) -> list[Any]:
     """Z with ℒ Z = rhs, differentiable in rhs (transpose: back substitution) and in prim."""
     return lax.custom_linear_solve(
