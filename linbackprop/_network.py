@@ -255,6 +255,7 @@ class Network:
         self._param_names = tuple(names)
         self._stacked = frozenset(by_rows)
         self._hash = hash((self._given_layers, self._inputs, self._outputs, self._single_output))
+        self._live: Network | None = None
 
     # -- the graph ---------------------------------------------------------------------------
     @property
@@ -289,6 +290,26 @@ class Network:
     def single_output(self) -> bool:
         """True when ``outputs`` was given as one name, so that a call returns one state."""
         return self._single_output
+
+    @property
+    def live(self) -> Network:
+        """The network without the layers that reach no output (itself when every layer does).
+
+        The outputs do not depend on such layers, so their gradient is exactly zero and they have
+        no place in the substitutions: keeping them would cost time and multiply their zero Λ
+        with their residuals (NaN where those are NaN or inf, where ``jax.grad`` gives zeros).
+        """
+        if self._live is None:
+            needed = set(self._outputs)
+            for layer in reversed(self._layers):
+                if layer.name in needed:
+                    needed.update(layer.reads)
+            if all(layer.name in needed for layer in self._layers):
+                self._live = self
+            else:
+                kept = [layer for layer in self._given_layers if layer.name in needed]
+                self._live = Network(kept, self._inputs, self._outputs_arg)
+        return self._live
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Network):

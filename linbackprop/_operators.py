@@ -78,18 +78,17 @@ class _Operator:
     def _states_in(self, e: Mapping) -> list[Any]:
         net = self._plan.net
         self._check(e, net.order, "𝒰 (states)")
-        bufs = self._plan.pack_states(dict(e))
-        return [b if g.differentiable else None for b, g in zip(bufs, self._plan.state_groups)]
+        return self._plan.pack_states(dict(e), tangent=True)
 
     def _states_out(self, bufs: list[Any]) -> dict:
-        return self._plan.unpack(bufs, self._plan.net.order, self._plan.state_loc)
+        return self._plan.unpack(bufs, self._plan.net.order, self._plan.state_loc, self._plan.state_groups)
 
     def _params_in(self, h: Mapping) -> list[Any]:
         self._check(h, self._plan.net.param_names, "Θ (parameters)")
-        return self._plan.pack_params(dict(h))
+        return self._plan.pack_params(dict(h), tangent=True)
 
     def _params_out(self, bufs: list[Any]) -> dict:
-        return self._plan.unpack(bufs, self._plan.net.param_names, self._plan.param_loc)
+        return self._plan.unpack(bufs, self._plan.net.param_names, self._plan.param_loc, self._plan.param_groups)
 
     def _dense(self, fn: Callable[[dict], dict], in_example: dict, in_names: tuple) -> jax.Array:
         flat, unravel = ravel_pytree([in_example[n] for n in in_names])
@@ -200,7 +199,7 @@ class ParamOperator(_Operator):
         """ℳ Λ (dict over blocks), or ℳ* h (dict over layers) with ``.T``."""
         plan, prim = self._plan, self._prim
         if self._adjoint:
-            zero = [g.zeros(plan.unrolled) if g.differentiable else None for g in plan.state_groups]
+            zero = [g.zeros(plan.unrolled, tangent=True) if g.differentiable else None for g in plan.state_groups]
             return self._states_out(self._lin._staged(param_forward)(prim, self._params_in(x), zero))
         return self._params_out(self._lin._staged(param_adjoint)(prim, self._states_in(x)))
 

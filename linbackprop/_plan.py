@@ -33,13 +33,29 @@ Aval = jax.ShapeDtypeStruct
 def leaf_aval(x: Any, where: str) -> Aval:
     """The shape and dtype of one leaf, or a clear error for a non-array leaf."""
     if isinstance(x, (jax.Array, np.ndarray, np.generic, Aval)) or hasattr(x, "aval"):
-        return Aval(np.shape(x), jnp.result_type(x))
+        return Aval(np.shape(x), x.dtype)
     if isinstance(x, (bool, int, float, complex)):
         return Aval((), jnp.result_type(x))
     raise TypeError(
         f"{where} has a leaf of type {type(x).__name__} ({x!r}); states, inputs and parameter "
         "blocks must be arrays or pytrees of arrays."
     )
+
+
+def differentiable_dtype(dtype: Any) -> bool:
+    """Float and complex leaves have tangents; integer, bool and PRNG-key leaves do not (JAX gives
+    them float0 tangents)."""
+    return not jax.dtypes.issubdtype(dtype, jax.dtypes.extended) and jnp.issubdtype(dtype, jnp.inexact)
+
+
+def dtype_key(dtype: Any) -> Any:
+    """A dtype as plans key on it (numpy's, or JAX's extended dtype such as a PRNG key's)."""
+    return dtype if jax.dtypes.issubdtype(dtype, jax.dtypes.extended) else np.dtype(dtype)
+
+
+def float0_zeros(shape: tuple[int, ...]) -> np.ndarray:
+    """The tangent of a leaf without tangents, as JAX's vjp and jvp expect it."""
+    return np.zeros(shape, jax.dtypes.float0)
 
 
 @jax.tree_util.register_pytree_node_class
@@ -60,7 +76,13 @@ class RowList:
 
 @dataclasses.dataclass(frozen=True)
 class Group:
-    """Same-shaped states (or parameter blocks), stacked along a new leading axis."""
+    """Same-shaped states (or parameter blocks), stacked along a new leading axis.
+
+    Buffers of (co)tangents — Z, Λ, h, ℳΛ — have the *tangent layout*: the same pytree with None
+    at the leaves that have no tangent (integer, bool, PRNG key), so a state {"h": floats, "key":
+    key} carries Λ for "h" alone. :meth:`tangent` converts a member's (co)tangent into that
+    layout, :meth:`full_tangent` back into JAX's (float0 zeros at those leaves).
+    """
 
     treedef: Any
     leaves: tuple[Aval, ...]  # of one row
@@ -72,39 +94,71 @@ class Group:
     def rows(self) -> int:
         return self.stacked_rows if self.stacked_rows is not None else len(self.names) + int(self.pad)
 
+    @functools.cached_property
+    def diff_leaves(self) -> tuple[bool, ...]:
+        return tuple(differentiable_dtype(a.dtype) for a in self.leaves)
+
     @property
     def differentiable(self) -> bool:
-        return all(jnp.issubdtype(a.dtype, jnp.inexact) for a in self.leaves)
+        """Whether any leaf has a tangent (else the group's tangent buffers are None)."""
+        return any(self.diff_leaves)
 
-    def zeros(self, as_rows: bool = False) -> Any:
+    def _avals(self, tangent: bool) -> list[Aval | None]:
+        return [a if d or not tangent else None for a, d in zip(self.leaves, self.diff_leaves)]
+
+    def zeros(self, as_rows: bool = False, tangent: bool = False) -> Any:
         if as_rows and self.stacked_rows is None:
-            return RowList([self.row_zeros()] * self.rows)
-        return self.treedef.unflatten([jnp.zeros((self.rows, *a.shape), a.dtype) for a in self.leaves])
+            return RowList([self.row_zeros(tangent)] * self.rows)
+        return self.treedef.unflatten([None if a is None else jnp.zeros((self.rows, *a.shape), a.dtype)
+                                       for a in self._avals(tangent)])
 
-    def row_zeros(self) -> Any:
-        return self.treedef.unflatten([jnp.zeros(a.shape, a.dtype) for a in self.leaves])
+    def row_zeros(self, tangent: bool = False) -> Any:
+        avals = self._avals(tangent)
+        return self.treedef.unflatten([None if a is None else jnp.zeros(a.shape, a.dtype) for a in avals])
 
-    def cast(self, value: Any) -> Any:
+    def row_avals(self, tangent: bool = False) -> Any:
+        return self.treedef.unflatten(self._avals(tangent))
+
+    def tangent(self, value: Any) -> Any:
+        """A member's (co)tangent in the tangent layout: None where a leaf has no tangent."""
+        return self.treedef.unflatten([v if d else None for v, d in
+                                       zip(self.treedef.flatten_up_to(value), self.diff_leaves)])
+
+    def full_tangent(self, value: Any) -> Any:
+        """A member's (co)tangent as JAX wants it: float0 zeros where a leaf has no tangent."""
+        return self.treedef.unflatten([v if d else float0_zeros(a.shape) for v, d, a in
+                                       zip(self.treedef.flatten_up_to(value), self.diff_leaves, self.leaves)])
+
+    def cast(self, value: Any, tangent: bool = False) -> Any:
         """One member (or, for a stacked block, the whole block) with the group's dtypes."""
-        return self.treedef.unflatten([jnp.asarray(x, a.dtype) for x, a in
-                                       zip(self.treedef.flatten_up_to(value), self.leaves)])
+        return self.treedef.unflatten([None if a is None else as_dtype(x, a.dtype) for x, a in
+                                       zip(self.treedef.flatten_up_to(value), self._avals(tangent))])
 
-    def stack(self, values: list[Any], as_rows: bool = False, slots: list[int] | None = None) -> Any:
+    def stack(self, values: list[Any], as_rows: bool = False, slots: list[int] | None = None,
+              tangent: bool = False) -> Any:
         """The members ``values`` at rows ``slots`` (default: all members, in order), zeros in the
         other rows (and in the pad row where the group has one); with ``as_rows`` a
-        :class:`RowList`."""
+        :class:`RowList`; with ``tangent`` in the tangent layout."""
         if self.stacked_rows is not None:
             (value,) = values
-            return self.cast(value)
+            return self.cast(value, tangent)
         slots = tuple(range(len(values)) if slots is None else slots)
         if as_rows:
-            rows = [self.row_zeros()] * self.rows
+            rows = [self.row_zeros(tangent)] * self.rows
             for s, v in zip(slots, values):
-                rows[s] = self.cast(v)
+                rows[s] = self.cast(v, tangent)
             return RowList(rows)
         leaves = [self.treedef.flatten_up_to(v) for v in values]
-        return self.treedef.unflatten([place([jnp.asarray(row[n], a.dtype) for row in leaves], slots, self.rows)
-                                       for n, a in enumerate(self.leaves)])
+        return self.treedef.unflatten([
+            None if a is None else place([as_dtype(row[n], a.dtype) for row in leaves], slots, self.rows)
+            for n, a in enumerate(self._avals(tangent))])
+
+
+def as_dtype(x: Any, dtype: Any) -> Any:
+    """``x`` as an array of ``dtype`` (PRNG keys are passed through: they have no casts)."""
+    if getattr(x, "dtype", None) == dtype:
+        return x
+    return jnp.asarray(x, dtype)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -172,9 +226,10 @@ class Writes:
     writes most there — not one set per kind. Inactive slots write zeros into a pad row (or add
     zeros)."""
 
-    buffers: tuple[Hashable, ...]  # per slot: the buffer, ("state" | "res" | "param", index)
+    buffers: tuple[Hashable, ...]  # per slot: the buffer, ("state" | "res" | "param" | "tangent", index)
     rows: np.ndarray  # [N, S]: the row each step writes in each slot
     of_kind: tuple[tuple[int, ...], ...]  # per kind: the slot of each value it writes
+    tangent: frozenset[str] = frozenset()  # the families whose buffers have the tangent layout
 
 
 def make_writes(kinds: tuple[Kind, ...], step_kind: np.ndarray, targets: list[list[tuple[Hashable, np.ndarray]]],
@@ -272,8 +327,10 @@ class Plan:
         key = (loop, with_params)
         cache = self.__dict__.setdefault("_writes", {})
         if key not in cache:
-            cache[key] = make_writes(self.kinds, self.step_kind, [self._targets(k, loop, with_params) for k in
-                                                                  self.kinds], self._pad_rows())
+            writes = make_writes(self.kinds, self.step_kind, [self._targets(k, loop, with_params) for k in
+                                                              self.kinds], self._pad_rows())
+            tangent = {"forward_sub": {"state"}, "back": {"state", "param"}, "forward+tangent": {"tangent"}}
+            cache[key] = dataclasses.replace(writes, tangent=frozenset(tangent.get(loop, ())))
         return cache[key]
 
     @functools.cached_property
@@ -357,34 +414,57 @@ class Plan:
         return len(self.step_kind)
 
     # -- packing --------------------------------------------------------------------------------
-    def pack_params(self, theta: dict[Hashable, Any]) -> list[Any]:
-        return [g.stack([theta[name] for name in g.names], self.unrolled) for g in self.param_groups]
+    def pack_params(self, theta: dict[Hashable, Any], tangent: bool = False) -> list[Any]:
+        """Parameter-layout buffers (``tangent``: of tangents, in the tangent layout)."""
+        return [g.stack([theta[name] for name in g.names], self.unrolled, tangent=tangent) for g in self.param_groups]
 
-    def pack_states(self, values: dict[Hashable, Any]) -> list[Any]:
-        """State-layout buffers holding ``values`` (by name) and zeros elsewhere."""
+    def pack_states(self, values: dict[Hashable, Any], tangent: bool = False) -> list[Any]:
+        """State-layout buffers holding ``values`` (by name) and zeros elsewhere. With ``tangent``:
+        (co)tangent buffers in the tangent layout, None for groups without tangents."""
         out = []
         for g in self.state_groups:
-            if not any(name in values for name in g.names):
-                out.append(g.zeros(self.unrolled))
-                continue
-            slots = [n for n, name in enumerate(g.names) if name in values]
-            out.append(g.stack([values[g.names[n]] for n in slots], self.unrolled, slots))
+            if tangent and not g.differentiable:
+                out.append(None)
+            elif not any(name in values for name in g.names):
+                out.append(g.zeros(self.unrolled, tangent))
+            else:
+                slots = [n for n, name in enumerate(g.names) if name in values]
+                out.append(g.stack([values[g.names[n]] for n in slots], self.unrolled, slots, tangent))
         return out
 
-    def unpack(self, bufs: list[Any], names: tuple[Hashable, ...], loc: dict) -> dict[Hashable, Any]:
+    def unpack(self, bufs: list[Any], names: tuple[Hashable, ...], loc: dict,
+               groups: tuple[Group, ...] | None = None) -> dict[Hashable, Any]:
+        """The rows ``names`` of the buffers. With ``groups`` (the buffers hold tangents), as JAX
+        wants them: float0 zeros where a leaf has no tangent."""
         by_group: dict[int, list[Hashable]] = {}
         out = {}
         for name in names:
             g, slot = loc[name]
-            if slot is None:  # a stacked block: the buffer itself
-                out[name] = bufs[g]
+            if groups is not None and bufs[g] is None:
+                out[name] = groups[g].full_tangent(groups[g].row_avals())
+                if slot is None:
+                    rows = groups[g].rows
+                    out[name] = jax.tree.map(lambda z: float0_zeros((rows, *z.shape)), out[name])
+            elif slot is None:  # a stacked block: the buffer itself
+                out[name] = bufs[g] if groups is None else _full_stacked(groups[g], bufs[g])
             else:
                 by_group.setdefault(g, []).append(name)
         for g, members in by_group.items():
             slots = [loc[n][1] for n in members]
-            rows = [bufs[g].rows[s] for s in slots] if isinstance(bufs[g], RowList) else take(bufs[g], slots)
+            if isinstance(bufs[g], RowList):
+                rows = [bufs[g].rows[s] for s in slots]
+            else:
+                rows = take(bufs[g], slots)
+            if groups is not None:
+                rows = [groups[g].full_tangent(r) for r in rows]
             out.update(zip(members, rows))
         return {name: out[name] for name in names}
+
+
+def _full_stacked(group: Group, buf: Any) -> Any:
+    """A stacked block's tangent buffer with float0 zeros where leaves have no tangent."""
+    return group.treedef.unflatten([v if d else float0_zeros((group.rows, *a.shape)) for v, d, a in
+                                    zip(group.treedef.flatten_up_to(buf), group.diff_leaves, group.leaves)])
 
 
 class Same:
@@ -646,7 +726,7 @@ def _row_aval(params: dict[Hashable, Any], p: Hashable) -> Any:
 
 def _structure(tree: Any) -> Any:
     leaves, treedef = jax.tree.flatten(tree)
-    return treedef, tuple((tuple(a.shape), np.dtype(a.dtype)) for a in leaves)
+    return treedef, tuple((tuple(a.shape), dtype_key(a.dtype)) for a in leaves)
 
 
 def _group(items: list[tuple[Hashable, Any]], pad: bool) -> tuple[tuple[Group, ...], dict]:
@@ -678,7 +758,7 @@ def plan_for(net: Network, theta: dict[Hashable, Any], inputs: tuple[Any, ...], 
 
 def _struct_of(tree: Any, where: str) -> Any:
     treedef, avals = _avals_of(tree, where)
-    return treedef, tuple((tuple(a.shape), np.dtype(a.dtype)) for a in avals)
+    return treedef, tuple((tuple(a.shape), dtype_key(a.dtype)) for a in avals)
 
 
 def _unstruct(struct: Any) -> Any:

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ._plan import Kind, Plan, RowList, Writes
+from ._plan import Group, Kind, Plan, RowList, Writes, as_dtype
 from ._stacking import index_row, update_row
 
 
@@ -47,7 +47,7 @@ class Primal(NamedTuple):
 
 # -- small buffer helpers (a buffer: a stacked pytree, or a RowList when the plan is unrolled) -----
 def _cast(value: Any, like: Any) -> Any:
-    return jax.tree.map(lambda v, b: v.astype(b.dtype), value, like)
+    return jax.tree.map(lambda v, b: as_dtype(v, b.dtype), value, like)
 
 
 def _row(buf: Any, i: Any, written: bool = False) -> Any:
@@ -64,7 +64,7 @@ def _set_row(buf: Any, i: Any, value: Any) -> Any:
         rows = list(buf.rows)
         rows[int(i)] = _cast(value, rows[int(i)])
         return RowList(rows)
-    return jax.tree.map(lambda b, v: update_row(b, i, v.astype(b.dtype)), buf, value)
+    return jax.tree.map(lambda b, v: update_row(b, i, as_dtype(v, b.dtype)), buf, value)
 
 
 def _add_row(buf: Any, i: Any, value: Any) -> Any:
@@ -232,36 +232,47 @@ def _own(prim: Primal, kind: Kind, pos: Any) -> tuple:
 
 # -- the four block maps of one layer, from its rebuilt VJP ---------------------------------------
 class LayerMaps:
-    """The blocks of one layer i: ∂Φ_i/∂U (ℒ, negated) and ∂Φ_i/∂θ (ℳ*), with adjoints."""
+    """The blocks of one layer i: ∂Φ_i/∂U (ℒ, negated) and ∂Φ_i/∂θ (ℳ*), with adjoints.
+
+    (Co)tangents come in and go out in the tangent layout of their group (None at leaves without
+    tangents, see :class:`Group`); the layer's VJP sees JAX's float0 zeros there.
+    """
 
     def __init__(self, plan: Plan, kind: Kind, vjp: Callable):
         self.vjp = vjp
         self.kind = kind
-        self.diff_reads = tuple(plan.state_groups[g].differentiable for g in kind.read_groups)
+        self.out: Group = plan.state_groups[kind.out_group]
+        self.reads: tuple[Group, ...] = tuple(plan.state_groups[g] for g in kind.read_groups)
+        self.params: tuple[Group, ...] = tuple(plan.param_groups[g] for g in kind.param_groups)
+        self.diff_reads = tuple(g.differentiable for g in self.reads)
+
+    def _cotangents(self, lam: Any) -> tuple:
+        return self.vjp(self.out.full_tangent(lam))
 
     def state_adjoint(self, lam: Any) -> tuple:
-        """(∂Φ_i/∂U_j)* Λ_i for each read j (None for non-differentiable reads)."""
-        cts = self.vjp(lam)[1:]
-        return tuple(ct if d else None for ct, d in zip(cts, self.diff_reads))
+        """(∂Φ_i/∂U_j)* Λ_i for each read j (None for reads without tangents)."""
+        cts = self._cotangents(lam)[1:]
+        return tuple(g.tangent(ct) if d else None for ct, g, d in zip(cts, self.reads, self.diff_reads))
 
     def param_adjoint(self, lam: Any) -> tuple:
         """(∂Φ_i/∂θ_{S_i})* Λ_i, one cotangent per parameter slot of the layer."""
-        return self.vjp(lam)[0]
+        return tuple(g.tangent(ct) for ct, g in zip(self._cotangents(lam)[0], self.params))
 
     def state_forward(self, z_reads: tuple) -> Any:
         """Σ_j ∂Φ_i/∂U_j Z_j, the transpose of :meth:`state_adjoint`."""
-        keep = [z for z, d in zip(z_reads, self.diff_reads) if d]
+        keep = [r for r, (z, d) in enumerate(zip(z_reads, self.diff_reads)) if d and z is not None]
         if not keep:
-            return _zeros_like_aval(self.kind.out_aval)
+            return _zeros_like_aval(self.out.row_avals(tangent=True))
 
         def adjoint(lam):
-            return tuple(ct for ct, d in zip(self.vjp(lam)[1:], self.diff_reads) if d)
+            cts = self._cotangents(lam)[1:]
+            return tuple(self.reads[r].tangent(cts[r]) for r in keep)
 
-        return jax.linear_transpose(adjoint, self.kind.out_aval)(tuple(keep))[0]
+        return jax.linear_transpose(adjoint, self.out.row_avals(tangent=True))(tuple(z_reads[r] for r in keep))[0]
 
     def param_forward(self, h: tuple) -> Any:
         """∂Φ_i/∂θ h_{S_i}, the transpose of :meth:`param_adjoint`."""
-        return jax.linear_transpose(self.param_adjoint, self.kind.out_aval)(h)[0]
+        return jax.linear_transpose(self.param_adjoint, self.out.row_avals(tangent=True))(h)[0]
 
 
 def _vjp(kind: Kind, prim: Primal, own: Any, theta: tuple, inputs: tuple, out: Any) -> Callable:
@@ -278,13 +289,13 @@ def layer_maps(plan: Plan, kind: Kind, prim: Primal, k: int, pos: Any) -> LayerM
 
 
 # -- the sequential parts --------------------------------------------------------------------------
-def _slot_zeros(plan: Plan, buffer: tuple[str, int]) -> Any:
+def _slot_zeros(plan: Plan, writes: Writes, buffer: tuple[str, int]) -> Any:
     """Zeros shaped like one row of ``buffer``: what an inactive kind writes into a slot."""
     family, n = buffer
     if family == "res":
         return _zeros_like_aval(plan.res_avals[n])
     group = (plan.param_groups if family == "param" else plan.state_groups)[n]
-    return group.row_zeros()
+    return group.row_zeros(tangent=family in writes.tangent)
 
 
 def _step(plan: Plan, step: Step, writes: Writes, branch: Callable[[int, Any], list], operand: Any) -> list[Any]:
@@ -302,7 +313,7 @@ def _step(plan: Plan, step: Step, writes: Writes, branch: Callable[[int, Any], l
     def make(k):
         def run(op):
             out = place(k, branch(k, op))
-            return [_slot_zeros(plan, writes.buffers[s]) if v is None else v for s, v in enumerate(out)]
+            return [_slot_zeros(plan, writes, writes.buffers[s]) if v is None else v for s, v in enumerate(out)]
 
         return run
 
@@ -384,14 +395,19 @@ def forward(plan: Plan, params: list[Any], states: list[Any], residuals: bool = 
             if tangents is None:
                 return [kind.fn(theta, *inputs)]
             pslots, rslots = _at(kind.param_slots, pos), _at(kind.read_slots, pos)
-            dtheta = tuple(None if h is None or h[g] is None else _row(h[g], pslots[..., p])
+            pgroups, rgroups = plan.param_groups, plan.state_groups
+            dtheta = tuple(None if h is None or not pgroups[g].differentiable
+                           else pgroups[g].full_tangent(_row(h[g], pslots[..., p]))
                            for p, g in enumerate(kind.param_groups))
             dinputs = [None if tns[g] is None else _row(tns[g], rslots[..., r], written=True)
                        for r, g in enumerate(kind.read_groups)]
             if carried and prev[1] is not None:
                 dinputs[fwd.read[k]] = prev[1]
+            dinputs = [None if d is None else rgroups[g].full_tangent(d) for d, g in zip(dinputs, kind.read_groups)]
             out, dout = _jvp_moving(kind.fn, theta, inputs, dtheta, tuple(dinputs))
-            return [out, dout] if tns[kind.out_group] is not None else [out]
+            if tns[kind.out_group] is None:
+                return [out]
+            return [out, plan.state_groups[kind.out_group].tangent(dout)]
 
         values = _step(plan, step, writes, branch, (states, tans, prev))
         bufs = {"state": list(states), "res": list(res), "tangent": list(tans)}
@@ -400,7 +416,7 @@ def forward(plan: Plan, params: list[Any], states: list[Any], residuals: bool = 
             slots = writes.of_kind[step.kind if step.kind is not None else next(iter(fwd.read))]
             group = plan.state_groups[fwd.group]
             prev = (group.cast(values[slots[0]]),
-                    group.cast(values[slots[1]]) if prev[1] is not None else None)
+                    group.cast(values[slots[1]], tangent=True) if prev[1] is not None else None)
         return bufs["state"], bufs["res"], bufs["tangent"], prev
 
     def enter(start, stop, carry):
@@ -409,14 +425,14 @@ def forward(plan: Plan, params: list[Any], states: list[Any], residuals: bool = 
         if fwd is None:
             return states, res, tans, None
 
-        def start_row(bufs):
+        def start_row(bufs, tangent):
             if bufs[fwd.group] is None:
                 return None
             if fwd.first_row is None:
-                return plan.state_groups[fwd.group].row_zeros()
+                return plan.state_groups[fwd.group].row_zeros(tangent)
             return _row(bufs[fwd.group], fwd.first_row)
 
-        return states, res, tans, (start_row(states), start_row(tans) if tangents is not None else None)
+        return states, res, tans, (start_row(states, False), start_row(tans, True) if tangents is not None else None)
 
     res0 = [RowList([jnp.zeros(a.shape, a.dtype)] * (n + 1)) if plan.unrolled else jnp.zeros((n + 1, *a.shape), a.dtype)
             for a, n in zip(plan.res_avals, plan.res_rows)] if residuals else []
@@ -486,7 +502,8 @@ def back_substitution(plan: Plan, prim: Primal, rhs: list[Any], grads: list[Any]
         return _loop(plan, body, list(rhs), reverse=True)
     # ℳΛ goes into fresh zeros, added to ``grads`` after the loop: rows can then be set rather
     # than accumulated, and XLA drops the addition where ``grads`` is zeros (a gradient).
-    lam, acc = _loop(plan, body, (list(rhs), [g.zeros(plan.unrolled) for g in plan.param_groups]), reverse=True)
+    acc = [g.zeros(plan.unrolled, tangent=True) for g in plan.param_groups]
+    lam, acc = _loop(plan, body, (list(rhs), acc), reverse=True)
     return lam, [jax.tree.map(jnp.add, g, a) for g, a in zip(grads, acc)]
 
 
@@ -543,7 +560,7 @@ def param_forward(plan: Plan, prim: Primal, h: list[Any], into: list[Any]) -> li
 
 def param_adjoint(plan: Plan, prim: Primal, lam: list[Any]) -> list[Any]:
     """ℳ Λ (parameter layout): block k sums (∂Φ_i/∂θ_k)* Λ_i over the layers i that use it."""
-    out = [g.zeros(plan.unrolled) for g in plan.param_groups]
+    out = [g.zeros(plan.unrolled, tangent=True) for g in plan.param_groups]
     for k, kind in enumerate(plan.kinds):
         n = kind.size
         if lam[kind.out_group] is None or not kind.param_groups:

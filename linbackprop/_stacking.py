@@ -33,6 +33,8 @@ def opaque_rows(n: int, like: jax.Array) -> tuple[jax.Array, ...]:
     A ``lax.cond`` on a runtime predicate (``x != x`` for one entry x of ``like``) whose branches
     both return the constants: whichever branch runs, the values are exact.
     """
+    if jax.dtypes.issubdtype(like.dtype, jax.dtypes.extended):  # a PRNG key: compare its bits
+        like = jax.random.key_data(like)
     x = jnp.ravel(like)[0]
     constants = tuple(np.int32(i) for i in range(n))
     return lax.cond(x != x, lambda: constants, lambda: constants)
@@ -42,6 +44,8 @@ def opaque_rows(n: int, like: jax.Array) -> tuple[jax.Array, ...]:
 def _place_impl(*xs: jax.Array, slots: tuple[int, ...], rows: int) -> jax.Array:
     stacked = jnp.stack(xs)
     first = slots[0]
+    if jax.dtypes.issubdtype(stacked.dtype, jax.dtypes.extended):  # PRNG keys: no pad, no add
+        return jnp.zeros((rows, *stacked.shape[1:]), stacked.dtype).at[np.asarray(slots)].set(stacked)
     if slots == tuple(range(first, first + len(xs))):  # consecutive rows: a pad with zeros (XLA CPU
         # splits a concatenate with zeros into log2(rows) broadcast kernels)
         padding = [(first, rows - first - len(xs), 0)] + [(0, 0, 0)] * (stacked.ndim - 1)
@@ -116,10 +120,16 @@ ad.deflinear2(take_p, _take_transpose)
 batching.primitive_batchers[take_p] = _take_batch
 
 
+def _extended(x: Any) -> bool:
+    """PRNG keys and other extended dtypes: stacked and read with plain ops (the primitives lower
+    numeric arrays only)."""
+    return jax.dtypes.issubdtype(jnp.result_type(x) if not hasattr(x, "dtype") else x.dtype, jax.dtypes.extended)
+
+
 # -- on pytrees ---------------------------------------------------------------------------------------
 def place(leaves: list[jax.Array], slots: tuple[int, ...], rows: int) -> jax.Array:
     """One stacked leaf: ``leaves[k]`` at row ``slots[k]`` of ``rows`` (zeros elsewhere)."""
-    if len(leaves) < MANY:
+    if len(leaves) < MANY or _extended(leaves[0]):
         return _place_impl(*leaves, slots=slots, rows=rows)
     return place_p.bind(*leaves, slots=slots, rows=rows)
 
@@ -128,8 +138,6 @@ def take(buf: Any, slots: list[int]) -> list[Any]:
     """Rows ``slots`` of a stacked pytree buffer, one pytree per slot."""
     slots = tuple(int(s) for s in slots)
     leaves, treedef = jax.tree.flatten(buf)
-    if len(slots) < MANY:
-        columns = [[leaf[s] for s in slots] for leaf in leaves]
-    else:
-        columns = [take_p.bind(leaf, slots=slots) for leaf in leaves]
+    columns = [[leaf[s] for s in slots] if len(slots) < MANY or _extended(leaf) else take_p.bind(leaf, slots=slots)
+               for leaf in leaves]
     return [treedef.unflatten([c[k] for c in columns]) for k in range(len(slots))]

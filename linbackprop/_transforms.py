@@ -34,7 +34,7 @@ from jax import lax
 from jax.custom_derivatives import SymbolicZero
 
 from ._network import Network
-from ._plan import Plan, leaf_aval, plan_for
+from ._plan import Plan, differentiable_dtype, leaf_aval, plan_for
 from ._solve import Primal, _row, back_substitution, forward, forward_substitution, param_forward, state_product
 
 
@@ -107,7 +107,8 @@ def network_call(net: Network, params: Any, inputs: tuple[Any, ...]) -> Any:
                 _check_not_explicitly_sharded(leaf, where)
     if not solve:
         return net.pick_outputs(net.states(theta, *inputs))
-    outs = _jitted_call_by_solve(net, theta, tuple(inputs))
+    live = net.live  # layers that reach no output are not part of the solve
+    outs = _jitted_call_by_solve(live, {p: theta[p] for p in live.param_names}, tuple(inputs))
     return outs[0] if net.single_output else outs
 
 
@@ -241,7 +242,13 @@ def _symbolic(x: Any) -> bool:
 
 
 def _instantiate(t: Any) -> Any:
-    return jax.tree.map(lambda z: jnp.zeros(z.aval.shape, z.aval.dtype) if _symbolic(z) else z, t, is_leaf=_symbolic)
+    """Symbolic zeros as arrays (None where the leaf has no tangent: a float0 zero)."""
+    def one(z):
+        if not _symbolic(z):
+            return z
+        return jnp.zeros(z.aval.shape, z.aval.dtype) if differentiable_dtype(z.aval.dtype) else None
+
+    return jax.tree.map(one, t, is_leaf=_symbolic)
 
 
 def _call_by_solve_jvp(net: Network, primals: tuple, tangents: tuple) -> tuple:
@@ -251,28 +258,29 @@ def _call_by_solve_jvp(net: Network, primals: tuple, tangents: tuple) -> tuple:
     if _FORWARD_ONLY.value:  # jvp_by_solve: the substitution runs inside the forward sweep
         plan = plan.compact
     # rhs = E₀ dU₀ + ℳ* h: input tangents on the identity rows of the inputs, then ℳ* h.
-    given = {name: dx for name, dx in zip(net.inputs, dinputs)
-             if not _is_zero(dx) and plan.state_groups[plan.state_loc[name][0]].differentiable}
-    rhs = plan.pack_states(_instantiate(given))
-    rhs = [b if g.differentiable else None for b, g in zip(rhs, plan.state_groups)]
+    given = {name: dx for name, dx in zip(net.inputs, dinputs) if not _is_zero(dx)}
+    rhs = plan.pack_states(_instantiate(given), tangent=True)
     moves_params = not all(_is_zero(dtheta[p]) for p in net.param_names)
+    # A tangent of floats somewhere, or nothing moves: the outputs' tangents are zeros.
+    anchor = next((leaf for leaf in jax.tree.leaves((dtheta, dinputs), is_leaf=_symbolic)
+                   if not _symbolic(leaf) and differentiable_dtype(leaf.dtype)), None)
+    if anchor is None:
+        outs = _call_by_solve(net, theta, inputs)
+        return outs, tuple(_zero_tangent(plan, o) for o in net.outputs)
     if _FORWARD_ONLY.value:
-        h = [b if g.differentiable else None for b, g in
-             zip(plan.pack_params(_instantiate(dtheta)), plan.param_groups)] if moves_params else None
+        h = plan.pack_params(_instantiate(dtheta), tangent=True) if moves_params else None
         prim, z = forward(plan, plan.pack_params(theta), plan.pack_states(dict(zip(net.inputs, inputs))),
                           residuals=False, tangents=(h, rhs))
         return _outputs(plan, prim.states), tuple(_tangent_or_zero(plan, o, z) for o in net.outputs)
     prim = prepare(net, theta, inputs)[1]
     in_loop = (moves_params and params_in_loop(_PARAM_PRODUCTS.value, _REMAT.value, plan)
                and all(g.differentiable for g in plan.param_groups))
-    h = plan.pack_params(_instantiate(dtheta)) if in_loop else None
+    h = plan.pack_params(_instantiate(dtheta), tangent=True) if in_loop else None
     if moves_params and not in_loop:
-        rhs = param_forward(plan, prim, plan.pack_params(_instantiate(dtheta)), rhs)
+        rhs = param_forward(plan, prim, plan.pack_params(_instantiate(dtheta), tangent=True), rhs)
     # custom_linear_solve transposes only when every leaf of rhs is linear in the tangents; a part
     # built from symbolic zeros alone is not, so add to each an exact zero that is (an empty slice
     # of a tangent, padded). XLA folds the addition away.
-    anchor = next(leaf for leaf in jax.tree.leaves((dtheta, dinputs), is_leaf=_symbolic)
-                  if not _symbolic(leaf) and jnp.issubdtype(leaf.dtype, jnp.inexact))
     rhs = [None if b is None else jax.tree.map(lambda x: x + _linear_zero(anchor, x), b) for b in rhs]
     if in_loop:
         h = [jax.tree.map(lambda x: x + _linear_zero(anchor, x), b) for b in h]
@@ -294,11 +302,17 @@ def _linear_zero(anchor: jax.Array, like: jax.Array) -> jax.Array:
 
 
 def _tangent_or_zero(plan: Plan, name: Hashable, z: list[Any]) -> Any:
+    """The tangent of state ``name`` from the solution Z, as JAX wants it (float0 zeros at leaves
+    without tangents)."""
     g, slot = plan.state_loc[name]
-    group = plan.state_groups[g]
     if z[g] is None:
-        return group.treedef.unflatten([np.zeros(a.shape, jax.dtypes.float0) for a in group.leaves])
-    return _row(z[g], slot)
+        return _zero_tangent(plan, name)
+    return plan.state_groups[g].full_tangent(_row(z[g], slot))
+
+
+def _zero_tangent(plan: Plan, name: Hashable) -> Any:
+    group = plan.state_groups[plan.state_loc[name][0]]
+    return group.full_tangent(jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), group.row_avals(tangent=True)))
 
 
 _call_by_solve.defjvp(_call_by_solve_jvp, symbolic_zeros=True)
