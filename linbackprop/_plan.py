@@ -156,9 +156,9 @@ class Group:
 
 def as_dtype(x: Any, dtype: Any) -> Any:
     """``x`` as an array of ``dtype`` (PRNG keys are passed through: they have no casts)."""
-    if getattr(x, "dtype", None) == dtype:
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
         return x
-    return jnp.asarray(x, dtype)
+    return jnp.asarray(x, dtype)  # also strong-types a weakly typed x, as the plan's avals are
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -182,6 +182,7 @@ class Kind:
     step_read_slots: np.ndarray  # [N, R] -> rows read, the pad for other kinds
     out_aval: Any
     vjp_treedef: Any
+    vjp_layout: str  # what the residuals mean (see ``vjp_layout``): a forward trace must match it
     res_sources: tuple[tuple[str, int], ...]  # per residual leaf: ("arg" | "out" | "own", index)
     kept: tuple[int, ...]  # the own residuals that are stored ...
     recipes: dict[int, Recipe]  # ... and those recomputed from them (cheap elementwise ops)
@@ -512,6 +513,17 @@ def function_key(fn: Any) -> Any:
     return Same(fn)
 
 
+def vjp_layout(vjp: Any) -> str:
+    """The structure of a layer's VJP — its linear program and the types of its residuals — as
+    text. Residuals stored by one trace are rebuilt into the VJP that the plan analysed, so the two
+    must agree; they can differ (weak types, arguments passed twice, functions created per call),
+    and then the kind is re-linearised instead (never a wrong rebuild)."""
+    leaves, treedef = jax.tree.flatten(vjp)
+    avals = [(np.shape(x), str(getattr(x, "dtype", type(x))), getattr(jax.typeof(x), "weak_type", None))
+             for x in leaves]
+    return f"{treedef}|{avals}"
+
+
 def _avals_of(tree: Any, where: str) -> tuple[Any, tuple[Aval, ...]]:
     leaves, treedef = jax.tree.flatten(tree)
     return treedef, tuple(leaf_aval(x, where) for x in leaves)
@@ -593,13 +605,13 @@ def _analyse_kind(layer: Layer, theta_avals: tuple[Any, ...], input_avals: tuple
                 where = "own"
                 known["own"].append(leaf)
             sources.append((where, next(n for n, a in enumerate(known[where]) if leaf is a)))
-        found.update(treedef=treedef, sources=tuple(sources))
+        found.update(treedef=treedef, sources=tuple(sources), layout=vjp_layout(vjp))
         return out, tuple(known["own"])
 
     closed, (out_aval, own) = jax.make_jaxpr(probe, return_shape=True)(theta_avals, *input_avals)
     _avals_of(out_aval, f"The output of layer {layer.name!r}")
     kept, recipes = _recipes(closed.jaxpr, len(jax.tree.leaves(out_aval)))
-    return out_aval, found["treedef"], found["sources"], tuple(own[n] for n in kept), kept, recipes
+    return out_aval, found["treedef"], found["layout"], found["sources"], tuple(own[n] for n in kept), kept, recipes
 
 
 # The loop pays when kinds of layer repeat: one compiled body then serves many steps. A shallow
@@ -679,7 +691,7 @@ def make_plan(net: Network, param_structs: tuple, input_structs: tuple, engine: 
         members = [n for n in range(n_steps) if step_kind[n] == k]
         layers = tuple(net.layers[n] for n in members)
         first = layers[0]
-        out_aval, treedef, sources, own, kept, recipes = kind_info[key]
+        out_aval, treedef, layout, sources, own, kept, recipes = kind_info[key]
         pgroups = tuple(slot(p)[0] for p in first.params)
         rgroups = tuple(state_loc[r][0] for r in first.reads)
         ogroup = state_loc[first.name][0]
@@ -706,16 +718,28 @@ def make_plan(net: Network, param_structs: tuple, input_structs: tuple, engine: 
             own_offsets.append(res_rows[r])
             res_rows[r] += len(layers)
         kinds.append(Kind(
-            fn=first.fn, layers=layers, param_groups=pgroups, read_groups=rgroups, out_group=ogroup,
+            fn=_fresh(first.fn), layers=layers, param_groups=pgroups, read_groups=rgroups, out_group=ogroup,
             param_slots=pslots, read_slots=rslots, out_slots=oslots, step_pos=step_pos,
             step_out_slot=step_out, step_read_slots=step_reads, out_aval=out_aval,
-            vjp_treedef=treedef, res_sources=sources, kept=kept, recipes=recipes, own_groups=tuple(own_groups),
+            vjp_treedef=treedef, vjp_layout=layout, res_sources=sources, kept=kept, recipes=recipes,
+            own_groups=tuple(own_groups),
             own_offsets=tuple(own_offsets),
         ))
     unrolled = engine == "unrolled" or (engine == "auto" and not loop_pays(n_steps, len(kinds)))
     return Plan(net=net, state_groups=state_groups, param_groups=param_groups, state_loc=state_loc,
                 param_loc=param_loc, kinds=tuple(kinds), step_kind=step_kind, res_avals=tuple(res_avals),
                 res_rows=tuple(res_rows), unrolled=unrolled)
+
+
+def _fresh(fn: Any) -> Any:
+    """``fn`` as a new function object. JAX's trace caches (``jax.vjp``, ``jax.jvp``) compare
+    functions with ``==``: two layer functions that compare equal but compute different things
+    (dataclass fields with ``compare=False``) would share one trace."""
+
+    def kind_fn(theta: tuple, *inputs: Any) -> Any:
+        return fn(theta, *inputs)
+
+    return kind_fn
 
 
 def _row_aval(params: dict[Hashable, Any], p: Hashable) -> Any:

@@ -21,6 +21,8 @@ over the stacked residuals — one batched product per kind instead of one small
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -29,11 +31,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ._plan import Group, Kind, Plan, RowList, Writes, as_dtype
+from ._plan import Group, Kind, Plan, RowList, Writes, as_dtype, vjp_layout
 from ._stacking import index_row, update_row
 
 
-class Primal(NamedTuple):
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["params", "states", "residuals"],
+                   meta_fields=["relinearise"])
+@dataclasses.dataclass(frozen=True)
+class Primal:
     """Everything the linear maps need: parameters, states and per-kind own residuals.
 
     ``residuals`` is None in the rematerialising mode: only the states are kept, and every
@@ -43,6 +48,7 @@ class Primal(NamedTuple):
     params: list[Any]
     states: list[Any]
     residuals: list[Any] | None
+    relinearise: frozenset[int] = frozenset()  # kinds whose stored residuals are not to be used
 
 
 # -- small buffer helpers (a buffer: a stacked pytree, or a RowList when the plan is unrolled) -----
@@ -275,8 +281,8 @@ class LayerMaps:
         return jax.linear_transpose(self.param_adjoint, self.out.row_avals(tangent=True))(h)[0]
 
 
-def _vjp(kind: Kind, prim: Primal, own: Any, theta: tuple, inputs: tuple, out: Any) -> Callable:
-    if prim.residuals is None:  # remat: linearise again
+def _vjp(plan: Plan, kind: Kind, prim: Primal, own: Any, theta: tuple, inputs: tuple, out: Any) -> Callable:
+    if prim.residuals is None or plan.kinds.index(kind) in prim.relinearise:  # remat: linearise again
         return jax.vjp(kind.fn, theta, *inputs)[1]
     return kind.rebuild(own, theta, inputs, out)
 
@@ -285,7 +291,7 @@ def layer_maps(plan: Plan, kind: Kind, prim: Primal, k: int, pos: Any) -> LayerM
     theta, inputs = _arguments(plan, kind, prim, pos)
     out = _row(prim.states[kind.out_group], _at(kind.out_slots, pos))
     own = None if prim.residuals is None else _own(prim, kind, pos)
-    return LayerMaps(plan, kind, _vjp(kind, prim, own, theta, inputs, out))
+    return LayerMaps(plan, kind, _vjp(plan, kind, prim, own, theta, inputs, out))
 
 
 # -- the sequential parts --------------------------------------------------------------------------
@@ -362,6 +368,22 @@ def _jvp_moving(fn: Callable, theta: tuple, inputs: tuple, dtheta: tuple, dinput
     return jax.jvp(f, primals, tuple(t for _, _, t in moving))
 
 
+def _distinct(args: Any) -> Any:
+    """``args`` with every array a distinct object, as in the plan's analysis: JAX linearises a
+    function differently when one array is passed twice (a block or a state used twice by a
+    layer), and the stored residuals must fit the analysed linearisation. The copy costs nothing:
+    XLA removes it."""
+    seen: set[int] = set()
+
+    def once(x):
+        if id(x) in seen:
+            return jnp.array(x, copy=True)
+        seen.add(id(x))
+        return x
+
+    return jax.tree.map(once, args)
+
+
 def forward(plan: Plan, params: list[Any], states: list[Any], residuals: bool = True,
             tangents: tuple[list[Any] | None, list[Any]] | None = None) -> Any:
     """U = Φ(U, θ) by forward substitution; with ``residuals``, each layer's VJP residuals too.
@@ -373,6 +395,7 @@ def forward(plan: Plan, params: list[Any], states: list[Any], residuals: bool = 
     """
     assert not (residuals and tangents is not None)
     h, _ = tangents if tangents is not None else (None, None)
+    relinearise: set[int] = set()
     writes = plan.writes("forward+res" if residuals else "forward+tangent" if tangents is not None else "forward")
 
     def body(step, carry):
@@ -390,8 +413,14 @@ def forward(plan: Plan, params: list[Any], states: list[Any], residuals: bool = 
                 r = fwd.read[k]
                 inputs = (*inputs[:r], prev[0], *inputs[r + 1:])
             if residuals:
+                theta, inputs = _distinct((theta, inputs))
                 out, vjp = jax.vjp(kind.fn, theta, *inputs)
-                return [out, *kind.split_residuals(vjp)]
+                if vjp_layout(vjp) == kind.vjp_layout:
+                    return [out, *kind.split_residuals(vjp)]
+                # Not the linearisation the plan analysed (its residuals would mean something else):
+                # store nothing for this kind and re-linearise it in the products instead.
+                relinearise.add(k)
+                return [out, *(_zeros_like_aval(plan.res_avals[r]) for r in kind.own_groups)]
             if tangents is None:
                 return [kind.fn(theta, *inputs)]
             pslots, rslots = _at(kind.param_slots, pos), _at(kind.read_slots, pos)
@@ -438,7 +467,7 @@ def forward(plan: Plan, params: list[Any], states: list[Any], residuals: bool = 
             for a, n in zip(plan.res_avals, plan.res_rows)] if residuals else []
     tans0 = list(tangents[1]) if tangents is not None else [None] * len(plan.state_groups)
     states, res, tans, _ = _loop(plan, body, (list(states), res0, tans0, None), enter=enter)
-    prim = Primal(params, states, res if residuals else None)
+    prim = Primal(params, states, res if residuals else None, frozenset(relinearise))
     return (prim, tans) if tangents is not None else prim
 
 
@@ -517,7 +546,7 @@ def _per_kind(plan: Plan, prim: Primal, k: int, apply: Callable[[LayerMaps, Any]
     out = _rows(prim.states[kind.out_group], kind.out_slots[:-1])
 
     def one(theta, inputs, own, out, a):
-        return apply(LayerMaps(plan, kind, _vjp(kind, prim, own, theta, inputs, out)), a)
+        return apply(LayerMaps(plan, kind, _vjp(plan, kind, prim, own, theta, inputs, out)), a)
 
     return jax.vmap(one)(theta, inputs, own, out, args)
 

@@ -1,0 +1,138 @@
+"""Differential harness: random DAGs under random stacks of JAX transformations, every engine and
+setting, against the same program written with plain JAX (jax.grad / jax.value_and_grad / jax.jvp).
+
+A drawn case is a network (tests/test_random_dags.py's strategy: 1–3 inputs, 2–12 layers, skips,
+shared and stacked blocks, pytree blocks, random outputs — so some layers reach no output), a
+dtype, an engine, ``param_products``, ``remat``, a program (below) and whether it is jitted. The
+program is written once against a (grad, value_and_grad, jvp) triple and run twice: with
+linbackprop's transforms and with JAX's. Both must agree, leaf by leaf, in structure, dtype and
+value.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_random_dags import dags
+
+import linbackprop as lbp
+
+
+def loss_of(net: lbp.Network) -> Callable:
+    def loss(params, *inputs):
+        outs = net(params, *inputs)
+        outs = outs if isinstance(outs, tuple) else (outs,)
+        return sum(jnp.sum(jnp.sin(o.astype(jnp.float32 if o.dtype == jnp.bfloat16 else o.dtype)) + 0.5 * o**2)
+                   for o in outs)
+
+    return loss
+
+
+def penalty(tree: Any) -> Any:
+    """A scalar of a gradient (gradient penalties, MAML-style outer losses)."""
+    return sum(jnp.sum(leaf.astype(jnp.float32 if leaf.dtype == jnp.bfloat16 else leaf.dtype) ** 2)
+               for leaf in jax.tree.leaves(tree))
+
+
+def tangents_like(tree: Any, seed: int = 0) -> Any:
+    rng = np.random.default_rng(seed)
+    return jax.tree.map(lambda x: jnp.asarray(rng.standard_normal(np.shape(x)), x.dtype), tree)
+
+
+# A program takes (grad, value_and_grad, jvp) and the loss, and returns a function of (params, *inputs).
+def grad_all(G, VG, J, loss, n):
+    return lambda p, *xs: G(loss, tuple(range(1 + n)))(p, *xs)
+
+
+def value_and_grad(G, VG, J, loss, n):
+    return lambda p, *xs: VG(loss)(p, *xs)
+
+
+def forward_mode(G, VG, J, loss, n):
+    return lambda p, *xs: J(loss, (p, *xs), tangents_like((p, *xs)))
+
+
+def hvp(G, VG, J, loss, n):  # jvp of grad: Hessian-vector products
+    return lambda p, *xs: jax.jvp(lambda q: G(loss)(q, *xs), (p,), (tangents_like(p, 1),))
+
+
+def per_example(G, VG, J, loss, n):  # vmap of grad over the batch rows
+    return lambda p, *xs: jax.vmap(lambda *rows: G(loss)(p, *rows))(*xs)
+
+
+def grad_of_grad(G, VG, J, loss, n):  # jax.grad of a gradient penalty
+    return lambda p, *xs: jax.grad(lambda q: penalty(G(loss)(q, *xs)))(p)
+
+
+def solve_of_grad(G, VG, J, loss, n):  # the transform itself over a gradient penalty
+    return lambda p, *xs: G(lambda q: penalty(G(loss)(q, *xs)))(p)
+
+
+def jacfwd_of_grad(G, VG, J, loss, n):  # the Hessian, forward over reverse
+    return lambda p, *xs: jax.jacfwd(lambda q: G(loss)(q, *xs))(p)
+
+
+def jacrev_of_grad(G, VG, J, loss, n):  # the Hessian, reverse over reverse
+    return lambda p, *xs: jax.jacrev(lambda q: G(loss)(q, *xs))(p)
+
+
+FIRST_ORDER = [grad_all, value_and_grad, forward_mode, per_example]
+SECOND_ORDER = [hvp, grad_of_grad, solve_of_grad, jacfwd_of_grad, jacrev_of_grad]
+TOLERANCE = {jnp.float64: (1e-8, 1e-10), jnp.float32: (2e-3, 2e-4), jnp.bfloat16: (1e-1, 1e-1)}
+
+
+def run(program: Callable, loss: Callable, n_inputs: int, jit: bool, settings_: dict, ours: bool) -> Any:
+    if ours:
+        G = functools.partial(lbp.grad_by_solve, **settings_)
+        VG = functools.partial(lbp.value_and_grad_by_solve, **settings_)
+        J = functools.partial(lbp.jvp_by_solve, engine=settings_["engine"])
+    else:
+        G, VG, J = jax.grad, jax.value_and_grad, jax.jvp
+    fn = program(G, VG, J, loss, n_inputs)
+    return jax.jit(fn) if jit else fn
+
+
+def assert_same(actual: Any, expected: Any, dtype: Any) -> None:
+    assert jax.tree.structure(actual) == jax.tree.structure(expected)
+    rtol, atol = TOLERANCE[dtype]
+    for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected)):
+        assert a.dtype == e.dtype and a.shape == e.shape, (a.dtype, e.dtype, a.shape, e.shape)
+        a64, e64 = np.asarray(a, np.float64), np.asarray(e, np.float64)
+        scale = max(1.0, float(np.max(np.abs(e64)))) if e64.size else 1.0
+        np.testing.assert_allclose(a64, e64, rtol=rtol, atol=atol * scale)
+
+
+@st.composite
+def cases(draw):
+    dtype = draw(st.sampled_from([jnp.float64, jnp.float64, jnp.float32, jnp.bfloat16]))
+    programs = FIRST_ORDER if dtype == jnp.bfloat16 else FIRST_ORDER + SECOND_ORDER
+    return dict(
+        dag=draw(dags()),
+        dtype=dtype,
+        program=draw(st.sampled_from(programs)),
+        jit=draw(st.booleans()),
+        settings=dict(engine=draw(st.sampled_from(["loop", "unrolled"])),
+                      param_products=draw(st.sampled_from(["auto", "after", "in_loop"])),
+                      remat=draw(st.booleans())),
+    )
+
+
+@settings(max_examples=40, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(cases())
+def test_transformations_of_random_dags_match_plain_jax(case):
+    net, params, inputs = case["dag"]
+    dtype = case["dtype"]
+    params, inputs = jax.tree.map(lambda x: x.astype(dtype), (params, inputs))
+    loss = loss_of(net)
+    args = (params, *inputs)
+    ours = run(case["program"], loss, len(inputs), case["jit"], case["settings"], ours=True)(*args)
+    ref = run(case["program"], loss, len(inputs), case["jit"], case["settings"], ours=False)(*args)
+    assert_same(ours, ref, dtype)
