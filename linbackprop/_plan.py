@@ -25,7 +25,7 @@ import numpy as np
 from jax.extend.core import Literal
 
 from ._network import Layer, Network, Row, call_layer
-from ._stacking import place, take
+from ._stacking import explicit_sharding, place, stacked_sharding, take, zeros
 
 Aval = jax.ShapeDtypeStruct
 
@@ -33,7 +33,7 @@ Aval = jax.ShapeDtypeStruct
 def leaf_aval(x: Any, where: str) -> Aval:
     """The shape and dtype of one leaf, or a clear error for a non-array leaf."""
     if isinstance(x, (jax.Array, np.ndarray, np.generic, Aval)) or hasattr(x, "aval"):
-        return Aval(np.shape(x), x.dtype)
+        return Aval(np.shape(x), x.dtype, sharding=explicit_sharding(x))
     if isinstance(x, (bool, int, float, complex)):
         return Aval((), jnp.result_type(x))
     raise TypeError(
@@ -109,12 +109,14 @@ class Group:
     def zeros(self, as_rows: bool = False, tangent: bool = False) -> Any:
         if as_rows and self.stacked_rows is None:
             return RowList([self.row_zeros(tangent)] * self.rows)
-        return self.treedef.unflatten([None if a is None else jnp.zeros((self.rows, *a.shape), a.dtype)
+        return self.treedef.unflatten([None if a is None else zeros((self.rows, *a.shape), a.dtype,
+                                                                    stacked_sharding(explicit_sharding(a)))
                                        for a in self._avals(tangent)])
 
     def row_zeros(self, tangent: bool = False) -> Any:
         avals = self._avals(tangent)
-        return self.treedef.unflatten([None if a is None else jnp.zeros(a.shape, a.dtype) for a in avals])
+        return self.treedef.unflatten([None if a is None else zeros(a.shape, a.dtype, explicit_sharding(a))
+                                       for a in avals])
 
     def row_avals(self, tangent: bool = False) -> Any:
         return self.treedef.unflatten(self._avals(tangent))
@@ -661,8 +663,8 @@ def make_plan(net: Network, param_structs: tuple, input_structs: tuple, engine: 
         if p in net.stacked_blocks:  # its own group; the layers' Row entries are its slots
             treedef, leaves = param_structs[net.param_names.index(p)]
             param_loc[p] = (len(param_groups), None)
-            param_groups += (Group(treedef, tuple(Aval(sh[1:], d) for sh, d in leaves), (p,), False,
-                                   leaves[0][0][0]),)
+            param_groups += (Group(treedef, tuple(_row_of(Aval(sh, d, sharding=x)) for sh, d, x in leaves), (p,),
+                                   False, leaves[0][0][0]),)
 
     def slot(p: Hashable) -> tuple[int, int]:
         return (param_loc[p.block][0], p.index) if isinstance(p, Row) else param_loc[p]
@@ -709,7 +711,7 @@ def make_plan(net: Network, param_structs: tuple, input_structs: tuple, engine: 
         step_reads[members] = rslots[:-1]
         own_groups, own_offsets = [], []
         for a in own:  # stored residuals of every kind share one buffer per shape and dtype
-            a = Aval(a.shape, a.dtype)
+            a = Aval(a.shape, a.dtype, sharding=explicit_sharding(a))
             if a not in res_avals:
                 res_avals.append(a)
                 res_rows.append(0)
@@ -744,13 +746,21 @@ def _fresh(fn: Any) -> Any:
 
 def _row_aval(params: dict[Hashable, Any], p: Hashable) -> Any:
     if isinstance(p, Row):
-        return jax.tree.map(lambda a: Aval(a.shape[1:], a.dtype), params[p.block])
+        return jax.tree.map(_row_of, params[p.block])
     return params[p]
 
 
 def _structure(tree: Any) -> Any:
     leaves, treedef = jax.tree.flatten(tree)
-    return treedef, tuple((tuple(a.shape), dtype_key(a.dtype)) for a in leaves)
+    return treedef, tuple((tuple(a.shape), dtype_key(a.dtype), explicit_sharding(a)) for a in leaves)
+
+
+def _row_of(a: Aval) -> Aval:
+    """The aval of one row of a stacked leaf."""
+    sharding = explicit_sharding(a)
+    if sharding is not None:
+        sharding = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*sharding.spec[1:]))
+    return Aval(a.shape[1:], a.dtype, sharding=explicit_sharding(Aval(a.shape[1:], a.dtype, sharding=sharding)))
 
 
 def _group(items: list[tuple[Hashable, Any]], pad: bool) -> tuple[tuple[Group, ...], dict]:
@@ -763,7 +773,7 @@ def _group(items: list[tuple[Hashable, Any]], pad: bool) -> tuple[tuple[Group, .
     groups, loc = [], {}
     for g, (key, names) in enumerate(by_key.items()):
         treedef, leaves = key
-        groups.append(Group(treedef=treedef, leaves=tuple(Aval(s, d) for s, d in leaves),
+        groups.append(Group(treedef=treedef, leaves=tuple(Aval(s, d, sharding=x) for s, d, x in leaves),
                             names=tuple(names), pad=pad))
         for slot, name in enumerate(names):
             loc[name] = (g, slot)
@@ -782,9 +792,9 @@ def plan_for(net: Network, theta: dict[Hashable, Any], inputs: tuple[Any, ...], 
 
 def _struct_of(tree: Any, where: str) -> Any:
     treedef, avals = _avals_of(tree, where)
-    return treedef, tuple((tuple(a.shape), dtype_key(a.dtype)) for a in avals)
+    return treedef, tuple((tuple(a.shape), dtype_key(a.dtype), explicit_sharding(a)) for a in avals)
 
 
 def _unstruct(struct: Any) -> Any:
     treedef, leaves = struct
-    return treedef.unflatten([Aval(s, d) for s, d in leaves])
+    return treedef.unflatten([Aval(s, d, sharding=x) for s, d, x in leaves])

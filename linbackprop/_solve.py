@@ -32,7 +32,7 @@ import numpy as np
 from jax import lax
 
 from ._plan import Group, Kind, Plan, RowList, Writes, as_dtype, vjp_layout
-from ._stacking import index_row, update_row
+from ._stacking import explicit_sharding, index_row, stacked_sharding, update_row, zeros
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["params", "states", "residuals"],
@@ -118,7 +118,8 @@ def _scatter_add(buf: Any, idx: Any, value: Any) -> Any:
 
 
 def _zeros_like_aval(tree: Any, lead: tuple[int, ...] = ()) -> Any:
-    return jax.tree.map(lambda a: jnp.zeros((*lead, *a.shape), a.dtype), tree)
+    return jax.tree.map(lambda a: zeros((*lead, *a.shape), a.dtype, stacked_sharding(explicit_sharding(a), len(lead))),
+                        tree)
 
 
 class Index:
@@ -463,7 +464,7 @@ def forward(plan: Plan, params: list[Any], states: list[Any], residuals: bool = 
 
         return states, res, tans, (start_row(states, False), start_row(tans, True) if tangents is not None else None)
 
-    res0 = [RowList([jnp.zeros(a.shape, a.dtype)] * (n + 1)) if plan.unrolled else jnp.zeros((n + 1, *a.shape), a.dtype)
+    res0 = [RowList([_zeros_like_aval(a)] * (n + 1)) if plan.unrolled else _zeros_like_aval(a, (n + 1,))
             for a, n in zip(plan.res_avals, plan.res_rows)] if residuals else []
     tans0 = list(tangents[1]) if tangents is not None else [None] * len(plan.state_groups)
     states, res, tans, _ = _loop(plan, body, (list(states), res0, tans0, None), enter=enter)

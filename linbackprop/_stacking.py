@@ -23,21 +23,51 @@ import numpy as np
 from jax import lax
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 MANY = 8  # below this, plain slices (a handful of kernels) keep small programs simple
 
 
-def opaque_rows(n: int, like: jax.Array) -> tuple[jax.Array, ...]:
-    """The integers 0..n-1 as runtime scalars that XLA cannot fold into the kernels using them.
+def opaque_rows(n: int) -> tuple[jax.Array, ...]:
+    """The integers 0..n-1 as runtime scalars that XLA cannot fold into the kernels using them
+    (read from a table behind an optimization barrier)."""
+    table = lax.optimization_barrier(jnp.arange(n, dtype=np.int32))
+    return tuple(table[i] for i in range(n))
 
-    A ``lax.cond`` on a runtime predicate (``x != x`` for one entry x of ``like``) whose branches
-    both return the constants: whichever branch runs, the values are exact.
-    """
-    if jax.dtypes.issubdtype(like.dtype, jax.dtypes.extended):  # a PRNG key: compare its bits
-        like = jax.random.key_data(like)
-    x = jnp.ravel(like)[0]
-    constants = tuple(np.int32(i) for i in range(n))
-    return lax.cond(x != x, lambda: constants, lambda: constants)
+
+def explicit_sharding(x: Any) -> NamedSharding | None:
+    """The sharding of an array (or aval) whose type carries one — mesh axes of type Explicit,
+    ``jax.make_mesh``'s default — else None (unsharded, or sharded by XLA under Auto axes)."""
+    if isinstance(x, (jax.ShapeDtypeStruct, jax.core.ShapedArray)):
+        sharding = getattr(x, "sharding", None)
+    else:
+        try:
+            sharding = jax.typeof(x).sharding
+        except (TypeError, AttributeError):  # a Python scalar or another unsharded value
+            return None
+    if not isinstance(sharding, NamedSharding):
+        return None
+    explicit = {name for name, kind in zip(sharding.mesh.axis_names, sharding.mesh.axis_types)
+                if kind == AxisType.Explicit}
+    used = {name for entry in sharding.spec if entry is not None
+            for name in (entry if isinstance(entry, tuple) else (entry,))}
+    return sharding if used & explicit else None
+
+
+def stacked_sharding(sharding: NamedSharding | None, lead: int = 1) -> NamedSharding | None:
+    """The sharding of ``lead`` new unsharded leading axes in front of arrays sharded so."""
+    if sharding is None:
+        return None
+    return NamedSharding(sharding.mesh, P(*([None] * lead), *sharding.spec))
+
+
+def zeros(shape: tuple[int, ...], dtype: Any, sharding: NamedSharding | None = None) -> jax.Array:
+    """``jnp.zeros``, with the given explicit sharding where there is one: a buffer that rows of
+    explicitly sharded states are written into must have their sharding."""
+    if sharding is None:
+        return jnp.zeros(shape, dtype)
+    return jnp.zeros(shape, dtype, out_sharding=sharding)
 
 
 # -- place ------------------------------------------------------------------------------------------
@@ -46,6 +76,9 @@ def _place_impl(*xs: jax.Array, slots: tuple[int, ...], rows: int) -> jax.Array:
     first = slots[0]
     if jax.dtypes.issubdtype(stacked.dtype, jax.dtypes.extended):  # PRNG keys: no pad, no add
         return jnp.zeros((rows, *stacked.shape[1:]), stacked.dtype).at[np.asarray(slots)].set(stacked)
+    if explicit_sharding(stacked) is not None:
+        blank = zeros((rows, *stacked.shape[1:]), stacked.dtype, explicit_sharding(stacked))
+        return blank.at[np.asarray(slots)].add(stacked)
     if slots == tuple(range(first, first + len(xs))):  # consecutive rows: a pad with zeros (XLA CPU
         # splits a concatenate with zeros into log2(rows) broadcast kernels)
         padding = [(first, rows - first - len(xs), 0)] + [(0, 0, 0)] * (stacked.ndim - 1)
@@ -92,7 +125,7 @@ def update_row(buf: jax.Array, i: Any, row: jax.Array) -> jax.Array:
 
 # -- take -------------------------------------------------------------------------------------------
 def _take_impl(buf: jax.Array, *, slots: tuple[int, ...]) -> list[jax.Array]:
-    rows = opaque_rows(buf.shape[0], buf)
+    rows = opaque_rows(buf.shape[0])
     return [index_row(buf, rows[s]) for s in slots]
 
 
@@ -121,9 +154,10 @@ batching.primitive_batchers[take_p] = _take_batch
 
 
 def _extended(x: Any) -> bool:
-    """PRNG keys and other extended dtypes: stacked and read with plain ops (the primitives lower
-    numeric arrays only)."""
-    return jax.dtypes.issubdtype(jnp.result_type(x) if not hasattr(x, "dtype") else x.dtype, jax.dtypes.extended)
+    """PRNG keys and other extended dtypes, and explicitly sharded arrays: stacked and read with
+    plain ops (the primitives lower numeric arrays without sharding types only)."""
+    dtype = jnp.result_type(x) if not hasattr(x, "dtype") else x.dtype
+    return jax.dtypes.issubdtype(dtype, jax.dtypes.extended) or explicit_sharding(x) is not None
 
 
 # -- on pytrees ---------------------------------------------------------------------------------------

@@ -36,6 +36,7 @@ from jax.custom_derivatives import SymbolicZero
 from ._network import Network
 from ._plan import Plan, differentiable_dtype, leaf_aval, plan_for
 from ._solve import Primal, _row, back_substitution, forward, forward_substitution, param_forward, state_product
+from ._stacking import explicit_sharding, zeros
 
 
 class _ThreadLocalMode(threading.local):
@@ -98,32 +99,15 @@ def solving() -> bool:
 def network_call(net: Network, params: Any, inputs: tuple[Any, ...]) -> Any:
     net.check_inputs(inputs)
     theta = net.select_params(params)
-    solve = solving()
     for where, tree in [*((f"Parameter block {n!r}", b) for n, b in theta.items()),
                         *((f"Network input {n!r}", x) for n, x in zip(net.inputs, inputs))]:
         for leaf in jax.tree.leaves(tree):
             leaf_aval(leaf, where)
-            if solve:
-                _check_not_explicitly_sharded(leaf, where)
-    if not solve:
+    if not solving():
         return net.pick_outputs(net.states(theta, *inputs))
     live = net.live  # layers that reach no output are not part of the solve
     outs = _jitted_call_by_solve(live, {p: theta[p] for p in live.param_names}, tuple(inputs))
     return outs[0] if net.single_output else outs
-
-
-def _check_not_explicitly_sharded(leaf: Any, where: str) -> None:
-    try:
-        aval = jax.typeof(leaf)
-        sharded = any(axis is not None for axis in aval.sharding.spec)
-    except Exception:  # no sharding in the type: nothing to check
-        return
-    if sharded:
-        raise NotImplementedError(
-            f"The solve does not support explicitly sharded arrays yet: {where[:1].lower() + where[1:]} is {aval}. "
-            "Create the mesh with axis_types=(jax.sharding.AxisType.Auto, ...) and shard with NamedSharding under "
-            "jax.jit; XLA then partitions the solve and sums the gradients itself (README: several devices)."
-        )
 
 
 def _outputs(plan: Plan, bufs: list[Any]) -> tuple[Any, ...]:
@@ -246,7 +230,9 @@ def _instantiate(t: Any) -> Any:
     def one(z):
         if not _symbolic(z):
             return z
-        return jnp.zeros(z.aval.shape, z.aval.dtype) if differentiable_dtype(z.aval.dtype) else None
+        if not differentiable_dtype(z.aval.dtype):
+            return None
+        return zeros(z.aval.shape, z.aval.dtype, explicit_sharding(z.aval))
 
     return jax.tree.map(one, t, is_leaf=_symbolic)
 
@@ -293,12 +279,16 @@ def _call_by_solve_jvp(net: Network, primals: tuple, tangents: tuple) -> tuple:
 
 
 def _linear_zero(anchor: jax.Array, like: jax.Array) -> jax.Array:
-    """Exact zeros shaped like ``like``, linear in ``anchor`` (no arithmetic: NaN-safe)."""
-    empty = jnp.ravel(anchor)[:0]
-    if jnp.iscomplexobj(empty) and not jnp.iscomplexobj(like):
-        empty = jnp.real(empty)
-    empty = empty.astype(like.dtype)
-    return jnp.pad(empty, (0, like.size)).reshape(like.shape)
+    """Exact zeros shaped (and sharded) like ``like``, linear in ``anchor``: a sum over no element
+    of it (a select, no arithmetic on its values: NaN-safe), broadcast."""
+    nothing = jnp.sum(anchor, where=np.zeros(anchor.shape, bool))
+    if jnp.iscomplexobj(nothing) and not jnp.iscomplexobj(like):
+        nothing = jnp.real(nothing)
+    nothing = nothing.astype(like.dtype)
+    sharding = explicit_sharding(like)
+    if sharding is None:
+        return jnp.broadcast_to(nothing, like.shape)
+    return jnp.broadcast_to(nothing, like.shape, out_sharding=sharding)
 
 
 def _tangent_or_zero(plan: Plan, name: Hashable, z: list[Any]) -> Any:
@@ -312,7 +302,8 @@ def _tangent_or_zero(plan: Plan, name: Hashable, z: list[Any]) -> Any:
 
 def _zero_tangent(plan: Plan, name: Hashable) -> Any:
     group = plan.state_groups[plan.state_loc[name][0]]
-    return group.full_tangent(jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), group.row_avals(tangent=True)))
+    return group.full_tangent(jax.tree.map(lambda a: zeros(a.shape, a.dtype, explicit_sharding(a)),
+                                           group.row_avals(tangent=True)))
 
 
 _call_by_solve.defjvp(_call_by_solve_jvp, symbolic_zeros=True)
