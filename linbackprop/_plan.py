@@ -33,9 +33,10 @@ Aval = jax.ShapeDtypeStruct
 def leaf_aval(x: Any, where: str) -> Aval:
     """The shape and dtype of one leaf, or a clear error for a non-array leaf."""
     if isinstance(x, (jax.Array, np.ndarray, np.generic, Aval)) or hasattr(x, "aval"):
-        return Aval(np.shape(x), x.dtype, sharding=explicit_sharding(x))
+        weak = x.weak_type if isinstance(x, Aval) else isinstance(x, jax.Array) and jax.typeof(x).weak_type
+        return Aval(np.shape(x), x.dtype, sharding=explicit_sharding(x), weak_type=bool(weak))
     if isinstance(x, (bool, int, float, complex)):
-        return Aval((), jnp.result_type(x))
+        return Aval((), jnp.result_type(x), weak_type=True)
     raise TypeError(
         f"{where} has a leaf of type {type(x).__name__} ({x!r}); states, inputs and parameter "
         "blocks must be arrays or pytrees of arrays."
@@ -131,6 +132,15 @@ class Group:
         return self.treedef.unflatten([v if d else float0_zeros(a.shape) for v, d, a in
                                        zip(self.treedef.flatten_up_to(value), self.diff_leaves, self.leaves)])
 
+    def typed(self, value: Any) -> Any:
+        """A member (or stacked members) as the layers see it: weakly typed where the network was
+        given a weakly typed leaf (a Python scalar), as in the plain call. Buffers hold strongly
+        typed arrays of the same dtype and values."""
+        if not any(a.weak_type for a in self.leaves):
+            return value
+        return self.treedef.unflatten([weakly_typed(x) if a.weak_type else x for x, a in
+                                       zip(self.treedef.flatten_up_to(value), self.leaves)])
+
     def cast(self, value: Any, tangent: bool = False) -> Any:
         """One member (or, for a stacked block, the whole block) with the group's dtypes."""
         return self.treedef.unflatten([None if a is None else as_dtype(x, a.dtype) for x, a in
@@ -154,6 +164,15 @@ class Group:
         return self.treedef.unflatten([
             None if a is None else place([as_dtype(row[n], a.dtype) for row in leaves], slots, self.rows)
             for n, a in enumerate(self._avals(tangent))])
+
+
+def weakly_typed(x: Any) -> Any:
+    """``x`` as a weakly typed array (JAX has no public conversion; without it, ``x``)."""
+    try:
+        from jax._src.lax.lax import _convert_element_type
+    except ImportError:  # pragma: no cover - another JAX layout
+        return x
+    return _convert_element_type(x, weak_type=True)
 
 
 def as_dtype(x: Any, dtype: Any) -> Any:
@@ -663,8 +682,8 @@ def make_plan(net: Network, param_structs: tuple, input_structs: tuple, engine: 
         if p in net.stacked_blocks:  # its own group; the layers' Row entries are its slots
             treedef, leaves = param_structs[net.param_names.index(p)]
             param_loc[p] = (len(param_groups), None)
-            param_groups += (Group(treedef, tuple(_row_of(Aval(sh, d, sharding=x)) for sh, d, x in leaves), (p,),
-                                   False, leaves[0][0][0]),)
+            rows = tuple(_row_of(Aval(sh, d, sharding=x, weak_type=w)) for sh, d, x, w in leaves)
+            param_groups += (Group(treedef, rows, (p,), False, leaves[0][0][0]),)
 
     def slot(p: Hashable) -> tuple[int, int]:
         return (param_loc[p.block][0], p.index) if isinstance(p, Row) else param_loc[p]
@@ -752,7 +771,7 @@ def _row_aval(params: dict[Hashable, Any], p: Hashable) -> Any:
 
 def _structure(tree: Any) -> Any:
     leaves, treedef = jax.tree.flatten(tree)
-    return treedef, tuple((tuple(a.shape), dtype_key(a.dtype), explicit_sharding(a)) for a in leaves)
+    return treedef, tuple((tuple(a.shape), dtype_key(a.dtype), explicit_sharding(a), bool(a.weak_type)) for a in leaves)
 
 
 def _row_of(a: Aval) -> Aval:
@@ -760,7 +779,8 @@ def _row_of(a: Aval) -> Aval:
     sharding = explicit_sharding(a)
     if sharding is not None:
         sharding = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*sharding.spec[1:]))
-    return Aval(a.shape[1:], a.dtype, sharding=explicit_sharding(Aval(a.shape[1:], a.dtype, sharding=sharding)))
+    return Aval(a.shape[1:], a.dtype, sharding=explicit_sharding(Aval(a.shape[1:], a.dtype, sharding=sharding)),
+                weak_type=a.weak_type)
 
 
 def _group(items: list[tuple[Hashable, Any]], pad: bool) -> tuple[tuple[Group, ...], dict]:
@@ -773,7 +793,7 @@ def _group(items: list[tuple[Hashable, Any]], pad: bool) -> tuple[tuple[Group, .
     groups, loc = [], {}
     for g, (key, names) in enumerate(by_key.items()):
         treedef, leaves = key
-        groups.append(Group(treedef=treedef, leaves=tuple(Aval(s, d, sharding=x) for s, d, x in leaves),
+        groups.append(Group(treedef=treedef, leaves=tuple(Aval(s, d, sharding=x, weak_type=w) for s, d, x, w in leaves),
                             names=tuple(names), pad=pad))
         for slot, name in enumerate(names):
             loc[name] = (g, slot)
@@ -792,9 +812,9 @@ def plan_for(net: Network, theta: dict[Hashable, Any], inputs: tuple[Any, ...], 
 
 def _struct_of(tree: Any, where: str) -> Any:
     treedef, avals = _avals_of(tree, where)
-    return treedef, tuple((tuple(a.shape), dtype_key(a.dtype), explicit_sharding(a)) for a in avals)
+    return treedef, tuple((tuple(a.shape), dtype_key(a.dtype), explicit_sharding(a), bool(a.weak_type)) for a in avals)
 
 
 def _unstruct(struct: Any) -> Any:
     treedef, leaves = struct
-    return treedef.unflatten([Aval(s, d, sharding=x) for s, d, x in leaves])
+    return treedef.unflatten([Aval(s, d, sharding=x, weak_type=w) for s, d, x, w in leaves])

@@ -224,10 +224,12 @@ def _arguments(plan: Plan, kind: Kind, prim: Primal, pos: Any, written: bool = F
     if isinstance(pos, np.ndarray):  # all members at once: static tables
         theta = tuple(_rows(prim.params[g], kind.param_slots[pos, p]) for p, g in enumerate(kind.param_groups))
         inputs = tuple(_rows(prim.states[g], kind.read_slots[pos, r]) for r, g in enumerate(kind.read_groups))
-        return theta, inputs
-    pslots, rslots = _at(kind.param_slots, pos), _at(kind.read_slots, pos)
-    theta = tuple(_row(prim.params[g], pslots[..., p]) for p, g in enumerate(kind.param_groups))
-    inputs = tuple(_row(prim.states[g], rslots[..., r], written) for r, g in enumerate(kind.read_groups))
+    else:
+        pslots, rslots = _at(kind.param_slots, pos), _at(kind.read_slots, pos)
+        theta = tuple(_row(prim.params[g], pslots[..., p]) for p, g in enumerate(kind.param_groups))
+        inputs = tuple(_row(prim.states[g], rslots[..., r], written) for r, g in enumerate(kind.read_groups))
+    theta = tuple(plan.param_groups[g].typed(t) for t, g in zip(theta, kind.param_groups))
+    inputs = tuple(plan.state_groups[g].typed(u) for u, g in zip(inputs, kind.read_groups))
     return theta, inputs
 
 
@@ -412,7 +414,7 @@ def forward(plan: Plan, params: list[Any], states: list[Any], residuals: bool = 
             carried = fwd is not None and k in fwd.read  # the previous step's output, carried
             if carried:
                 r = fwd.read[k]
-                inputs = (*inputs[:r], prev[0], *inputs[r + 1:])
+                inputs = (*inputs[:r], plan.state_groups[fwd.group].typed(prev[0]), *inputs[r + 1:])
             if residuals:
                 theta, inputs = _distinct((theta, inputs))
                 out, vjp = jax.vjp(kind.fn, theta, *inputs)

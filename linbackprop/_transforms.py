@@ -112,7 +112,8 @@ def network_call(net: Network, params: Any, inputs: tuple[Any, ...]) -> Any:
 
 def _outputs(plan: Plan, bufs: list[Any]) -> tuple[Any, ...]:
     net = plan.net
-    return tuple(plan.unpack(bufs, net.outputs, plan.state_loc)[o] for o in net.outputs)
+    outs = plan.unpack(bufs, net.outputs, plan.state_loc)
+    return tuple(plan.state_groups[plan.state_loc[o][0]].typed(outs[o]) for o in net.outputs)
 
 
 def prepare(net: Network, theta: dict[Hashable, Any], inputs: tuple[Any, ...]) -> tuple[Plan, Primal]:

@@ -242,3 +242,21 @@ def test_weakly_typed_and_repeated_arguments_still_reuse_the_forward_linearisati
     assert seen == [frozenset()]
     loss = lambda p, x: jnp.sum(net(p, x) ** 2)
     assert_trees_close(lbp.grad_by_solve(loss, engine=engine)(p, x), jax.grad(loss)(p, x))
+
+
+@pytest.mark.parametrize("engine", ["loop", "unrolled"])
+def test_python_float_scale_keeps_bfloat16_activations_narrow(engine):
+    """A weakly typed parameter (a Python float, jnp.array(1.0)) does not widen the activations it
+    multiplies, in the solve as in the plain call."""
+    scale = lambda th, u: jnp.tanh(u @ th[0]) * th[1]
+    net = lbp.Network([lbp.Layer(i, scale, (i - 1,), (lbp.Row("W", i - 1), "s")) for i in range(1, 17)], [0], 16)
+    rng = np.random.default_rng(0)
+    p = {"W": jnp.asarray(0.5 * rng.standard_normal((16, 4, 4)), jnp.bfloat16), "s": 1.5}
+    x = jnp.asarray(rng.standard_normal((3, 4)), jnp.bfloat16)
+    loss = lambda p, x: jnp.sum(net(p, x).astype(jnp.float32) ** 2)
+    value, grads = lbp.value_and_grad_by_solve(loss, engine=engine)(p, x)
+    ref_value, ref = jax.value_and_grad(loss)(p, x)
+    assert grads["W"].dtype == ref["W"].dtype == jnp.bfloat16
+    np.testing.assert_array_equal(value, ref_value)
+    np.testing.assert_allclose(np.asarray(grads["W"], np.float32), np.asarray(ref["W"], np.float32), rtol=2e-2)
+    np.testing.assert_allclose(grads["s"], ref["s"], rtol=2e-2)
