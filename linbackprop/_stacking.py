@@ -30,9 +30,14 @@ MANY = 8  # below this, plain slices (a handful of kernels) keep small programs 
 
 
 def opaque_rows(n: int) -> tuple[jax.Array, ...]:
-    """The integers 0..n-1 as runtime scalars that XLA cannot fold into the kernels using them
-    (constants passed through an optimization barrier: no data dependence, no slicing)."""
-    return lax.optimization_barrier(tuple(jnp.int32(i) for i in range(n)))
+    """The integers 0..n-1 as runtime scalars that XLA cannot fold into the kernels using them.
+
+    A ``lax.cond`` on a predicate XLA cannot evaluate (a zero behind an optimization barrier)
+    whose branches both return the constants: whichever runs, the values are exact. (The constants
+    themselves behind the barrier compile 3-4x slower: XLA then treats each as a separate kernel.)
+    """
+    constants = tuple(np.int32(i) for i in range(n))
+    return lax.cond(lax.optimization_barrier(jnp.zeros((), np.int32)) != 0, lambda: constants, lambda: constants)
 
 
 def explicit_sharding(x: Any) -> NamedSharding | None:
