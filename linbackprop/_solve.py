@@ -277,11 +277,25 @@ class LayerMaps:
             cts = self._cotangents(lam)[1:]
             return tuple(self.reads[r].tangent(cts[r]) for r in keep)
 
-        return jax.linear_transpose(adjoint, self.out.row_avals(tangent=True))(tuple(z_reads[r] for r in keep))[0]
+        return self._transpose(adjoint, tuple(z_reads[r] for r in keep))
 
     def param_forward(self, h: tuple) -> Any:
         """∂Φ_i/∂θ h_{S_i}, the transpose of :meth:`param_adjoint`."""
-        return jax.linear_transpose(self.param_adjoint, self.out.row_avals(tangent=True))(h)[0]
+        return self._transpose(self.param_adjoint, h)
+
+    def _transpose(self, adjoint: Callable, x: Any) -> Any:
+        """The forward map whose adjoint is ``adjoint``, applied to ``x`` (JAX transposes the VJP)."""
+        try:
+            return jax.linear_transpose(adjoint, self.out.row_avals(tangent=True))(x)[0]
+        except NotImplementedError as err:
+            names = [layer.name for layer in self.kind.layers][:4]
+            raise NotImplementedError(
+                f"Layer(s) {names!r}: the solve needs this layer's derivative as a linear map, obtained by "
+                f"transposing its VJP, and JAX cannot transpose it ({err}). This happens when the layer "
+                "calls a jax.custom_vjp function whose backward is not linear in its cotangent (clipping "
+                "the gradient, say). Give that function a linear backward (a jax.custom_jvp for a "
+                "gradient-clipping layer), or differentiate this network with jax.grad."
+            ) from err
 
 
 def _vjp(plan: Plan, kind: Kind, prim: Primal, own: Any, theta: tuple, inputs: tuple, out: Any) -> Callable:

@@ -260,3 +260,22 @@ def test_python_float_scale_keeps_bfloat16_activations_narrow(engine):
     np.testing.assert_array_equal(value, ref_value)
     np.testing.assert_allclose(np.asarray(grads["W"], np.float32), np.asarray(ref["W"], np.float32), rtol=2e-2)
     np.testing.assert_allclose(grads["s"], ref["s"], rtol=2e-2)
+
+
+def test_a_layer_with_a_nonlinear_custom_vjp_backward_gets_a_clear_error():
+    """JAX's clip_gradient example inside a layer: jax.grad calls its backward; the solve needs the
+    layer's forward derivative, the transpose of that backward, which does not exist. It raises,
+    naming the layer, and never returns a gradient."""
+
+    @jax.custom_vjp
+    def clip_gradient(x):
+        return x
+
+    clip_gradient.defvjp(lambda x: (x, None), lambda _, g: (jnp.clip(g, -0.1, 0.1),))
+    net = lbp.Network([lbp.Layer("clipped", lambda th, u: clip_gradient(jnp.tanh(u @ th[0])), ("x",), ("W",))],
+                      ["x"], "clipped")
+    loss = lambda p, x: jnp.sum(net(p, x) ** 2)
+    p, x = {"W": jnp.ones((2, 2))}, jnp.ones((1, 2))
+    jax.grad(loss)(p, x)
+    with pytest.raises(NotImplementedError, match=r"Layer\(s\) \['clipped'\].*custom_vjp"):
+        lbp.grad_by_solve(loss)(p, x)
