@@ -279,3 +279,26 @@ def test_a_layer_with_a_nonlinear_custom_vjp_backward_gets_a_clear_error():
     jax.grad(loss)(p, x)
     with pytest.raises(NotImplementedError, match=r"Layer\(s\) \['clipped'\].*custom_vjp"):
         lbp.grad_by_solve(loss)(p, x)
+
+
+def test_straight_through_rounding_and_gradient_reversal_layers():
+    """custom_vjp functions whose backward is linear in the cotangent work in both engines."""
+
+    @jax.custom_vjp
+    def reverse_gradient(x):
+        return x
+
+    reverse_gradient.defvjp(lambda x: (x, None), lambda _, g: (-0.5 * g,))
+
+    @jax.custom_vjp
+    def straight_through_round(x):
+        return jnp.round(x)
+
+    straight_through_round.defvjp(lambda x: (jnp.round(x), None), lambda _, g: (g,))
+    layer = lambda th, u: reverse_gradient(jnp.tanh(straight_through_round(4 * u) / 4 @ th[0]))
+    net = lbp.Network([lbp.Layer(i, layer, (i - 1,), (lbp.Row("W", i - 1),)) for i in range(1, 21)], [0], 20)
+    rng = np.random.default_rng(0)
+    p, x = {"W": rng.standard_normal((20, 4, 4))}, rng.standard_normal((3, 4))
+    loss = lambda p, x: jnp.sum(net(p, x) ** 2)
+    for settings in SETTINGS[:3]:
+        assert_trees_close(lbp.grad_by_solve(loss, **settings)(p, x), jax.grad(loss)(p, x))
