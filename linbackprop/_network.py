@@ -325,9 +325,16 @@ class Network:
         return self._hash
 
     def __repr__(self) -> str:
-        from ._render import network_repr
-
-        return network_repr(self)
+        """One line per layer in topological order: ``name = fn(reads; params)``."""
+        outs = self._outputs[0] if self._single_output else list(self._outputs)
+        lines = [f"Network(inputs={list(self._inputs)!r}, outputs={outs!r}, "
+                 f"{len(self._layers)} layers, {len(self._param_names)} parameter blocks)"]
+        for layer in self._layers:
+            reads = ", ".join(label(r) for r in layer.reads)
+            params = ", ".join(label(p) for p in layer.params)
+            fn_name = getattr(layer.fn, "__name__", type(layer.fn).__name__)
+            lines.append(f"  {label(layer.name)} = {fn_name}({reads}" + (f"; {params})" if params else ")"))
+        return "\n".join(lines)
 
     # -- evaluation ----------------------------------------------------------------------------
     def select_params(self, params: Mapping[Hashable, Any]) -> dict[Hashable, Any]:
@@ -396,13 +403,33 @@ class Network:
 
     def __call__(self, params: Mapping[Hashable, Any], *inputs: Any) -> Any:
         """The output state(s). Differentiated by the solve inside ``grad_by_solve``."""
-        from ._transforms import network_call
-
-        return network_call(self, params, inputs)
+        return _call(self, params, inputs)
 
     def pick_outputs(self, states: Mapping[Hashable, Any]) -> Any:
         outs = tuple(states[o] for o in self._outputs)
         return outs[0] if self._single_output else outs
+
+
+def _plain_call(net: Network, params: Mapping[Hashable, Any], inputs: tuple[Any, ...]) -> Any:
+    return net.pick_outputs(net.states(params, *inputs))
+
+
+# How a network call runs. The transforms, a layer above, install theirs (``set_call``): inside them
+# the call is differentiated by the solve. The graph itself knows nothing of solving.
+_call: Callable[[Network, Mapping[Hashable, Any], tuple[Any, ...]], Any] = _plain_call
+
+
+def set_call(call: Callable[[Network, Mapping[Hashable, Any], tuple[Any, ...]], Any]) -> None:
+    """Install the function that ``Network.__call__`` runs (the transforms' solve-aware call)."""
+    global _call
+    _call = call
+
+
+def label(name: Hashable) -> str:
+    """A state's, layer's or block's name as text (``W[3]`` for ``Row("W", 3)``)."""
+    if isinstance(name, Row):
+        return f"{label(name.block)}[{name.index}]"
+    return name if isinstance(name, str) else repr(name)
 
 
 def layer_theta(layer: Layer, theta: Mapping[Hashable, Any], rows: Mapping[Row, Any] | None = None) -> tuple[Any, ...]:

@@ -17,6 +17,7 @@ from jax.flatten_util import ravel_pytree
 
 from ._network import Network, Row, block_of, call_layer, layer_theta
 from ._plan import Plan, plan_for
+from ._render import block_matrix_text
 from ._solve import Primal, back_substitution, forward_substitution, param_adjoint, param_forward, state_product
 from ._transforms import prepare
 
@@ -57,6 +58,16 @@ class _Operator:
     def __init__(self, lin: Linearization, adjoint: bool):
         self._lin = lin
         self._adjoint = adjoint
+
+    @property
+    def linearization(self) -> Linearization:
+        """The linearisation this operator belongs to (its states and parameters)."""
+        return self._lin
+
+    @property
+    def adjoint(self) -> bool:
+        """Whether this is the adjoint (ℒ*, ℳ*) of ℒ or ℳ."""
+        return self._adjoint
 
     @property
     def _plan(self) -> Plan:
@@ -166,9 +177,10 @@ class StateOperator(_Operator):
         return Block("ℒ", i, j, lambda e: jax.linear_transpose(adjoint, out_aval)(e)[0], adjoint)
 
     def __repr__(self) -> str:
-        from ._render import pattern_text
-
-        return pattern_text(self)
+        net, p = self._plan.net, self.pattern
+        symbol = "ℒ′" if self._adjoint else "ℒ"
+        title = f"{p.shape[0]}×{p.shape[1]} {symbol} over layers {list(net.order)!r}: {int(p.sum())} stored blocks"
+        return block_matrix_text(p, net.order, net.order, symbol, title, diagonal="ℐ")
 
 
 class ParamOperator(_Operator):
@@ -237,9 +249,12 @@ class ParamOperator(_Operator):
         return Block("ℳ", k, i, adjoint, lambda h: jax.linear_transpose(adjoint, out_aval)(h)[0])
 
     def __repr__(self) -> str:
-        from ._render import pattern_text
-
-        return pattern_text(self)
+        net, p = self._plan.net, self.pattern
+        if self._adjoint:
+            title = f"{p.shape[0]}×{p.shape[1]} ℳ* (layers × parameter blocks): {int(p.sum())} stored blocks"
+            return block_matrix_text(p, net.order, net.param_names, "ℳ′", title)
+        title = f"{p.shape[0]}×{p.shape[1]} ℳ (parameter blocks × layers): {int(p.sum())} stored blocks"
+        return block_matrix_text(p, net.param_names, net.order, "ℳ", title)
 
 
 def _layer(net: Network, name: Hashable):

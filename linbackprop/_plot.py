@@ -11,8 +11,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from ._network import Network
-from ._render import _label
+from ._network import Network, label
 
 
 def _pyplot() -> Any:
@@ -48,12 +47,12 @@ def spy(op: Any, ax: Any = None, dense: bool = True, title: str | None = None) -
     if not isinstance(op, StateOperator | ParamOperator):
         raise TypeError(f"spy draws lin.L, lin.L.T, lin.M or lin.M.T, got {type(op).__name__}.")
     ax = _axes(ax)
-    lin, net = op._lin, op._plan.net
+    lin, net = op.linearization, op.linearization.net
     state_sizes = [int(np.size(lin.states[n])) for n in net.order]
     param_sizes = [sum(int(np.size(x)) for x in jax.tree.leaves(lin.params[k])) for k in net.param_names]
     if isinstance(op, StateOperator):
         rows, cols, row_sizes, col_sizes = net.order, net.order, state_sizes, state_sizes
-    elif op._adjoint:
+    elif op.adjoint:
         rows, cols, row_sizes, col_sizes = net.order, net.param_names, state_sizes, param_sizes
     else:
         rows, cols, row_sizes, col_sizes = net.param_names, net.order, param_sizes, state_sizes
@@ -69,8 +68,8 @@ def spy(op: Any, ax: Any = None, dense: bool = True, title: str | None = None) -
         ax.axhline(e, color="tab:blue", lw=0.5)
     for e in c_edges[1:-1]:
         ax.axvline(e, color="tab:blue", lw=0.5)
-    ax.set_yticks((r_edges[:-1] + r_edges[1:]) / 2, [_label(r) for r in rows], fontsize=7)
-    ax.set_xticks((c_edges[:-1] + c_edges[1:]) / 2, [_label(c) for c in cols], fontsize=7, rotation=90)
+    ax.set_yticks((r_edges[:-1] + r_edges[1:]) / 2, [label(r) for r in rows], fontsize=7)
+    ax.set_xticks((c_edges[:-1] + c_edges[1:]) / 2, [label(c) for c in cols], fontsize=7, rotation=90)
     ax.set_title(title if title is not None else repr(op).splitlines()[0], fontsize=9)
     return ax
 
@@ -100,11 +99,11 @@ def plot_network(net: Network, ax: Any = None, title: str | None = None) -> Any:
                                     "connectionstyle": f"arc3,rad={rad}", "shrinkA": 9, "shrinkB": 9})
     for name in names:
         is_input = name in net.inputs
-        label = _label(name)
-        ax.plot(x[name], 0, "o", ms=max(16, 4.5 * len(label)), color="tab:green" if is_input else "white", mec="black")
-        ax.text(x[name], 0, label, ha="center", va="center", fontsize=7)
+        text = label(name)
+        ax.plot(x[name], 0, "o", ms=max(16, 4.5 * len(text)), color="tab:green" if is_input else "white", mec="black")
+        ax.text(x[name], 0, text, ha="center", va="center", fontsize=7)
         if not is_input and blocks[name]:
-            ax.text(x[name], -0.12, "\n".join(_label(b) for b in blocks[name]), ha="center", va="top", fontsize=6)
+            ax.text(x[name], -0.12, "\n".join(label(b) for b in blocks[name]), ha="center", va="top", fontsize=6)
     ax.set_xlim(-0.8, len(names) - 0.2)
     longest = max((x[layer.name] - x[r] for layer in net.layers for r in layer.reads), default=1)
     ax.set_ylim(-0.6, 0.3 + 0.2 * longest)

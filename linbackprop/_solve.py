@@ -56,7 +56,7 @@ def _cast(value: Any, like: Any) -> Any:
     return jax.tree.map(lambda v, b: as_dtype(v, b.dtype), value, like)
 
 
-def _row(buf: Any, i: Any, written: bool = False) -> Any:
+def read_row(buf: Any, i: Any, written: bool = False) -> Any:
     """Row i; ``written``: of a buffer the loop also writes (see :func:`_scalar`)."""
     i = _scalar(i, affine=not written)
     if isinstance(buf, RowList):
@@ -226,8 +226,8 @@ def _arguments(plan: Plan, kind: Kind, prim: Primal, pos: Any, written: bool = F
         inputs = tuple(_rows(prim.states[g], kind.read_slots[pos, r]) for r, g in enumerate(kind.read_groups))
     else:
         pslots, rslots = _at(kind.param_slots, pos), _at(kind.read_slots, pos)
-        theta = tuple(_row(prim.params[g], pslots[..., p]) for p, g in enumerate(kind.param_groups))
-        inputs = tuple(_row(prim.states[g], rslots[..., r], written) for r, g in enumerate(kind.read_groups))
+        theta = tuple(read_row(prim.params[g], pslots[..., p]) for p, g in enumerate(kind.param_groups))
+        inputs = tuple(read_row(prim.states[g], rslots[..., r], written) for r, g in enumerate(kind.read_groups))
     theta = tuple(plan.param_groups[g].typed(t) for t, g in zip(theta, kind.param_groups))
     inputs = tuple(plan.state_groups[g].typed(u) for u, g in zip(inputs, kind.read_groups))
     return theta, inputs
@@ -235,7 +235,7 @@ def _arguments(plan: Plan, kind: Kind, prim: Primal, pos: Any, written: bool = F
 
 def _own(prim: Primal, kind: Kind, pos: Any) -> tuple:
     """The stored residuals of the kind's member ``pos`` (an index or an array of indices)."""
-    take = _rows if isinstance(pos, np.ndarray) else _row
+    take = _rows if isinstance(pos, np.ndarray) else read_row
     return tuple(take(prim.residuals[r], off + pos) for r, off in zip(kind.own_groups, kind.own_offsets))
 
 
@@ -306,7 +306,7 @@ def _vjp(plan: Plan, kind: Kind, prim: Primal, own: Any, theta: tuple, inputs: t
 
 def layer_maps(plan: Plan, kind: Kind, prim: Primal, k: int, pos: Any) -> LayerMaps:
     theta, inputs = _arguments(plan, kind, prim, pos)
-    out = _row(prim.states[kind.out_group], _at(kind.out_slots, pos))
+    out = read_row(prim.states[kind.out_group], _at(kind.out_slots, pos))
     own = None if prim.residuals is None else _own(prim, kind, pos)
     return LayerMaps(plan, kind, _vjp(plan, kind, prim, own, theta, inputs, out))
 
@@ -443,9 +443,9 @@ def forward(plan: Plan, params: list[Any], states: list[Any], residuals: bool = 
             pslots, rslots = _at(kind.param_slots, pos), _at(kind.read_slots, pos)
             pgroups, rgroups = plan.param_groups, plan.state_groups
             dtheta = tuple(None if h is None or not pgroups[g].differentiable
-                           else pgroups[g].full_tangent(_row(h[g], pslots[..., p]))
+                           else pgroups[g].full_tangent(read_row(h[g], pslots[..., p]))
                            for p, g in enumerate(kind.param_groups))
-            dinputs = [None if tns[g] is None else _row(tns[g], rslots[..., r], written=True)
+            dinputs = [None if tns[g] is None else read_row(tns[g], rslots[..., r], written=True)
                        for r, g in enumerate(kind.read_groups)]
             if carried and prev[1] is not None:
                 dinputs[fwd.read[k]] = prev[1]
@@ -476,7 +476,7 @@ def forward(plan: Plan, params: list[Any], states: list[Any], residuals: bool = 
                 return None
             if fwd.first_row is None:
                 return plan.state_groups[fwd.group].row_zeros(tangent)
-            return _row(bufs[fwd.group], fwd.first_row)
+            return read_row(bufs[fwd.group], fwd.first_row)
 
         return states, res, tans, (start_row(states, False), start_row(tans, True) if tangents is not None else None)
 
@@ -501,7 +501,7 @@ def forward_substitution(plan: Plan, prim: Primal, rhs: list[Any]) -> list[Any]:
                 return []
             pos = _at(kind.step_pos, i)
             slots = _at(kind.read_slots, pos)
-            reads = tuple(_row(zz[g], slots[r], written=True) if zz[g] is not None else None
+            reads = tuple(read_row(zz[g], slots[r], written=True) if zz[g] is not None else None
                           for r, g in enumerate(kind.read_groups))
             return [layer_maps(plan, kind, prim, k, pos).state_forward(reads)]
 
@@ -532,7 +532,7 @@ def back_substitution(plan: Plan, prim: Primal, rhs: list[Any], grads: list[Any]
             if ll[kind.out_group] is None:  # an integer state: no cotangent to propagate
                 return []
             pos = _at(kind.step_pos, i)
-            lam_i = _row(ll[kind.out_group], _at(kind.out_slots, pos), written=True)
+            lam_i = read_row(ll[kind.out_group], _at(kind.out_slots, pos), written=True)
             maps = layer_maps(plan, kind, prim, k, pos)
             values = [ct for ct in maps.state_adjoint(lam_i) if ct is not None]
             return values + list(maps.param_adjoint(lam_i)) if in_loop else values

@@ -33,9 +33,9 @@ import numpy as np
 from jax import lax
 from jax.custom_derivatives import SymbolicZero
 
-from ._network import Network
+from ._network import Network, set_call
 from ._plan import Plan, differentiable_dtype, leaf_aval, plan_for
-from ._solve import Primal, _row, back_substitution, forward, forward_substitution, param_forward, state_product
+from ._solve import Primal, back_substitution, forward, forward_substitution, param_forward, read_row, state_product
 from ._stacking import explicit_sharding, zeros
 
 
@@ -298,7 +298,7 @@ def _tangent_or_zero(plan: Plan, name: Hashable, z: list[Any]) -> Any:
     g, slot = plan.state_loc[name]
     if z[g] is None:
         return _zero_tangent(plan, name)
-    return plan.state_groups[g].full_tangent(_row(z[g], slot))
+    return plan.state_groups[g].full_tangent(read_row(z[g], slot))
 
 
 def _zero_tangent(plan: Plan, name: Hashable) -> Any:
@@ -317,6 +317,9 @@ _jitted_call_by_solve = jax.jit(_call_by_solve, static_argnums=0)
 
 
 # -- the public transforms ---------------------------------------------------------------------
+set_call(network_call)  # Network.__call__ runs network_call from now on (see _network.set_call)
+
+
 def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
     if value not in choices:
         raise ValueError(f"{name} must be one of {choices}, got {value!r}.")
