@@ -8,7 +8,7 @@ with ℒ = I − D_UΦ and ℳ* = D_θΦ for a network U = Φ(U, θ) given as a 
 """
 
 from ._network import GraphError, Layer, Network, Row
-from ._operators import Block, Linearization, ParamOperator, StateOperator, linearize
+from ._operators import Block, Linearization, LinearOperator, ParamOperator, StateOperator, linearize
 from ._plot import plot_network, spy
 from ._transforms import grad_by_solve, jvp_by_solve, solving, value_and_grad_by_solve
 
@@ -18,6 +18,7 @@ __all__ = [
     "Block",
     "GraphError",
     "Layer",
+    "LinearOperator",
     "Linearization",
     "Network",
     "ParamOperator",

@@ -7,6 +7,7 @@ except by ``todense()``, which is meant for tiny networks.
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Callable, Hashable, Mapping
 from typing import Any
 
@@ -22,7 +23,64 @@ from ._solve import Primal, back_substitution, forward_substitution, param_adjoi
 from ._transforms import prepare
 
 
-class Block:
+class LinearOperator(abc.ABC):
+    """A linear map between spaces of named vectors: the one operator type of linbackprop, in the
+    spirit of lineax's ``AbstractLinearOperator``. ℒ, ℳ, their adjoints and each of their blocks
+    are ``LinearOperator``\\ s:
+
+    - ``mv(x)``: the product; ``T``: the adjoint (``op.T.T`` acts as ``op``);
+    - ``solve(b)``: x with ``op.mv(x) == b``, where ``op`` is invertible (ℒ and ℒ* by forward and
+      back substitution, the identity blocks); elsewhere a ``NotImplementedError`` that says so;
+    - ``todense()``: the dense matrix (tiny networks), inputs and outputs flattened in C order;
+    - ``pattern``: a bool array, True where a block is stored; ``block(i, j)``: one block.
+
+    Example:
+        >>> import jax.numpy as jnp, linbackprop as lbp
+        >>> net = lbp.Network([lbp.Layer(1, lambda th, x: x @ th[0], (0,), ("W",)),
+        ...                    lbp.Layer(2, lambda th, u: 2.0 * u, (1,))], inputs=[0], outputs=2)
+        >>> lin = lbp.linearize(net, {"W": jnp.eye(2)}, jnp.ones((1, 2)))
+        >>> all(isinstance(op, lbp.LinearOperator) for op in (lin.L, lin.M.T, lin.L.block(2, 1)))
+        True
+        >>> lin.L.block(2, 1).todense().tolist()             # −∂Φ₂/∂U₁ = −2 I
+        [[-2.0, -0.0], [-0.0, -2.0]]
+    """
+
+    @abc.abstractmethod
+    def mv(self, x: Any) -> Any:
+        """The product of the operator with ``x``."""
+
+    @property
+    @abc.abstractmethod
+    def T(self) -> LinearOperator:  # noqa: N802 - the mathematical name
+        """The adjoint."""
+
+    def solve(self, b: Any) -> Any:
+        """x with ``self.mv(x) == b``; only invertible operators have one."""
+        name = getattr(self, "symbol", type(self).__name__)
+        raise NotImplementedError(f"{name} is not invertible: only ℒ, ℒ* (lin.L, lin.L.T) and identity blocks "
+                                  "have solve.")
+
+    @abc.abstractmethod
+    def todense(self) -> jax.Array:
+        """The dense matrix."""
+
+    @property
+    @abc.abstractmethod
+    def pattern(self) -> np.ndarray:
+        """True where a block is stored."""
+
+    @abc.abstractmethod
+    def block(self, i: Hashable, j: Hashable) -> LinearOperator:
+        """Block (i, j)."""
+
+
+def _dense(fn: Callable[[Any], Any], example: Any) -> jax.Array:
+    """The matrix of the linear ``fn`` at inputs shaped like ``example`` (flattened, C order)."""
+    flat, unravel = ravel_pytree(example)
+    return jax.jit(jax.jacfwd(lambda v: ravel_pytree(fn(unravel(v)))[0]))(jnp.zeros_like(flat))
+
+
+class Block(LinearOperator):
     """One block of ℒ or ℳ*: a linear map together with its adjoint (as in the seed).
 
     ``block.mv(x)`` applies the block, ``block.T.mv(y)`` its adjoint: for ℒ block (i, j),
@@ -39,22 +97,42 @@ class Block:
         [[-2.0, -2.0]]
     """
 
-    def __init__(self, symbol: str, row: Hashable, col: Hashable, fn: Callable, adjoint: Callable):
+    def __init__(self, symbol: str, row: Hashable, col: Hashable, fn: Callable, adjoint: Callable,
+                 col_example: Any, row_example: Any):
         self.symbol, self.row, self.col = symbol, row, col
         self._fn, self._adjoint = fn, adjoint
+        self._col_example, self._row_example = col_example, row_example
 
     def mv(self, x: Any) -> Any:
         return self._fn(x)
 
     @property
     def T(self) -> Block:  # noqa: N802 - the mathematical name
-        return Block(self.symbol + "′", self.col, self.row, self._adjoint, self._fn)
+        symbol = self.symbol[:-1] if self.symbol.endswith("′") else self.symbol + "′"
+        return Block(symbol, self.col, self.row, self._adjoint, self._fn, self._row_example, self._col_example)
+
+    def solve(self, b: Any) -> Any:
+        if self.symbol.startswith("ℐ"):
+            return b
+        return super().solve(b)
+
+    def todense(self) -> jax.Array:
+        return _dense(self.mv, self._col_example)
+
+    @property
+    def pattern(self) -> np.ndarray:
+        return np.ones((1, 1), dtype=bool)
+
+    def block(self, i: Hashable, j: Hashable) -> Block:
+        if (i, j) != (self.row, self.col):
+            raise KeyError(f"{self!r} has the single block ({self.row!r}, {self.col!r}), not ({i!r}, {j!r}).")
+        return self
 
     def __repr__(self) -> str:
         return f"{self.symbol}[{self.row!r}, {self.col!r}]"
 
 
-class _Operator:
+class _Operator(LinearOperator):
     def __init__(self, lin: Linearization, adjoint: bool):
         self._lin = lin
         self._adjoint = adjoint
@@ -68,6 +146,11 @@ class _Operator:
     def adjoint(self) -> bool:
         """Whether this is the adjoint (ℒ*, ℳ*) of ℒ or ℳ."""
         return self._adjoint
+
+    @property
+    def symbol(self) -> str:
+        base = "ℒ" if isinstance(self, StateOperator) else "ℳ"
+        return base + ("*" if self._adjoint else "")
 
     @property
     def _plan(self) -> Plan:
@@ -102,13 +185,8 @@ class _Operator:
         return self._plan.unpack(bufs, self._plan.net.param_names, self._plan.param_loc, self._plan.param_groups)
 
     def _dense(self, fn: Callable[[dict], dict], in_example: dict, in_names: tuple) -> jax.Array:
-        flat, unravel = ravel_pytree([in_example[n] for n in in_names])
-
-        def flat_fn(v):
-            out = fn(dict(zip(in_names, unravel(v))))
-            return ravel_pytree([out[n] for n in self._out_names])[0]
-
-        return jax.jit(jax.jacfwd(flat_fn))(jnp.zeros_like(flat))  # one compile, not op by op
+        return _dense(lambda x: [fn(dict(zip(in_names, x)))[n] for n in self._out_names],
+                      [in_example[n] for n in in_names])
 
 
 class StateOperator(_Operator):
@@ -162,19 +240,21 @@ class StateOperator(_Operator):
         """Block (i, j) as a linear map with its adjoint (ℒ* blocks with ``.T``)."""
         if self._adjoint:
             return self.T.block(j, i).T
-        net = self._plan.net
+        net, states = self._plan.net, self._lin.states
         if i == j and i in net.order:
-            return Block("ℐ", i, j, lambda x: x, lambda x: x)
+            return Block("ℐ", i, j, lambda x: x, lambda x: x, states[j], states[i])
         layer = _layer(net, i)
         if j not in layer.reads:
             raise KeyError(f"Block ({i!r}, {j!r}) of ℒ is zero: layer {i!r} does not read {j!r}.")
         vjp, out_aval = self._lin._layer_vjp(layer)
-        r = layer.reads.index(j)
+        reads = [r for r, name in enumerate(layer.reads) if name == j]  # a state read twice: both
 
         def adjoint(lam):
-            return jax.tree.map(jnp.negative, vjp(lam)[1 + r])
+            cts = vjp(lam)
+            return jax.tree.map(lambda *c: -sum(c), *(cts[1 + r] for r in reads))
 
-        return Block("ℒ", i, j, lambda e: jax.linear_transpose(adjoint, out_aval)(e)[0], adjoint)
+        return Block("ℒ", i, j, lambda e: jax.linear_transpose(adjoint, out_aval)(e)[0], adjoint,
+                     states[j], states[i])
 
     def __repr__(self) -> str:
         net, p = self._plan.net, self.pattern
@@ -246,7 +326,8 @@ class ParamOperator(_Operator):
                 total = jax.tree.map(add, total, cts[n])
             return total
 
-        return Block("ℳ", k, i, adjoint, lambda h: jax.linear_transpose(adjoint, out_aval)(h)[0])
+        return Block("ℳ", k, i, adjoint, lambda h: jax.linear_transpose(adjoint, out_aval)(h)[0],
+                     self._lin.states[i], whole)
 
     def __repr__(self) -> str:
         net, p = self._plan.net, self.pattern

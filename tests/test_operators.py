@@ -154,3 +154,38 @@ def test_vectors_must_have_all_keys():
     lin = lbp.linearize(case.net, case.params, *case.inputs)
     with pytest.raises(KeyError, match="missing \\['h3'\\]"):
         lin.L.mv({"h1": lin.states["h1"], "h2": lin.states["h2"]})
+
+
+def test_one_operator_type_for_operators_and_blocks():
+    """ℒ, ℳ, their adjoints and their blocks are all LinearOperators: mv, T, todense, pattern,
+    block; solve where the operator is invertible, a clear error elsewhere."""
+    case = REGISTRY["skips"]()
+    lin = lbp.linearize(case.net, case.params, *case.inputs)
+    for op in (lin.L, lin.L.T, lin.M, lin.M.T):
+        assert isinstance(op, lbp.LinearOperator)
+    dense_l = np.asarray(lin.L.todense())
+    sizes = [int(np.size(lin.states[n])) for n in case.net.order]
+    edges = np.concatenate([[0], np.cumsum(sizes)])
+    at = {n: slice(edges[k], edges[k + 1]) for k, n in enumerate(case.net.order)}
+    for i, j in [("c", "b"), ("c", "x"), ("d", "a"), ("e", "e")]:
+        if j not in at:  # an input: not a column of ℒ over the layers
+            continue
+        block = lin.L.block(i, j)
+        assert isinstance(block, lbp.LinearOperator) and block.pattern.shape == (1, 1)
+        np.testing.assert_allclose(block.todense(), dense_l[at[i], at[j]], atol=1e-12)
+        np.testing.assert_allclose(lin.L.T.block(j, i).todense(), dense_l[at[i], at[j]].T, atol=1e-12)
+        assert block.T.T.block(i, j) is not None
+    ones = jnp.ones_like(lin.states["e"])
+    np.testing.assert_allclose(lin.L.block("e", "e").solve(ones), ones)
+    with pytest.raises(NotImplementedError, match="ℳ is not invertible"):
+        lin.M.solve({n: lin.states[n] for n in case.net.order})
+    with pytest.raises(NotImplementedError, match="not invertible"):
+        lin.L.block("c", "b").solve(ones)
+
+
+def test_a_block_of_a_state_read_twice_holds_both_reads():
+    net = lbp.Network([lbp.Layer("y", lambda th, a, b: a * b * th[0], ("x", "x"), ("w",)),
+                       lbp.Layer("z", lambda th, a, b: jnp.sin(a) + 3.0 * b, ("y", "y"))], ["x"], "z")
+    lin = lbp.linearize(net, {"w": jnp.array(2.0)}, jnp.array([0.5, 1.0]))
+    dense = np.asarray(lin.L.todense())
+    np.testing.assert_allclose(lin.L.block("z", "y").todense(), dense[2:4, 0:2], atol=1e-12)
