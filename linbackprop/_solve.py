@@ -401,6 +401,57 @@ def _distinct(args: Any) -> Any:
     return jax.tree.map(once, args)
 
 
+def _with_residuals(plan: Plan, k: int, theta: tuple, inputs: tuple, relinearise: set[int]) -> list[Any]:
+    """A forward step that keeps the layer's residuals: its output, then its stored residuals."""
+    kind = plan.kinds[k]
+    theta, inputs = _distinct((theta, inputs))
+    out, vjp = jax.vjp(kind.fn, theta, *inputs)
+    if vjp_layout(vjp) == kind.vjp_layout:
+        return [out, *kind.split_residuals(vjp)]
+    # Not the linearisation the plan analysed (its residuals would mean something else): store
+    # nothing for this kind and re-linearise it in the products instead.
+    relinearise.add(k)
+    return [out, *(_zeros_like_aval(plan.res_avals[r]) for r in kind.own_groups)]
+
+
+def _with_tangent(plan: Plan, kind: Kind, pos: Any, theta: tuple, inputs: tuple, h: list[Any] | None,
+                  tangents: list[Any], carried: tuple[int, Any] | None) -> list[Any]:
+    """A forward step that also takes row i of the forward substitution: U_i, then Z_i =
+    ∂Φ_i/∂θ h + Σ_j ∂Φ_i/∂U_j Z_j (one JVP of the layer). ``carried``: (read slot, Z) of a read
+    that the loop carries instead of reading it from ``tangents``."""
+    pslots, rslots = _at(kind.param_slots, pos), _at(kind.read_slots, pos)
+    pgroups, sgroups = plan.param_groups, plan.state_groups
+    dtheta = tuple(None if h is None or not pgroups[g].differentiable
+                   else pgroups[g].full_tangent(read_row(h[g], pslots[..., p]))
+                   for p, g in enumerate(kind.param_groups))
+    dinputs = [None if tangents[g] is None else read_row(tangents[g], rslots[..., r], written=True)
+               for r, g in enumerate(kind.read_groups)]
+    if carried is not None and carried[1] is not None:
+        dinputs[carried[0]] = carried[1]
+    dinputs = [None if d is None else sgroups[g].full_tangent(d) for d, g in zip(dinputs, kind.read_groups)]
+    out, dout = _jvp_moving(kind.fn, theta, inputs, dtheta, tuple(dinputs))
+    if tangents[kind.out_group] is None:
+        return [out]
+    return [out, sgroups[kind.out_group].tangent(dout)]
+
+
+def _carry_start(plan: Plan, start: int, stop: int, states: list[Any], tangents: list[Any] | None) -> Any:
+    """What the loop carries into segment ``start:stop`` (see ``Plan.forwarding``): the output the
+    segment's first step reads, and its tangent; None where nothing is carried."""
+    fwd = plan.forwarding(start, stop)
+    if fwd is None:
+        return None
+
+    def start_row(bufs, tangent):
+        if bufs[fwd.group] is None:
+            return None
+        if fwd.first_row is None:
+            return plan.state_groups[fwd.group].row_zeros(tangent)
+        return read_row(bufs[fwd.group], fwd.first_row)
+
+    return start_row(states, False), start_row(tangents, True) if tangents is not None else None
+
+
 def forward(plan: Plan, params: list[Any], states: list[Any], residuals: bool = True,
             tangents: tuple[list[Any] | None, list[Any]] | None = None) -> Any:
     """U = Φ(U, θ) by forward substitution; with ``residuals``, each layer's VJP residuals too.
@@ -411,53 +462,32 @@ def forward(plan: Plan, params: list[Any], states: list[Any], residuals: bool = 
     so nothing is stored for it. Returns (Primal, Z) then.
     """
     assert not (residuals and tangents is not None)
-    h, _ = tangents if tangents is not None else (None, None)
+    h = tangents[0] if tangents is not None else None
     relinearise: set[int] = set()
     writes = plan.writes("forward+res" if residuals else "forward+tangent" if tangents is not None else "forward")
 
     def body(step, carry):
-        i = step.index
         states, res, tans, prev = carry
         fwd = plan.forwarding(*step.segment) if step.segment else None
 
         def branch(k, operand):
             sts, tns, prev = operand
             kind = plan.kinds[k]
-            pos = _at(kind.step_pos, i)
+            pos = _at(kind.step_pos, step.index)
             theta, inputs = _arguments(plan, kind, Primal(params, sts, []), pos, written=True)
             carried = fwd is not None and k in fwd.read  # the previous step's output, carried
             if carried:
                 r = fwd.read[k]
                 inputs = (*inputs[:r], plan.state_groups[fwd.group].typed(prev[0]), *inputs[r + 1:])
             if residuals:
-                theta, inputs = _distinct((theta, inputs))
-                out, vjp = jax.vjp(kind.fn, theta, *inputs)
-                if vjp_layout(vjp) == kind.vjp_layout:
-                    return [out, *kind.split_residuals(vjp)]
-                # Not the linearisation the plan analysed (its residuals would mean something else):
-                # store nothing for this kind and re-linearise it in the products instead.
-                relinearise.add(k)
-                return [out, *(_zeros_like_aval(plan.res_avals[r]) for r in kind.own_groups)]
+                return _with_residuals(plan, k, theta, inputs, relinearise)
             if tangents is None:
                 return [kind.fn(theta, *inputs)]
-            pslots, rslots = _at(kind.param_slots, pos), _at(kind.read_slots, pos)
-            pgroups, rgroups = plan.param_groups, plan.state_groups
-            dtheta = tuple(None if h is None or not pgroups[g].differentiable
-                           else pgroups[g].full_tangent(read_row(h[g], pslots[..., p]))
-                           for p, g in enumerate(kind.param_groups))
-            dinputs = [None if tns[g] is None else read_row(tns[g], rslots[..., r], written=True)
-                       for r, g in enumerate(kind.read_groups)]
-            if carried and prev[1] is not None:
-                dinputs[fwd.read[k]] = prev[1]
-            dinputs = [None if d is None else rgroups[g].full_tangent(d) for d, g in zip(dinputs, kind.read_groups)]
-            out, dout = _jvp_moving(kind.fn, theta, inputs, dtheta, tuple(dinputs))
-            if tns[kind.out_group] is None:
-                return [out]
-            return [out, plan.state_groups[kind.out_group].tangent(dout)]
+            return _with_tangent(plan, kind, pos, theta, inputs, h, tns, (fwd.read[k], prev[1]) if carried else None)
 
         values = _step(plan, step, writes, branch, (states, tans, prev))
         bufs = {"state": list(states), "res": list(res), "tangent": list(tans)}
-        _write(bufs, writes, i, values, add=False)
+        _write(bufs, writes, step.index, values, add=False)
         if fwd is not None:  # every kind here writes its output to fwd.group: the same slots
             slots = writes.of_kind[step.kind if step.kind is not None else next(iter(fwd.read))]
             group = plan.state_groups[fwd.group]
@@ -467,18 +497,7 @@ def forward(plan: Plan, params: list[Any], states: list[Any], residuals: bool = 
 
     def enter(start, stop, carry):
         states, res, tans, _ = carry
-        fwd = plan.forwarding(start, stop)
-        if fwd is None:
-            return states, res, tans, None
-
-        def start_row(bufs, tangent):
-            if bufs[fwd.group] is None:
-                return None
-            if fwd.first_row is None:
-                return plan.state_groups[fwd.group].row_zeros(tangent)
-            return read_row(bufs[fwd.group], fwd.first_row)
-
-        return states, res, tans, (start_row(states, False), start_row(tans, True) if tangents is not None else None)
+        return states, res, tans, _carry_start(plan, start, stop, states, tans if tangents is not None else None)
 
     res0 = [RowList([_zeros_like_aval(a)] * (n + 1)) if plan.unrolled else _zeros_like_aval(a, (n + 1,))
             for a, n in zip(plan.res_avals, plan.res_rows)] if residuals else []

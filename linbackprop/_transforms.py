@@ -239,44 +239,67 @@ def _instantiate(t: Any) -> Any:
 
 
 def _call_by_solve_jvp(net: Network, primals: tuple, tangents: tuple) -> tuple:
+    """The JVP rule of a network call: the outputs and their tangents 𝒫 Z, where ℒ Z = ℳ* h + E₀ dU₀."""
     theta, inputs = primals
     dtheta, dinputs = tangents
     plan = plan_for(net, theta, inputs, _ENGINE.value)
-    if _FORWARD_ONLY.value:  # jvp_by_solve: the substitution runs inside the forward sweep
-        plan = plan.compact
-    # rhs = E₀ dU₀ + ℳ* h: input tangents on the identity rows of the inputs, then ℳ* h.
-    given = {name: dx for name, dx in zip(net.inputs, dinputs) if not _is_zero(dx)}
-    rhs = plan.pack_states(_instantiate(given), tangent=True)
-    moves_params = not all(_is_zero(dtheta[p]) for p in net.param_names)
-    # A tangent of floats somewhere, or nothing moves: the outputs' tangents are zeros.
-    anchor = next((leaf for leaf in jax.tree.leaves((dtheta, dinputs), is_leaf=_symbolic)
-                   if not _symbolic(leaf) and differentiable_dtype(leaf.dtype)), None)
-    if anchor is None:
-        outs = _call_by_solve(net, theta, inputs)
-        return outs, tuple(_zero_tangent(plan, o) for o in net.outputs)
+    anchor = _anchor(dtheta, dinputs)
+    if anchor is None:  # no tangent of floats anywhere: the outputs' tangents are zeros
+        return _call_by_solve(net, theta, inputs), tuple(_zero_tangent(plan, o) for o in net.outputs)
     if _FORWARD_ONLY.value:
-        h = plan.pack_params(_instantiate(dtheta), tangent=True) if moves_params else None
-        prim, z = forward(plan, plan.pack_params(theta), plan.pack_states(dict(zip(net.inputs, inputs))),
-                          residuals=False, tangents=(h, rhs))
-        return _outputs(plan, prim.states), tuple(_tangent_or_zero(plan, o, z) for o in net.outputs)
+        return _jvp_in_forward_sweep(plan.compact, theta, inputs, dtheta, dinputs)
+    return _jvp_by_linear_solve(plan, theta, inputs, dtheta, dinputs, anchor)
+
+
+def _anchor(dtheta: Any, dinputs: Any) -> jax.Array | None:
+    """A tangent leaf of floats (what the exact zeros of ``_linear_zero`` are made linear in)."""
+    return next((leaf for leaf in jax.tree.leaves((dtheta, dinputs), is_leaf=_symbolic)
+                 if not _symbolic(leaf) and differentiable_dtype(leaf.dtype)), None)
+
+
+def _input_tangents(plan: Plan, dinputs: tuple) -> list[Any]:
+    """E₀ dU₀: the inputs' tangents on the identity rows of the inputs (tangent layout)."""
+    given = {name: dx for name, dx in zip(plan.net.inputs, dinputs) if not _is_zero(dx)}
+    return plan.pack_states(_instantiate(given), tangent=True)
+
+
+def _moves_params(net: Network, dtheta: dict) -> bool:
+    return not all(_is_zero(dtheta[p]) for p in net.param_names)
+
+
+def _jvp_in_forward_sweep(plan: Plan, theta: dict, inputs: tuple, dtheta: dict, dinputs: tuple) -> tuple:
+    """jvp_by_solve, whose tangents are never transposed: the forward substitution runs inside the
+    forward sweep (one JVP per layer, nothing stored)."""
+    net = plan.net
+    h = plan.pack_params(_instantiate(dtheta), tangent=True) if _moves_params(net, dtheta) else None
+    prim, z = forward(plan, plan.pack_params(theta), plan.pack_states(dict(zip(net.inputs, inputs))),
+                      residuals=False, tangents=(h, _input_tangents(plan, dinputs)))
+    return _outputs(plan, prim.states), tuple(_tangent_or_zero(plan, o, z) for o in net.outputs)
+
+
+def _jvp_by_linear_solve(plan: Plan, theta: dict, inputs: tuple, dtheta: dict, dinputs: tuple,
+                         anchor: jax.Array) -> tuple:
+    """The forward pass with residuals, then ℒ Z = ℳ* h + E₀ dU₀ as a transposable linear solve:
+    reverse mode is its transpose, the back substitution (with ℳΛ batched after it, the transpose
+    of the batched ℳ* h, or formed in the loop: ``solve_joint``)."""
+    net = plan.net
     prim = prepare(net, theta, inputs)[1]
+    moves_params = _moves_params(net, dtheta)
     in_loop = (moves_params and params_in_loop(_PARAM_PRODUCTS.value, _REMAT.value, plan)
                and all(g.differentiable for g in plan.param_groups))
-    h = plan.pack_params(_instantiate(dtheta), tangent=True) if in_loop else None
+    rhs = _input_tangents(plan, dinputs)
     if moves_params and not in_loop:
         rhs = param_forward(plan, prim, plan.pack_params(_instantiate(dtheta), tangent=True), rhs)
     # custom_linear_solve transposes only when every leaf of rhs is linear in the tangents; a part
-    # built from symbolic zeros alone is not, so add to each an exact zero that is (an empty slice
-    # of a tangent, padded). XLA folds the addition away.
-    rhs = [None if b is None else jax.tree.map(lambda x: x + _linear_zero(anchor, x), b) for b in rhs]
+    # built from symbolic zeros alone is not, so add to each an exact zero that is. XLA folds it away.
+    linear = lambda b: jax.tree.map(lambda x: x + _linear_zero(anchor, x), b)
+    rhs = [None if b is None else linear(b) for b in rhs]
     if in_loop:
-        h = [jax.tree.map(lambda x: x + _linear_zero(anchor, x), b) for b in h]
+        h = [linear(b) for b in plan.pack_params(_instantiate(dtheta), tangent=True)]
         z = solve_joint(plan, prim, h, rhs)
     else:
         z = solve_forward(plan, prim, rhs)
-    outs = _outputs(plan, prim.states)
-    douts = tuple(_tangent_or_zero(plan, o, z) for o in net.outputs)
-    return outs, douts
+    return _outputs(plan, prim.states), tuple(_tangent_or_zero(plan, o, z) for o in net.outputs)
 
 
 def _linear_zero(anchor: jax.Array, like: jax.Array) -> jax.Array:
