@@ -651,7 +651,13 @@ MAX_PERIOD = 8  # the longest pattern of kinds a loop iteration runs without a s
 
 def periodic_segments(step_kind: np.ndarray, kinds: int) -> list[tuple[int, int, int]]:
     """Split the steps into (start, stop, period): the longest stretch whose kinds repeat with a
-    period of at most MAX_PERIOD (period 0 elsewhere; one kind needs no pattern)."""
+    period of at most MAX_PERIOD (period 0 elsewhere; one kind needs no pattern).
+
+    For a period p, ``same[m]`` says that step m + p has the kind of step m. A run of r
+    consecutive True from ``run_start`` means steps run_start .. run_start + r + p − 1 follow the
+    pattern of their first p steps: r + p steps, cut to whole periods (and to the end), which is
+    what ``covered`` counts. A stretch is worth a segment of its own from two whole periods on.
+    """
     n = len(step_kind)
     best = (0, 0, 0)  # covered, start, period
     if kinds > 1:
