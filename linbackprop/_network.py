@@ -119,7 +119,7 @@ class Layer:
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Layer):
             return NotImplemented
-        return self.fn is other.fn and self._key() == other._key()
+        return self._key() == other._key()
 
     def __hash__(self) -> int:
         return hash(self._key())

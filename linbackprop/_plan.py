@@ -25,7 +25,7 @@ import numpy as np
 from jax.extend.core import Literal
 
 from ._network import Layer, Network, Row, call_layer
-from ._stacking import explicit_sharding, place, stacked_sharding, take, zeros
+from ._stacking import explicit_sharding, place, take, zeros_of
 
 Aval = jax.ShapeDtypeStruct
 
@@ -110,14 +110,10 @@ class Group:
     def zeros(self, as_rows: bool = False, tangent: bool = False) -> Any:
         if as_rows and self.stacked_rows is None:
             return RowList([self.row_zeros(tangent)] * self.rows)
-        return self.treedef.unflatten([None if a is None else zeros((self.rows, *a.shape), a.dtype,
-                                                                    stacked_sharding(explicit_sharding(a)))
-                                       for a in self._avals(tangent)])
+        return self.treedef.unflatten([None if a is None else zeros_of(a, (self.rows,)) for a in self._avals(tangent)])
 
     def row_zeros(self, tangent: bool = False) -> Any:
-        avals = self._avals(tangent)
-        return self.treedef.unflatten([None if a is None else zeros(a.shape, a.dtype, explicit_sharding(a))
-                                       for a in avals])
+        return self.treedef.unflatten([None if a is None else zeros_of(a) for a in self._avals(tangent)])
 
     def row_avals(self, tangent: bool = False) -> Any:
         return self.treedef.unflatten(self._avals(tangent))
@@ -127,9 +123,10 @@ class Group:
         return self.treedef.unflatten([v if d else None for v, d in
                                        zip(self.treedef.flatten_up_to(value), self.diff_leaves)])
 
-    def full_tangent(self, value: Any) -> Any:
-        """A member's (co)tangent as JAX wants it: float0 zeros where a leaf has no tangent."""
-        return self.treedef.unflatten([v if d else float0_zeros(a.shape) for v, d, a in
+    def full_tangent(self, value: Any, lead: tuple[int, ...] = ()) -> Any:
+        """A member's (co)tangent as JAX wants it: float0 zeros where a leaf has no tangent
+        (``lead``: leading axes of ``value``, e.g. the rows of a stacked block)."""
+        return self.treedef.unflatten([v if d else float0_zeros((*lead, *a.shape)) for v, d, a in
                                        zip(self.treedef.flatten_up_to(value), self.diff_leaves, self.leaves)])
 
     def typed(self, value: Any) -> Any:
@@ -462,13 +459,12 @@ class Plan:
         out = {}
         for name in names:
             g, slot = loc[name]
-            if groups is not None and bufs[g] is None:
-                out[name] = groups[g].full_tangent(groups[g].row_avals())
-                if slot is None:
-                    rows = groups[g].rows
-                    out[name] = jax.tree.map(lambda z: float0_zeros((rows, *z.shape)), out[name])
+            if groups is not None and (bufs[g] is None or slot is None):  # no tangent, or a stacked block
+                lead = (groups[g].rows,) if slot is None else ()
+                buf = groups[g].row_avals(tangent=True) if bufs[g] is None else bufs[g]
+                out[name] = groups[g].full_tangent(buf, lead)
             elif slot is None:  # a stacked block: the buffer itself
-                out[name] = bufs[g] if groups is None else _full_stacked(groups[g], bufs[g])
+                out[name] = bufs[g]
             else:
                 by_group.setdefault(g, []).append(name)
         for g, members in by_group.items():
@@ -481,12 +477,6 @@ class Plan:
                 rows = [groups[g].full_tangent(r) for r in rows]
             out.update(zip(members, rows))
         return {name: out[name] for name in names}
-
-
-def _full_stacked(group: Group, buf: Any) -> Any:
-    """A stacked block's tangent buffer with float0 zeros where leaves have no tangent."""
-    return group.treedef.unflatten([v if d else float0_zeros((group.rows, *a.shape)) for v, d, a in
-                                    zip(group.treedef.flatten_up_to(buf), group.diff_leaves, group.leaves)])
 
 
 class Same:

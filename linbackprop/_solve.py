@@ -32,7 +32,7 @@ import numpy as np
 from jax import lax
 
 from ._plan import Group, Kind, Plan, RowList, Writes, as_dtype, vjp_layout
-from ._stacking import explicit_sharding, index_row, stacked_sharding, update_row, zeros
+from ._stacking import index_row, update_row, zeros_of
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["params", "states", "residuals"],
@@ -118,8 +118,7 @@ def _scatter_add(buf: Any, idx: Any, value: Any) -> Any:
 
 
 def _zeros_like_aval(tree: Any, lead: tuple[int, ...] = ()) -> Any:
-    return jax.tree.map(lambda a: zeros((*lead, *a.shape), a.dtype, stacked_sharding(explicit_sharding(a), len(lead))),
-                        tree)
+    return jax.tree.map(lambda a: zeros_of(a, lead), tree)
 
 
 class Index:

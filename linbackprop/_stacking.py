@@ -59,30 +59,25 @@ def explicit_sharding(x: Any) -> NamedSharding | None:
     return sharding if used & explicit else None
 
 
-def stacked_sharding(sharding: NamedSharding | None, lead: int = 1) -> NamedSharding | None:
-    """The sharding of ``lead`` new unsharded leading axes in front of arrays sharded so."""
+def zeros_of(like: Any, lead: tuple[int, ...] = ()) -> jax.Array:
+    """Zeros of shape ``(*lead, *like.shape)`` and ``like``'s dtype, sharded as ``like`` with the
+    ``lead`` axes unsharded: a buffer that rows of explicitly sharded states are written into must
+    have their sharding. ``like``: an array or an aval."""
+    shape = (*lead, *like.shape)
+    sharding = explicit_sharding(like)
     if sharding is None:
-        return None
-    return NamedSharding(sharding.mesh, P(*([None] * lead), *sharding.spec))
-
-
-def zeros(shape: tuple[int, ...], dtype: Any, sharding: NamedSharding | None = None) -> jax.Array:
-    """``jnp.zeros``, with the given explicit sharding where there is one: a buffer that rows of
-    explicitly sharded states are written into must have their sharding."""
-    if sharding is None:
-        return jnp.zeros(shape, dtype)
-    return jnp.zeros(shape, dtype, out_sharding=sharding)
+        return jnp.zeros(shape, like.dtype)
+    stacked = NamedSharding(sharding.mesh, P(*(None for _ in lead), *sharding.spec))
+    return jnp.zeros(shape, like.dtype, out_sharding=stacked)
 
 
 # -- place ------------------------------------------------------------------------------------------
 def _place_impl(*xs: jax.Array, slots: tuple[int, ...], rows: int) -> jax.Array:
     stacked = jnp.stack(xs)
     first = slots[0]
-    if jax.dtypes.issubdtype(stacked.dtype, jax.dtypes.extended):  # PRNG keys: no pad, no add
-        return jnp.zeros((rows, *stacked.shape[1:]), stacked.dtype).at[np.asarray(slots)].set(stacked)
-    if explicit_sharding(stacked) is not None:
-        blank = zeros((rows, *stacked.shape[1:]), stacked.dtype, explicit_sharding(stacked))
-        return blank.at[np.asarray(slots)].add(stacked)
+    if _plain_ops_only(stacked):  # PRNG keys (no pad, no add: their slots are distinct) and sharded rows
+        blank = zeros_of(xs[0], (rows,)).at[np.asarray(slots)]
+        return blank.set(stacked) if jax.dtypes.issubdtype(stacked.dtype, jax.dtypes.extended) else blank.add(stacked)
     if slots == tuple(range(first, first + len(xs))):  # consecutive rows: a pad with zeros (XLA CPU
         # splits a concatenate with zeros into log2(rows) broadcast kernels)
         padding = [(first, rows - first - len(xs), 0)] + [(0, 0, 0)] * (stacked.ndim - 1)
@@ -157,7 +152,7 @@ ad.deflinear2(take_p, _take_transpose)
 batching.primitive_batchers[take_p] = _take_batch
 
 
-def _extended(x: Any) -> bool:
+def _plain_ops_only(x: Any) -> bool:
     """PRNG keys and other extended dtypes, and explicitly sharded arrays: stacked and read with
     plain ops (the primitives lower numeric arrays without sharding types only)."""
     dtype = jnp.result_type(x) if not hasattr(x, "dtype") else x.dtype
@@ -167,7 +162,7 @@ def _extended(x: Any) -> bool:
 # -- on pytrees ---------------------------------------------------------------------------------------
 def place(leaves: list[jax.Array], slots: tuple[int, ...], rows: int) -> jax.Array:
     """One stacked leaf: ``leaves[k]`` at row ``slots[k]`` of ``rows`` (zeros elsewhere)."""
-    if len(leaves) < MANY or _extended(leaves[0]):
+    if len(leaves) < MANY or _plain_ops_only(leaves[0]):
         return _place_impl(*leaves, slots=slots, rows=rows)
     return place_p.bind(*leaves, slots=slots, rows=rows)
 
@@ -176,6 +171,6 @@ def take(buf: Any, slots: list[int]) -> list[Any]:
     """Rows ``slots`` of a stacked pytree buffer, one pytree per slot."""
     slots = tuple(int(s) for s in slots)
     leaves, treedef = jax.tree.flatten(buf)
-    columns = [[leaf[s] for s in slots] if len(slots) < MANY or _extended(leaf) else take_p.bind(leaf, slots=slots)
-               for leaf in leaves]
+    columns = [[leaf[s] for s in slots] if len(slots) < MANY or _plain_ops_only(leaf)
+               else take_p.bind(leaf, slots=slots) for leaf in leaves]
     return [treedef.unflatten([c[k] for c in columns]) for k in range(len(slots))]

@@ -36,7 +36,7 @@ from jax.custom_derivatives import SymbolicZero
 from ._network import Network, set_call
 from ._plan import Plan, differentiable_dtype, leaf_aval, plan_for
 from ._solve import Primal, back_substitution, forward, forward_substitution, param_forward, read_row, state_product
-from ._stacking import explicit_sharding, zeros
+from ._stacking import explicit_sharding, zeros_of
 
 
 class _ThreadLocalMode(threading.local):
@@ -233,7 +233,7 @@ def _instantiate(t: Any) -> Any:
             return z
         if not differentiable_dtype(z.aval.dtype):
             return None
-        return zeros(z.aval.shape, z.aval.dtype, explicit_sharding(z.aval))
+        return zeros_of(z.aval)
 
     return jax.tree.map(one, t, is_leaf=_symbolic)
 
@@ -326,8 +326,7 @@ def _tangent_or_zero(plan: Plan, name: Hashable, z: list[Any]) -> Any:
 
 def _zero_tangent(plan: Plan, name: Hashable) -> Any:
     group = plan.state_groups[plan.state_loc[name][0]]
-    return group.full_tangent(jax.tree.map(lambda a: zeros(a.shape, a.dtype, explicit_sharding(a)),
-                                           group.row_avals(tangent=True)))
+    return group.full_tangent(group.row_zeros(tangent=True))
 
 
 _call_by_solve.defjvp(_call_by_solve_jvp, symbolic_zeros=True)
