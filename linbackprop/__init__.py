@@ -7,9 +7,9 @@ triangular linear system.
 with ℒ = I − D_UΦ and ℳ* = D_θΦ for a network U = Φ(U, θ) given as a DAG of layers.
 """
 
-from ._network import GraphError, Layer, Network, Row
+from ._graph import GraphError, Layer, Network, Row
 from ._operators import Block, Linearization, LinearOperator, ParamOperator, StateOperator, linearize
-from ._plot import plot_network, spy
+from ._pictures import plot_network, spy
 from ._transforms import grad_by_solve, jvp_by_solve, solving, value_and_grad_by_solve
 
 __version__ = "0.1.0"

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from ._network import Layer, Network
+from ._graph import Layer, Network
 from ._transforms import value_and_grad_by_solve
 
 
@@ -133,7 +133,7 @@ def figure(path: str, seed_lin: Any, net: Network, losses: list[float]) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from ._plot import plot_network, spy
+    from ._pictures import plot_network, spy
 
     fig, axes = plt.subplots(2, 2, figsize=(11, 10))
     spy(seed_lin.L, axes[0, 0], title="ℒ of the seed network (entries; blue lines: blocks)")

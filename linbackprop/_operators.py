@@ -16,10 +16,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.flatten_util import ravel_pytree
 
-from ._network import Network, Row, block_of, call_layer, layer_theta
+from ._engine import Primal, back_substitution, forward_substitution, param_adjoint, param_forward, state_product
+from ._graph import Network, Row, block_of, call_layer, layer_theta
 from ._plan import Plan, plan_for
 from ._render import block_matrix_text
-from ._solve import Primal, back_substitution, forward_substitution, param_adjoint, param_forward, state_product
 from ._transforms import prepare
 
 

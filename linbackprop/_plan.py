@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import Literal
 
-from ._network import Layer, Network, Row, call_layer
+from ._graph import Layer, Network, Row, call_layer
 from ._stacking import explicit_sharding, place, take, zeros_of
 
 Aval = jax.ShapeDtypeStruct
@@ -179,25 +179,39 @@ def as_dtype(x: Any, dtype: Any) -> Any:
     return jnp.asarray(x, dtype)  # also strong-types a weakly typed x, as the plan's avals are
 
 
+class MemberRows(NamedTuple):
+    """Where each member layer of a kind finds its data: row m is the m-th member (in network
+    order), plus a last pad row of valid indices that no data is read from. Entries are rows of
+    the buffer of the matching group (``Kind.param_groups``, ``read_groups``, ``out_group``)."""
+
+    params: np.ndarray  # [n + 1, P]: the row of each parameter block (of a stacked block: its Row index)
+    reads: np.ndarray  # [n + 1, R]: the row of each state read
+    out: np.ndarray  # [n + 1]: the row the member writes its output to
+
+
+class StepRows(NamedTuple):
+    """The same per step of the loop (N steps, one per layer): what step i does *if* it runs this
+    kind. Steps of other kinds point at pad rows, so a branch can run on any step without a
+    condition on its indices."""
+
+    member: np.ndarray  # [N]: the member that step i is (n, the pad row, for other kinds' steps)
+    out: np.ndarray  # [N]: the state row step i writes (the group's pad row for other kinds)
+    reads: np.ndarray  # [N, R]: the state rows step i reads (pad rows for other kinds)
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class Kind:
-    """Layers that share a function and the shapes of their parameters and inputs.
-
-    Tables have one row per member layer plus a pad row (valid indices, never used for data);
-    ``step_*`` tables have one entry per step of the loop (the pad for steps of other kinds).
-    """
+    """Layers that share a function and the shapes of their parameters and inputs: one branch
+    of the loop's switch, one batched call in the products. Where its members' data lives:
+    ``by_member`` (per member layer) and ``by_step`` (per step of the loop)."""
 
     fn: Any
     layers: tuple[Layer, ...]
     param_groups: tuple[int, ...]
     read_groups: tuple[int, ...]
     out_group: int
-    param_slots: np.ndarray  # [n + 1, P]
-    read_slots: np.ndarray  # [n + 1, R]
-    out_slots: np.ndarray  # [n + 1]
-    step_pos: np.ndarray  # [N] -> member row, n for other kinds' steps
-    step_out_slot: np.ndarray  # [N] -> state row written, the group's pad for other kinds
-    step_read_slots: np.ndarray  # [N, R] -> rows read, the pad for other kinds
+    by_member: MemberRows
+    by_step: StepRows
     out_aval: Any
     vjp_treedef: Any
     vjp_layout: str  # what the residuals mean (see ``vjp_layout``): a forward trace must match it
@@ -271,7 +285,7 @@ def make_writes(kinds: tuple[Kind, ...], step_kind: np.ndarray, targets: list[li
     rows = np.array([[pad_rows[b] for b, _ in slots]] * len(step_kind), dtype=np.int32)
     rows = rows.reshape(len(step_kind), len(slots))
     for i, k in enumerate(step_kind):
-        member = kinds[k].step_pos[i]
+        member = kinds[k].by_step.member[i]
         for (_, member_rows), s in zip(targets[k], of_kind[k]):
             rows[i, s] = member_rows[member]
     return Writes(tuple(b for b, _ in slots), rows, tuple(of_kind))
@@ -279,6 +293,13 @@ def make_writes(kinds: tuple[Kind, ...], step_kind: np.ndarray, targets: list[li
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Plan:
+    """Everything static about one network at one set of shapes (made once, cached): the state
+    and parameter buffers (``*_groups``: one stacked buffer per structure of same-shaped values;
+    ``*_loc``: name -> (group, row), row None for a stacked block, which is the whole buffer),
+    the kinds of layer with their rows (``Kind.by_member``, ``Kind.by_step``), the kind of each
+    step (``step_kind``, one step per layer in network order) and the stored residuals' buffers.
+    The engine reads only these tables; every index in them is known at trace time."""
+
     net: Network
     state_groups: tuple[Group, ...]
     param_groups: tuple[Group, ...]
@@ -311,7 +332,7 @@ class Plan:
                 kind = self.kinds[k]
                 for r, g in enumerate(kind.read_groups):
                     if not (fwd is not None and j > start and fwd.read.get(k) == r):
-                        needed[g].add(int(kind.step_read_slots[j, r]))
+                        needed[g].add(int(kind.by_step.reads[j, r]))
         groups, remap = [], []
         for g, group in enumerate(self.state_groups):
             keep = [row for row in range(len(group.names)) if row in needed[g]]
@@ -328,9 +349,11 @@ class Plan:
             return out
 
         kinds = tuple(dataclasses.replace(
-            kind, read_slots=columns(kind.read_slots, kind.read_groups),
-            step_read_slots=columns(kind.step_read_slots, kind.read_groups),
-            out_slots=remap[kind.out_group][kind.out_slots], step_out_slot=remap[kind.out_group][kind.step_out_slot],
+            kind,
+            by_member=kind.by_member._replace(reads=columns(kind.by_member.reads, kind.read_groups),
+                                              out=remap[kind.out_group][kind.by_member.out]),
+            by_step=kind.by_step._replace(reads=columns(kind.by_step.reads, kind.read_groups),
+                                          out=remap[kind.out_group][kind.by_step.out]),
         ) for kind in self.kinds)
         return dataclasses.replace(self, state_groups=tuple(groups), state_loc=loc, kinds=kinds, full=self)
 
@@ -358,7 +381,7 @@ class Plan:
         back substitution each of their rows of ℳΛ is set once, not accumulated (a read saved)."""
         once = set()
         for g in range(len(self.param_groups)):
-            rows = [kind.param_slots[:kind.size, p] for kind in self.kinds
+            rows = [kind.by_member.params[:kind.size, p] for kind in self.kinds
                     for p, pg in enumerate(kind.param_groups) if pg == g]
             rows = np.concatenate(rows) if rows else np.zeros(0, np.int32)
             if len(np.unique(rows)) == len(rows):
@@ -386,20 +409,20 @@ class Plan:
         if len(groups) != 1:
             return None
         (group,) = groups
-        out_rows = np.array([self.kinds[k].step_out_slot[start + n] for n, k in enumerate(step_kind)])
+        out_rows = np.array([self.kinds[k].by_step.out[start + n] for n, k in enumerate(step_kind)])
         read: dict[int, int] = {}
         for k in present:
             kind = self.kinds[k]
             later = np.flatnonzero(step_kind == k)
             later = later[later > 0]  # the stretch's first step reads its start value
             for r, g in enumerate(kind.read_groups):
-                if g == group and np.array_equal(kind.step_read_slots[start + later, r], out_rows[later - 1]):
+                if g == group and np.array_equal(kind.by_step.reads[start + later, r], out_rows[later - 1]):
                     read[k] = r
                     break
         if not read:
             return None
         first = int(step_kind[0])
-        first_row = int(self.kinds[first].step_read_slots[start, read[first]]) if first in read else None
+        first_row = int(self.kinds[first].by_step.reads[start, read[first]]) if first in read else None
         return Forwarding(group, read, first_row)
 
     def _pad_rows(self) -> dict[Hashable, int]:
@@ -412,20 +435,20 @@ class Plan:
         n = kind.size
         out_diff = self.state_groups[kind.out_group].differentiable
         if loop in ("forward", "forward+res", "forward+tangent"):
-            values = [(("state", kind.out_group), kind.out_slots[:n])]
+            values = [(("state", kind.out_group), kind.by_member.out[:n])]
             if loop == "forward+res":
                 values += [(("res", r), off + np.arange(n)) for r, off in zip(kind.own_groups, kind.own_offsets)]
             if loop == "forward+tangent" and out_diff:
-                values += [(("tangent", kind.out_group), kind.out_slots[:n])]
+                values += [(("tangent", kind.out_group), kind.by_member.out[:n])]
             return values
         if not out_diff:  # integer states carry no tangent or cotangent
             return []
         if loop == "forward_sub":
-            return [(("state", kind.out_group), kind.out_slots[:n])]
-        values = [(("state", g), kind.read_slots[:n, r]) for r, g in enumerate(kind.read_groups)
+            return [(("state", kind.out_group), kind.by_member.out[:n])]
+        values = [(("state", g), kind.by_member.reads[:n, r]) for r, g in enumerate(kind.read_groups)
                   if self.state_groups[g].differentiable]
         if with_params:
-            values += [(("param", g), kind.param_slots[:n, p]) for p, g in enumerate(kind.param_groups)]
+            values += [(("param", g), kind.by_member.params[:n, p]) for p, g in enumerate(kind.param_groups)]
         return values
 
     @property
@@ -699,53 +722,72 @@ def make_plan(net: Network, param_structs: tuple, input_structs: tuple, engine: 
     state_groups, state_loc = _group(list(avals.items()), pad=True)
 
     keys = list(dict.fromkeys(layer_kind))
-    n_steps = len(net.layers)
-    res_avals: list[Aval] = []
-    res_rows: list[int] = []
     step_kind = np.array([keys.index(k) for k in layer_kind], dtype=np.int32)
+    residuals = _ResidualBuffers()
     kinds = []
     for k, key in enumerate(keys):
-        members = [n for n in range(n_steps) if step_kind[n] == k]
+        members = np.flatnonzero(step_kind == k)
         layers = tuple(net.layers[n] for n in members)
         first = layers[0]
         out_aval, treedef, layout, sources, own, kept, recipes = kind_info[key]
         pgroups = tuple(slot(p)[0] for p in first.params)
         rgroups = tuple(state_loc[r][0] for r in first.reads)
         ogroup = state_loc[first.name][0]
-        pslots = np.array([[slot(p)[1] for p in layer.params] for layer in layers] + [[0] * len(pgroups)],
-                          dtype=np.int32).reshape(len(layers) + 1, len(pgroups))
-        rslots = np.array([[state_loc[r][1] for r in layer.reads] for layer in layers] + [[0] * len(rgroups)],
-                          dtype=np.int32).reshape(len(layers) + 1, len(rgroups))
-        oslots = np.array([state_loc[layer.name][1] for layer in layers] + [0], dtype=np.int32)
-        step_pos = np.full(n_steps, len(layers), dtype=np.int32)
-        step_pos[members] = np.arange(len(layers))
-        pad_row = lambda g: state_groups[g].rows - 1
-        step_out = np.full(n_steps, pad_row(ogroup), dtype=np.int32)
-        step_out[members] = oslots[:-1]
-        step_reads = np.array([[pad_row(g) for g in rgroups]] * n_steps, dtype=np.int32).reshape(n_steps, len(rgroups))
-        step_reads[members] = rslots[:-1]
-        own_groups, own_offsets = [], []
-        for a in own:  # stored residuals of every kind share one buffer per shape and dtype
-            a = Aval(a.shape, a.dtype, sharding=explicit_sharding(a))
-            if a not in res_avals:
-                res_avals.append(a)
-                res_rows.append(0)
-            r = res_avals.index(a)
-            own_groups.append(r)
-            own_offsets.append(res_rows[r])
-            res_rows[r] += len(layers)
+        by_member = MemberRows(
+            params=_table([[slot(p)[1] for p in layer.params] for layer in layers], len(pgroups)),
+            reads=_table([[state_loc[r][1] for r in layer.reads] for layer in layers], len(rgroups)),
+            out=_table([[state_loc[layer.name][1]] for layer in layers], 1)[:, 0])
         kinds.append(Kind(
             fn=_fresh(first.fn), layers=layers, param_groups=pgroups, read_groups=rgroups, out_group=ogroup,
-            param_slots=pslots, read_slots=rslots, out_slots=oslots, step_pos=step_pos,
-            step_out_slot=step_out, step_read_slots=step_reads, out_aval=out_aval,
-            vjp_treedef=treedef, vjp_layout=layout, res_sources=sources, kept=kept, recipes=recipes,
-            own_groups=tuple(own_groups),
-            own_offsets=tuple(own_offsets),
-        ))
-    unrolled = engine == "unrolled" or (engine == "auto" and not loop_pays(n_steps, len(kinds)))
+            by_member=by_member, by_step=_by_step(by_member, members, len(net.layers), state_groups, rgroups, ogroup),
+            out_aval=out_aval, vjp_treedef=treedef, vjp_layout=layout, res_sources=sources, kept=kept,
+            recipes=recipes, **residuals.assign(own, len(layers))))
+    unrolled = engine == "unrolled" or (engine == "auto" and not loop_pays(len(net.layers), len(kinds)))
     return Plan(net=net, state_groups=state_groups, param_groups=param_groups, state_loc=state_loc,
-                param_loc=param_loc, kinds=tuple(kinds), step_kind=step_kind, res_avals=tuple(res_avals),
-                res_rows=tuple(res_rows), unrolled=unrolled)
+                param_loc=param_loc, kinds=tuple(kinds), step_kind=step_kind, res_avals=tuple(residuals.avals),
+                res_rows=tuple(residuals.rows), unrolled=unrolled)
+
+
+def _table(rows: list[list[int]], width: int) -> np.ndarray:
+    """``rows`` as an int32 table of ``width`` columns, with a pad row of zeros appended."""
+    return np.array([*rows, [0] * width], dtype=np.int32).reshape(len(rows) + 1, width)
+
+
+def _by_step(by_member: MemberRows, members: np.ndarray, n_steps: int, state_groups: tuple[Group, ...],
+             read_groups: tuple[int, ...], out_group: int) -> StepRows:
+    """A kind's rows per step of the loop: its members' at their steps, pad rows elsewhere."""
+    pads = np.array([state_groups[g].rows - 1 for g in read_groups], dtype=np.int32)
+    member = np.full(n_steps, len(members), dtype=np.int32)
+    member[members] = np.arange(len(members))
+    out = np.full(n_steps, state_groups[out_group].rows - 1, dtype=np.int32)
+    out[members] = by_member.out[:-1]
+    reads = np.tile(pads, (n_steps, 1)).reshape(n_steps, len(read_groups))
+    reads[members] = by_member.reads[:-1]
+    return StepRows(member=member, out=out, reads=reads)
+
+
+class _ResidualBuffers:
+    """The stored residuals of all kinds share one buffer per shape and dtype; each kind's
+    members take consecutive rows of it."""
+
+    def __init__(self) -> None:
+        self.avals: list[Aval] = []
+        self.rows: list[int] = []
+
+    def assign(self, own: tuple[Aval, ...], members: int) -> dict[str, tuple[int, ...]]:
+        """Rows for ``members`` layers storing residuals ``own``: per residual, its buffer and the
+        row of the first member (the Kind fields ``own_groups`` and ``own_offsets``)."""
+        groups, offsets = [], []
+        for a in own:
+            a = Aval(a.shape, a.dtype, sharding=explicit_sharding(a))
+            if a not in self.avals:
+                self.avals.append(a)
+                self.rows.append(0)
+            r = self.avals.index(a)
+            groups.append(r)
+            offsets.append(self.rows[r])
+            self.rows[r] += members
+        return {"own_groups": tuple(groups), "own_offsets": tuple(offsets)}
 
 
 def _fresh(fn: Any) -> Any:

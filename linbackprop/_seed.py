@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._network import Layer, Network
+from ._graph import Layer, Network
 from ._operators import linearize
 from ._transforms import grad_by_solve
 

@@ -33,9 +33,9 @@ import numpy as np
 from jax import lax
 from jax.custom_derivatives import SymbolicZero
 
-from ._network import Network, set_call
+from ._engine import Primal, back_substitution, forward, forward_substitution, param_forward, read_row, state_product
+from ._graph import Network, set_call
 from ._plan import Plan, differentiable_dtype, leaf_aval, plan_for
-from ._solve import Primal, back_substitution, forward, forward_substitution, param_forward, read_row, state_product
 from ._stacking import explicit_sharding, zeros_of
 
 
@@ -339,7 +339,7 @@ _jitted_call_by_solve = jax.jit(_call_by_solve, static_argnums=0)
 
 
 # -- the public transforms ---------------------------------------------------------------------
-set_call(network_call)  # Network.__call__ runs network_call from now on (see _network.set_call)
+set_call(network_call)  # Network.__call__ runs network_call from now on (see _graph.set_call)
 
 
 def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:

@@ -9,7 +9,7 @@ import pytest
 
 import linbackprop as lbp
 
-MODULES = ["_network", "_operators", "_plot", "_transforms"]
+MODULES = ["_graph", "_operators", "_pictures", "_transforms"]
 
 
 @pytest.mark.parametrize("name", lbp.__all__)

@@ -28,7 +28,7 @@ class GraphError(ValueError):
         >>> lbp.Network([lbp.Layer("a", lambda th, u: u, ("a",))], inputs=["x"], outputs="a")
         Traceback (most recent call last):
         ...
-        linbackprop._network.GraphError: Layer 'a' reads itself: a cycle. A layer reads earlier states only.
+        linbackprop._graph.GraphError: Layer 'a' reads itself: a cycle. A layer reads earlier states only.
     """
 
 

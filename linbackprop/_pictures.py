@@ -11,7 +11,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from ._network import Network, label
+from ._graph import Network, label
 
 
 def _pyplot() -> Any:

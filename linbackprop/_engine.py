@@ -221,10 +221,10 @@ def _arguments(plan: Plan, kind: Kind, prim: Primal, pos: Any, written: bool = F
     """θ and input states of the kind's member ``pos`` (an index or an array of indices);
     ``written``: the loop writes the states."""
     if isinstance(pos, np.ndarray):  # all members at once: static tables
-        theta = tuple(_rows(prim.params[g], kind.param_slots[pos, p]) for p, g in enumerate(kind.param_groups))
-        inputs = tuple(_rows(prim.states[g], kind.read_slots[pos, r]) for r, g in enumerate(kind.read_groups))
+        theta = tuple(_rows(prim.params[g], kind.by_member.params[pos, p]) for p, g in enumerate(kind.param_groups))
+        inputs = tuple(_rows(prim.states[g], kind.by_member.reads[pos, r]) for r, g in enumerate(kind.read_groups))
     else:
-        pslots, rslots = _at(kind.param_slots, pos), _at(kind.read_slots, pos)
+        pslots, rslots = _at(kind.by_member.params, pos), _at(kind.by_member.reads, pos)
         theta = tuple(read_row(prim.params[g], pslots[..., p]) for p, g in enumerate(kind.param_groups))
         inputs = tuple(read_row(prim.states[g], rslots[..., r], written) for r, g in enumerate(kind.read_groups))
     theta = tuple(plan.param_groups[g].typed(t) for t, g in zip(theta, kind.param_groups))
@@ -305,7 +305,7 @@ def _vjp(plan: Plan, kind: Kind, prim: Primal, own: Any, theta: tuple, inputs: t
 
 def layer_maps(plan: Plan, kind: Kind, prim: Primal, k: int, pos: Any) -> LayerMaps:
     theta, inputs = _arguments(plan, kind, prim, pos)
-    out = read_row(prim.states[kind.out_group], _at(kind.out_slots, pos))
+    out = read_row(prim.states[kind.out_group], _at(kind.by_member.out, pos))
     own = None if prim.residuals is None else _own(prim, kind, pos)
     return LayerMaps(plan, kind, _vjp(plan, kind, prim, own, theta, inputs, out))
 
@@ -418,7 +418,7 @@ def _with_tangent(plan: Plan, kind: Kind, pos: Any, theta: tuple, inputs: tuple,
     """A forward step that also takes row i of the forward substitution: U_i, then Z_i =
     ∂Φ_i/∂θ h + Σ_j ∂Φ_i/∂U_j Z_j (one JVP of the layer). ``carried``: (read slot, Z) of a read
     that the loop carries instead of reading it from ``tangents``."""
-    pslots, rslots = _at(kind.param_slots, pos), _at(kind.read_slots, pos)
+    pslots, rslots = _at(kind.by_member.params, pos), _at(kind.by_member.reads, pos)
     pgroups, sgroups = plan.param_groups, plan.state_groups
     dtheta = tuple(None if h is None or not pgroups[g].differentiable
                    else pgroups[g].full_tangent(read_row(h[g], pslots[..., p]))
@@ -472,7 +472,7 @@ def forward(plan: Plan, params: list[Any], states: list[Any], residuals: bool = 
         def branch(k, operand):
             sts, tns, prev = operand
             kind = plan.kinds[k]
-            pos = _at(kind.step_pos, step.index)
+            pos = _at(kind.by_step.member, step.index)
             theta, inputs = _arguments(plan, kind, Primal(params, sts, []), pos, written=True)
             carried = fwd is not None and k in fwd.read  # the previous step's output, carried
             if carried:
@@ -517,8 +517,8 @@ def forward_substitution(plan: Plan, prim: Primal, rhs: list[Any]) -> list[Any]:
             kind = plan.kinds[k]
             if zz[kind.out_group] is None:  # an integer state: no tangent
                 return []
-            pos = _at(kind.step_pos, i)
-            slots = _at(kind.read_slots, pos)
+            pos = _at(kind.by_step.member, i)
+            slots = _at(kind.by_member.reads, pos)
             reads = tuple(read_row(zz[g], slots[r], written=True) if zz[g] is not None else None
                           for r, g in enumerate(kind.read_groups))
             return [layer_maps(plan, kind, prim, k, pos).state_forward(reads)]
@@ -549,8 +549,8 @@ def back_substitution(plan: Plan, prim: Primal, rhs: list[Any], grads: list[Any]
             kind = plan.kinds[k]
             if ll[kind.out_group] is None:  # an integer state: no cotangent to propagate
                 return []
-            pos = _at(kind.step_pos, i)
-            lam_i = read_row(ll[kind.out_group], _at(kind.out_slots, pos), written=True)
+            pos = _at(kind.by_step.member, i)
+            lam_i = read_row(ll[kind.out_group], _at(kind.by_member.out, pos), written=True)
             maps = layer_maps(plan, kind, prim, k, pos)
             values = [ct for ct in maps.state_adjoint(lam_i) if ct is not None]
             return values + list(maps.param_adjoint(lam_i)) if in_loop else values
@@ -578,7 +578,7 @@ def _per_kind(plan: Plan, prim: Primal, k: int, apply: Callable[[LayerMaps, Any]
     members = np.arange(kind.size)
     theta, inputs = _arguments(plan, kind, prim, members)
     own = None if prim.residuals is None else _own(prim, kind, members)
-    out = _rows(prim.states[kind.out_group], kind.out_slots[:-1])
+    out = _rows(prim.states[kind.out_group], kind.by_member.out[:-1])
 
     def one(theta, inputs, own, out, a):
         return apply(LayerMaps(plan, kind, _vjp(plan, kind, prim, own, theta, inputs, out)), a)
@@ -594,17 +594,17 @@ def state_product(plan: Plan, prim: Primal, e: list[Any], adjoint: bool = False)
         if e[kind.out_group] is None:  # integer states: rows of the identity only
             continue
         if not adjoint:
-            reads = tuple(_rows(e[g], kind.read_slots[:n, r]) if e[g] is not None else None
+            reads = tuple(_rows(e[g], kind.by_member.reads[:n, r]) if e[g] is not None else None
                           for r, g in enumerate(kind.read_groups))
             dz = _per_kind(plan, prim, k, lambda m, a: m.state_forward(a), reads)
             g = kind.out_group
-            out[g] = _scatter_add(out[g], kind.out_slots[:n], jax.tree.map(jnp.negative, dz))
+            out[g] = _scatter_add(out[g], kind.by_member.out[:n], jax.tree.map(jnp.negative, dz))
         else:
-            lam = _rows(e[kind.out_group], kind.out_slots[:n])
+            lam = _rows(e[kind.out_group], kind.by_member.out[:n])
             cts = _per_kind(plan, prim, k, lambda m, a: m.state_adjoint(a), lam)
             for r, (g, ct) in enumerate(zip(kind.read_groups, cts)):
                 if ct is not None:
-                    out[g] = _scatter_add(out[g], kind.read_slots[:n, r], jax.tree.map(jnp.negative, ct))
+                    out[g] = _scatter_add(out[g], kind.by_member.reads[:n, r], jax.tree.map(jnp.negative, ct))
     return out
 
 
@@ -615,10 +615,10 @@ def param_forward(plan: Plan, prim: Primal, h: list[Any], into: list[Any]) -> li
         n = kind.size
         if out[kind.out_group] is None or not kind.param_groups:
             continue
-        hs = tuple(_rows(h[g], kind.param_slots[:n, p]) for p, g in enumerate(kind.param_groups))
+        hs = tuple(_rows(h[g], kind.by_member.params[:n, p]) for p, g in enumerate(kind.param_groups))
         dz = _per_kind(plan, prim, k, lambda m, a: m.param_forward(a), hs)
         g = kind.out_group
-        out[g] = _scatter_add(out[g], kind.out_slots[:n], dz)
+        out[g] = _scatter_add(out[g], kind.by_member.out[:n], dz)
     return out
 
 
@@ -629,8 +629,8 @@ def param_adjoint(plan: Plan, prim: Primal, lam: list[Any]) -> list[Any]:
         n = kind.size
         if lam[kind.out_group] is None or not kind.param_groups:
             continue
-        lam_k = _rows(lam[kind.out_group], kind.out_slots[:n])
+        lam_k = _rows(lam[kind.out_group], kind.by_member.out[:n])
         cts = _per_kind(plan, prim, k, lambda m, a: m.param_adjoint(a), lam_k)
         for p, (g, ct) in enumerate(zip(kind.param_groups, cts)):
-            out[g] = _scatter_add(out[g], kind.param_slots[:n, p], ct)
+            out[g] = _scatter_add(out[g], kind.by_member.params[:n, p], ct)
     return out
