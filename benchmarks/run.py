@@ -75,6 +75,31 @@ def chain(depth: int, width: int, batch: int, rows: bool = True):
     return loss, (params, x), scan_loss, ((ws, bs), x)
 
 
+def rnn_step(th, h, x):
+    return jnp.tanh(h @ th[0] + x @ th[1] + th[2])
+
+
+def rnn(steps: int, width: int, batch: int, every: bool = False, checkpointed_reference: bool = False):
+    """h_t = tanh(h_{t-1} A + x_t B + c) over one stacked input xs (``Row("xs", t)`` reads), the
+    last state (or, ``every``, all states as a ``Stack``) into the loss. Reference: lax.scan
+    (``checkpointed_reference``: its step under jax.checkpoint)."""
+    keys = jax.random.split(jax.random.PRNGKey(3), 4)
+    params = {"A": _normal(keys[0], (width, width), 0.5 / np.sqrt(width)),
+              "B": _normal(keys[1], (width, width), 0.5 / np.sqrt(width)), "c": jnp.zeros(width)}
+    h0, xs = _normal(keys[2], (batch, width), 1.0), _normal(keys[3], (steps, batch, width), 1.0)
+    step = _fresh(rnn_step)
+    layers = [lbp.Layer(t, step, (t - 1, lbp.Row("xs", t - 1)), ("A", "B", "c")) for t in range(1, steps + 1)]
+    net = lbp.Network(layers, [0, "xs"], lbp.Stack(range(1, steps + 1)) if every else steps)
+    loss = lambda p, h0, xs: jnp.sum(net(p, h0, xs) ** 2)
+
+    def scan_loss(p, h0, xs):
+        body = lambda h, x: (step((p["A"], p["B"], p["c"]), h, x),) * 2
+        last, hs = jax.lax.scan(jax.checkpoint(body) if checkpointed_reference else body, h0, xs)
+        return jnp.sum((hs if every else last) ** 2)
+
+    return loss, (params, h0, xs), scan_loss, (params, h0, xs)
+
+
 SKIP = 4  # the DAG's long skips reach SKIP blocks (kinds * SKIP layers) back
 
 
@@ -293,6 +318,16 @@ def main() -> None:
                    "jit(jax.grad), lax.scan over blocks carrying a window of states", kinds_dag(170, 32, 8), r),
         timing_row("shallow heterogeneous DAG: 12 layers, widths 128/256/512, skips, shared blocks, batch 256",
                    "jit(jax.grad) of the same network", shallow_dag(), r),
+        timing_row("RNN, 2048 steps, width 64, batch 16: one stacked input (`Row(\"xs\", t)`), last state as "
+                   "output", "jit(jax.grad), lax.scan", rnn(2048, 64, 16), r),
+        timing_row("same, every state as output (`Stack`)", "jit(jax.grad), lax.scan (ys)", rnn(2048, 64, 16, True), r),
+        timing_row("same, last state, `checkpoints=45`", "jit(jax.grad), lax.scan", rnn(2048, 64, 16), r,
+                   grad=lambda f: lbp.grad_by_solve(f, checkpoints=45)),
+        timing_row("same, `checkpoints=45`", "jit(jax.grad), lax.scan of a `jax.checkpoint`-ed step",
+                   rnn(2048, 64, 16, checkpointed_reference=True), r,
+                   grad=lambda f: lbp.grad_by_solve(f, checkpoints=45)),
+        timing_row("deep chain 128×128×64, `Row` blocks, `checkpoints=12`", scan, chain(128, 128, 64), r,
+                   grad=lambda f: lbp.grad_by_solve(f, checkpoints=12)),
     ]
     text = tables(timing, compile_rows(args.quick))
     print(text)

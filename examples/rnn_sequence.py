@@ -1,12 +1,14 @@
 """Backpropagation through time as one solve: an unrolled RNN with tied weights.
 
 The network has one layer per time step, h_t = tanh(h_{t-1} A + x_t B + c), reading the previous
-state and the input x_t (each x_t is a network input); every step uses the same blocks A, B, c,
-so ℳ sums each block's cotangent over all T steps, and ℒ is block bidiagonal. A readout y_t =
-h_t O outside the network (a direct use of a parameter) is trained to echo the input from
-`delay` steps before. grad_by_solve solves ℒ*Λ = ∇Uℓ backwards in time, one block per step.
+state and row t of the one stacked input xs (``lbp.Row("xs", t)``, as lax.scan's xs); every step
+uses the same blocks A, B, c, so ℳ sums each block's cotangent over all T steps, and ℒ is block
+bidiagonal. The network returns every state stacked (``lbp.Stack``, as lax.scan's ys); a readout
+y_t = h_t O outside the network (a direct use of a parameter) is trained to echo the input from
+`delay` steps before. grad_by_solve solves ℒ*Λ = ∇Uℓ backwards in time, one block per step; with
+``--checkpoints k`` it keeps only k states and recomputes the others segment by segment.
 
-    python examples/rnn_sequence.py [--steps 400] [--length 20]
+    python examples/rnn_sequence.py [--steps 400] [--length 20] [--checkpoints K]
 """
 
 from __future__ import annotations
@@ -27,13 +29,13 @@ def cell(theta, h, x):
 
 
 def rnn(length: int) -> lbp.Network:
-    layers = [lbp.Layer(("h", t), cell, (("h", t - 1), ("x", t)), ("A", "B", "c")) for t in range(1, length + 1)]
-    inputs = [("h", 0)] + [("x", t) for t in range(1, length + 1)]
-    return lbp.Network(layers, inputs=inputs, outputs=[("h", t) for t in range(1, length + 1)])
+    """h_1 .. h_length from h_0 and xs (length rows), all states returned stacked."""
+    layers = [lbp.Layer(t, cell, (t - 1, lbp.Row("xs", t - 1)), ("A", "B", "c")) for t in range(1, length + 1)]
+    return lbp.Network(layers, inputs=[0, "xs"], outputs=lbp.Stack(range(1, length + 1)))
 
 
 def main(steps: int = 400, length: int = 20, hidden: int = 32, delay: int = 2, batch: int = 32,
-         seed: int = 0) -> dict:
+         seed: int = 0, checkpoints: int | None = None) -> dict:
     net = rnn(length)
     key = jax.random.PRNGKey(seed)
     ka, kb, ko = jax.random.split(key, 3)
@@ -41,19 +43,19 @@ def main(steps: int = 400, length: int = 20, hidden: int = 32, delay: int = 2, b
               "c": jnp.zeros(hidden), "O": jax.random.normal(ko, (hidden, 1)) / np.sqrt(hidden)}
 
     def loss(p, xs):
-        hs = net(p, jnp.zeros((xs.shape[1], hidden)), *xs)
-        ys = jnp.stack([h @ p["O"] for h in hs])          # the readout: outside the network
+        hs = net(p, jnp.zeros((xs.shape[1], hidden)), xs)  # [length, batch, hidden]
+        ys = hs @ p["O"]                                    # the readout: outside the network
         target = jnp.concatenate([jnp.zeros_like(xs[:delay]), xs[:-delay]])
         return jnp.mean((ys - target) ** 2)
 
     small = rnn(4)  # ℒ of four steps: block bidiagonal (backpropagation through time)
-    print(lbp.linearize(small, params, jnp.zeros((1, hidden)), *jnp.zeros((4, 1, 1))).L, "\n")
+    print(lbp.linearize(small, params, jnp.zeros((1, hidden)), jnp.zeros((4, 1, 1))).L, "\n")
     optimizer = optax.adam(1e-2)
     opt_state = optimizer.init(params)
 
     @jax.jit
     def step(p, s, xs):
-        value, g = lbp.value_and_grad_by_solve(loss)(p, xs)
+        value, g = lbp.value_and_grad_by_solve(loss, checkpoints=checkpoints)(p, xs)
         updates, s = optimizer.update(g, s, p)
         return optax.apply_updates(p, updates), s, value
 
@@ -73,5 +75,6 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--length", type=int, default=20)
+    parser.add_argument("--checkpoints", type=int, default=None, help="keep only this many states")
     args = parser.parse_args()
-    main(args.steps, args.length)
+    main(args.steps, args.length, checkpoints=args.checkpoints)

@@ -7,7 +7,7 @@ triangular linear system.
 with ℒ = I − D_UΦ and ℳ* = D_θΦ for a network U = Φ(U, θ) given as a DAG of layers.
 """
 
-from ._graph import GraphError, Layer, Network, Row
+from ._graph import GraphError, Layer, Network, Row, Stack
 from ._operators import Block, Linearization, LinearOperator, ParamOperator, StateOperator, linearize
 from ._pictures import plot_network, spy
 from ._transforms import grad_by_solve, jvp_by_solve, solving, value_and_grad_by_solve
@@ -23,6 +23,7 @@ __all__ = [
     "Network",
     "ParamOperator",
     "Row",
+    "Stack",
     "StateOperator",
     "grad_by_solve",
     "jvp_by_solve",

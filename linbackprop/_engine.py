@@ -93,7 +93,7 @@ def _contiguous(idx: Any) -> int | None:
     return None
 
 
-def _rows(buf: Any, idx: Any) -> Any:
+def read_rows(buf: Any, idx: Any) -> Any:
     if isinstance(buf, RowList):
         return jax.tree.map(lambda *r: jnp.stack(r), *[buf.rows[int(i)] for i in idx])
     start = _contiguous(idx)
@@ -221,8 +221,8 @@ def _arguments(plan: Plan, kind: Kind, prim: Primal, pos: Any, written: bool = F
     """θ and input states of the kind's member ``pos`` (an index or an array of indices);
     ``written``: the loop writes the states."""
     if isinstance(pos, np.ndarray):  # all members at once: static tables
-        theta = tuple(_rows(prim.params[g], kind.by_member.params[pos, p]) for p, g in enumerate(kind.param_groups))
-        inputs = tuple(_rows(prim.states[g], kind.by_member.reads[pos, r]) for r, g in enumerate(kind.read_groups))
+        theta = tuple(read_rows(prim.params[g], kind.by_member.params[pos, p]) for p, g in enumerate(kind.param_groups))
+        inputs = tuple(read_rows(prim.states[g], kind.by_member.reads[pos, r]) for r, g in enumerate(kind.read_groups))
     else:
         pslots, rslots = _at(kind.by_member.params, pos), _at(kind.by_member.reads, pos)
         theta = tuple(read_row(prim.params[g], pslots[..., p]) for p, g in enumerate(kind.param_groups))
@@ -234,7 +234,7 @@ def _arguments(plan: Plan, kind: Kind, prim: Primal, pos: Any, written: bool = F
 
 def _own(prim: Primal, kind: Kind, pos: Any) -> tuple:
     """The stored residuals of the kind's member ``pos`` (an index or an array of indices)."""
-    take = _rows if isinstance(pos, np.ndarray) else read_row
+    take = read_rows if isinstance(pos, np.ndarray) else read_row
     return tuple(take(prim.residuals[r], off + pos) for r, off in zip(kind.own_groups, kind.own_offsets))
 
 
@@ -539,7 +539,8 @@ def back_substitution(plan: Plan, prim: Primal, rhs: list[Any], grads: list[Any]
     the same linearisation of each layer; returns (Λ, grads + ℳΛ) then.
     """
     in_loop = grads is not None
-    writes = plan.writes("back", with_params=in_loop)
+    absent = frozenset(g for g, b in enumerate(rhs) if b is None)  # no cotangent wanted (or none exists)
+    writes = plan.writes("back", with_params=in_loop, absent=absent)
 
     def body(step, carry):
         lam, acc = carry if in_loop else (carry, [])
@@ -552,7 +553,8 @@ def back_substitution(plan: Plan, prim: Primal, rhs: list[Any], grads: list[Any]
             pos = _at(kind.by_step.member, i)
             lam_i = read_row(ll[kind.out_group], _at(kind.by_member.out, pos), written=True)
             maps = layer_maps(plan, kind, prim, k, pos)
-            values = [ct for ct in maps.state_adjoint(lam_i) if ct is not None]
+            values = [ct for ct, g in zip(maps.state_adjoint(lam_i), kind.read_groups)
+                      if ct is not None and g not in absent]
             return values + list(maps.param_adjoint(lam_i)) if in_loop else values
 
         bufs = {"state": list(lam), "param": list(acc)}
@@ -572,18 +574,20 @@ def back_substitution(plan: Plan, prim: Primal, rhs: list[Any], grads: list[Any]
 
 
 # -- the parallel parts: one vmapped application per kind -------------------------------------------
-def _per_kind(plan: Plan, prim: Primal, k: int, apply: Callable[[LayerMaps, Any], Any], args: Any) -> Any:
-    """``apply`` to every member layer of kind k at once, vmapped over the stacked residuals."""
+def _per_kind(plan: Plan, prim: Primal, k: int, apply: Callable[[LayerMaps, Any], Any], args: Any,
+              args_axes: Any = 0) -> Any:
+    """``apply`` to every member layer of kind k at once, vmapped over the stacked residuals
+    (``args_axes``: as vmap's in_axes for ``args``; None where all members take the same value)."""
     kind = plan.kinds[k]
     members = np.arange(kind.size)
     theta, inputs = _arguments(plan, kind, prim, members)
     own = None if prim.residuals is None else _own(prim, kind, members)
-    out = _rows(prim.states[kind.out_group], kind.by_member.out[:-1])
+    out = read_rows(prim.states[kind.out_group], kind.by_member.out[:-1])
 
     def one(theta, inputs, own, out, a):
         return apply(LayerMaps(plan, kind, _vjp(plan, kind, prim, own, theta, inputs, out)), a)
 
-    return jax.vmap(one)(theta, inputs, own, out, args)
+    return jax.vmap(one, in_axes=(0, 0, 0, 0, args_axes))(theta, inputs, own, out, args)
 
 
 def state_product(plan: Plan, prim: Primal, e: list[Any], adjoint: bool = False) -> list[Any]:
@@ -594,16 +598,16 @@ def state_product(plan: Plan, prim: Primal, e: list[Any], adjoint: bool = False)
         if e[kind.out_group] is None:  # integer states: rows of the identity only
             continue
         if not adjoint:
-            reads = tuple(_rows(e[g], kind.by_member.reads[:n, r]) if e[g] is not None else None
+            reads = tuple(read_rows(e[g], kind.by_member.reads[:n, r]) if e[g] is not None else None
                           for r, g in enumerate(kind.read_groups))
             dz = _per_kind(plan, prim, k, lambda m, a: m.state_forward(a), reads)
             g = kind.out_group
             out[g] = _scatter_add(out[g], kind.by_member.out[:n], jax.tree.map(jnp.negative, dz))
         else:
-            lam = _rows(e[kind.out_group], kind.by_member.out[:n])
+            lam = read_rows(e[kind.out_group], kind.by_member.out[:n])
             cts = _per_kind(plan, prim, k, lambda m, a: m.state_adjoint(a), lam)
             for r, (g, ct) in enumerate(zip(kind.read_groups, cts)):
-                if ct is not None:
+                if ct is not None and out[g] is not None:
                     out[g] = _scatter_add(out[g], kind.by_member.reads[:n, r], jax.tree.map(jnp.negative, ct))
     return out
 
@@ -615,11 +619,22 @@ def param_forward(plan: Plan, prim: Primal, h: list[Any], into: list[Any]) -> li
         n = kind.size
         if out[kind.out_group] is None or not kind.param_groups:
             continue
-        hs = tuple(_rows(h[g], kind.by_member.params[:n, p]) for p, g in enumerate(kind.param_groups))
-        dz = _per_kind(plan, prim, k, lambda m, a: m.param_forward(a), hs)
+        # A block every member uses (a weight shared along a sequence) goes in once, not gathered n
+        # times: the transpose (ℳΛ in reverse mode) then sums over the members inside the product
+        # instead of forming n cotangents and adding them up.
+        shared = [_same_row(kind.by_member.params[:n, p]) for p in range(len(kind.param_groups))]
+        hs = tuple(read_row(h[g], row) if row is not None else read_rows(h[g], kind.by_member.params[:n, p])
+                   for p, (g, row) in enumerate(zip(kind.param_groups, shared)))
+        axes = tuple(None if row is not None else 0 for row in shared)
+        dz = _per_kind(plan, prim, k, lambda m, a: m.param_forward(a), hs, axes)
         g = kind.out_group
         out[g] = _scatter_add(out[g], kind.by_member.out[:n], dz)
     return out
+
+
+def _same_row(rows: np.ndarray) -> int | None:
+    """The row when every entry of ``rows`` is the same (and there are several), else None."""
+    return int(rows[0]) if len(rows) > 1 and np.all(rows == rows[0]) else None
 
 
 def param_adjoint(plan: Plan, prim: Primal, lam: list[Any]) -> list[Any]:
@@ -629,7 +644,7 @@ def param_adjoint(plan: Plan, prim: Primal, lam: list[Any]) -> list[Any]:
         n = kind.size
         if lam[kind.out_group] is None or not kind.param_groups:
             continue
-        lam_k = _rows(lam[kind.out_group], kind.by_member.out[:n])
+        lam_k = read_rows(lam[kind.out_group], kind.by_member.out[:n])
         cts = _per_kind(plan, prim, k, lambda m, a: m.param_adjoint(a), lam_k)
         for p, (g, ct) in enumerate(zip(kind.param_groups, cts)):
             out[g] = _scatter_add(out[g], kind.by_member.params[:n, p], ct)

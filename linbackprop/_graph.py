@@ -14,10 +14,11 @@ from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 
 from ._stacking import take
 
-__all__ = ["GraphError", "Layer", "Network", "Row"]
+__all__ = ["GraphError", "Layer", "Network", "Row", "Stack"]
 
 
 class GraphError(ValueError):
@@ -33,13 +34,17 @@ class GraphError(ValueError):
 
 
 class Row(NamedTuple):
-    """Row ``index`` (along the leading axis) of the stacked parameter block ``block``.
+    """Row ``index`` (along the leading axis) of a stacked parameter block or network input.
 
     Deep networks of repeated layers are usually written with stacked weights, one array of shape
     ``(depth, ...)`` per parameter, as for ``lax.scan``. A layer that names ``Row("W", i)`` in its
     ``params`` receives ``params["W"][i]`` (leaf by leaf for a pytree block), and the gradient of
     ``"W"`` comes back stacked. The solve then reads the weights in place and writes the gradient
     once: no per-block packing and unpacking.
+
+    In ``reads``, ``Row("xs", t)`` is row t of the network input ``"xs"``, stacked along its
+    leading axis like ``lax.scan``'s ``xs`` (a sequence: one input array instead of T inputs).
+    A stacked input is read by rows only; its cotangent comes back stacked.
 
     Example:
         >>> import jax.numpy as jnp, linbackprop as lbp
@@ -50,10 +55,57 @@ class Row(NamedTuple):
         ('W',)
         >>> net({"W": jnp.zeros((3, 2, 2))}, jnp.ones((4, 2))).shape
         (4, 2)
+        >>> rnn = lbp.Network([lbp.Layer(t, lambda th, h, x: jnp.tanh(h @ th[0] + x), (t - 1, lbp.Row("xs", t - 1)),
+        ...                              ("A",)) for t in (1, 2, 3)], inputs=[0, "xs"], outputs=3)
+        >>> rnn({"A": jnp.eye(2)}, jnp.zeros(2), jnp.ones((3, 2))).shape
+        (2,)
     """
 
     block: Hashable
     index: int
+
+
+class Stack:
+    """In a network's ``outputs``: the states ``names``, stacked along a new leading axis (leaf by
+    leaf for pytree states), like ``lax.scan``'s ``ys``. ``outputs`` may be one Stack or a list
+    mixing Stacks and single names. Under the solve the cotangent of a stacked output goes into
+    the back substitution's rows directly (no T separate arrays).
+
+    Example:
+        >>> import jax.numpy as jnp, linbackprop as lbp
+        >>> net = lbp.Network([lbp.Layer(t, lambda th, h: jnp.tanh(h * th[0]), (t - 1,), ("a",)) for t in (1, 2, 3)],
+        ...                   inputs=[0], outputs=[lbp.Stack([1, 2, 3]), 3])
+        >>> hs, last = net({"a": 2.0}, jnp.ones(4))
+        >>> hs.shape, last.shape
+        ((3, 4), (4,))
+    """
+
+    __slots__ = ("names",)
+
+    def __init__(self, names: Iterable[Hashable]):
+        if isinstance(names, (str, bytes)) or not isinstance(names, Iterable):
+            raise TypeError(f"Stack needs a sequence of state names, got {names!r}.")
+        names = tuple(names)
+        if not names:
+            raise GraphError("Stack([]) stacks nothing: give it at least one state name.")
+        object.__setattr__(self, "names", names)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError("Stack is immutable.")
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Stack) and self.names == other.names
+
+    def __hash__(self) -> int:
+        return hash((Stack, self.names))
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def __repr__(self) -> str:
+        if len(self.names) > 6:
+            return f"Stack([{label(self.names[0])}, ..., {label(self.names[-1])}] ({len(self.names)} states))"
+        return f"Stack([{', '.join(map(label, self.names))}])"
 
 
 def block_of(p: Hashable) -> Hashable:
@@ -103,7 +155,7 @@ class Layer:
                     f"write {field}=({value!r},) for a single name."
                 )
             object.__setattr__(self, field, tuple(value))
-        for p in self.params:
+        for p in (*self.params, *self.reads):
             if isinstance(p, Row) and (not isinstance(p.index, int) or isinstance(p.index, bool) or p.index < 0):
                 raise TypeError(f"Layer {self.name!r}: {p!r} needs a non-negative int index.")
         try:
@@ -114,7 +166,8 @@ class Layer:
     def _key(self) -> tuple:
         # fn by identity: two functions that compare equal may still compute different things
         # (a Network keys jit's and the plan's caches); Row("W", 1) is not the block ("W", 1).
-        return (self.name, id(self.fn), self.reads, tuple((type(p) is Row, p) for p in self.params))
+        return (self.name, id(self.fn), tuple((type(r) is Row, r) for r in self.reads),
+                tuple((type(p) is Row, p) for p in self.params))
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Layer):
@@ -128,10 +181,11 @@ class Layer:
 def _topological_order(layers: Sequence[Layer], inputs: tuple[Hashable, ...]) -> tuple[int, ...]:
     """Kahn's algorithm; ties broken by the order the layers were given."""
     index = {layer.name: n for n, layer in enumerate(layers)}
-    pending = [sum(1 for r in set(layer.reads) if r in index) for layer in layers]
+    state_reads = [{r for r in layer.reads if not isinstance(r, Row)} for layer in layers]
+    pending = [sum(1 for r in reads if r in index) for reads in state_reads]
     readers: dict[Hashable, list[int]] = {}
-    for n, layer in enumerate(layers):
-        for r in set(layer.reads):
+    for n, reads in enumerate(state_reads):
+        for r in reads:
             if r in index:
                 readers.setdefault(r, []).append(n)
     import heapq
@@ -164,7 +218,8 @@ class Network:
         inputs: names of the input states (U_0 of the seed); several are allowed.
         outputs: a single name (``net(...)`` returns that state) or a sequence of names
             (``net(...)`` returns a tuple). A tuple that is itself the name of a state is that
-            single name; write ``[name]`` for a 1-tuple of outputs.
+            single name; write ``[name]`` for a 1-tuple of outputs. A :class:`Stack` of names
+            (alone or in the sequence) returns those states stacked on a new leading axis.
 
     Raises:
         GraphError: duplicate names, reads of unknown states, cycles (self-reads included),
@@ -186,7 +241,7 @@ class Network:
         self,
         layers: Iterable[Layer],
         inputs: Sequence[Hashable],
-        outputs: Hashable | Sequence[Hashable],
+        outputs: Hashable | Stack | Sequence[Hashable | Stack],
     ) -> None:
         layers = tuple(layers)
         for layer in layers:
@@ -203,7 +258,8 @@ class Network:
         names = {*inputs, *(layer.name for layer in layers)}
         self._single_output = (isinstance(outputs, (str, bytes)) or not isinstance(outputs, (list, tuple))
                                or (isinstance(outputs, tuple) and outputs in names))
-        outputs_t = (outputs,) if self._single_output else tuple(outputs)
+        spec = (outputs,) if self._single_output else tuple(outputs)
+        outputs_t = tuple(n for item in spec for n in (item.names if isinstance(item, Stack) else (item,)))
 
         seen: set[Hashable] = set()
         for name in inputs:
@@ -220,6 +276,13 @@ class Network:
             seen.add(layer.name)
         for layer in layers:
             for r in layer.reads:
+                if isinstance(r, Row):
+                    if r.block not in inputs:
+                        what = "a layer" if r.block in seen else "no state"
+                        raise GraphError(
+                            f"Layer {layer.name!r} reads {r!r}, but {r.block!r} is {what}: Row in reads names a "
+                            f"row of a stacked network input (one of {list(inputs)!r}).")
+                    continue
                 if r == layer.name:
                     raise GraphError(f"Layer {layer.name!r} reads itself: a cycle. A layer reads earlier states only.")
                 if r not in seen:
@@ -227,7 +290,7 @@ class Network:
                         f"Layer {layer.name!r} reads unknown state {r!r}; known states are the inputs "
                         f"{list(inputs)!r} and the layers."
                     )
-        if not outputs_t:
+        if not spec:
             raise GraphError("A network needs at least one output.")
         for o in outputs_t:
             if o not in seen:
@@ -238,7 +301,8 @@ class Network:
         self._given_layers = layers
         self._inputs = inputs
         self._outputs = outputs_t
-        self._outputs_arg = outputs if self._single_output else outputs_t
+        self._output_spec = spec
+        self._outputs_arg = outputs if self._single_output else spec
         names: list[Hashable] = []
         by_rows: dict[Hashable, Hashable] = {}  # stacked block -> a layer using its rows
         whole: dict[Hashable, Hashable] = {}  # plain block -> a layer using it
@@ -254,7 +318,8 @@ class Network:
             )
         self._param_names = tuple(names)
         self._stacked = frozenset(by_rows)
-        self._hash = hash((self._given_layers, self._inputs, self._outputs, self._single_output))
+        self._stacked_inputs = _stacked_inputs(self._layers, outputs_t)
+        self._hash = hash((self._given_layers, self._inputs, self._output_spec, self._single_output))
         self._live: Network | None = None
 
     # -- the graph ---------------------------------------------------------------------------
@@ -279,12 +344,23 @@ class Network:
         return self._stacked
 
     @property
+    def stacked_inputs(self) -> frozenset:
+        """The network inputs that layers read by rows (:class:`Row` in ``reads``)."""
+        return self._stacked_inputs
+
+    @property
     def inputs(self) -> tuple[Hashable, ...]:
         return self._inputs
 
     @property
     def outputs(self) -> tuple[Hashable, ...]:
+        """The names of the states the network returns (those of a :class:`Stack` in order)."""
         return self._outputs
+
+    @property
+    def output_spec(self) -> tuple[Hashable | Stack, ...]:
+        """What a call returns, item by item: a state's name or a :class:`Stack` of names."""
+        return self._output_spec
 
     @property
     def single_output(self) -> bool:
@@ -303,7 +379,7 @@ class Network:
             needed = set(self._outputs)
             for layer in reversed(self._layers):
                 if layer.name in needed:
-                    needed.update(layer.reads)
+                    needed.update(r for r in layer.reads if not isinstance(r, Row))
             if all(layer.name in needed for layer in self._layers):
                 self._live = self
             else:
@@ -314,10 +390,10 @@ class Network:
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Network):
             return NotImplemented
-        return (self._given_layers, self._inputs, self._outputs, self._single_output) == (
+        return (self._given_layers, self._inputs, self._output_spec, self._single_output) == (
             other._given_layers,
             other._inputs,
-            other._outputs,
+            other._output_spec,
             other._single_output,
         )
 
@@ -326,7 +402,7 @@ class Network:
 
     def __repr__(self) -> str:
         """One line per layer in topological order: ``name = fn(reads; params)``."""
-        outs = self._outputs[0] if self._single_output else list(self._outputs)
+        outs = self._output_spec[0] if self._single_output else list(self._output_spec)
         lines = [f"Network(inputs={list(self._inputs)!r}, outputs={outs!r}, "
                  f"{len(self._layers)} layers, {len(self._param_names)} parameter blocks)"]
         for layer in self._layers:
@@ -370,11 +446,31 @@ class Network:
                                      f"axes {shapes}: every leaf needs the same number of rows.")
 
     def check_inputs(self, inputs: tuple[Any, ...]) -> None:
+        """The right number of inputs, and every Row of a stacked input within its leading axis."""
         if len(inputs) != len(self._inputs):
             raise TypeError(
                 f"The network has {len(self._inputs)} input(s) {list(self._inputs)!r} but was called "
                 f"with {len(inputs)}: call net(params, {', '.join(map(str, self._inputs))})."
             )
+        given = dict(zip(self._inputs, inputs))
+        for name, (index, layer) in self._input_rows_used().items():
+            shapes = [tuple(getattr(leaf, "shape", ())) for leaf in jax.tree.leaves(given[name])]
+            if not shapes or any(len(sh) == 0 or sh[0] <= index for sh in shapes):
+                raise ValueError(
+                    f"Layer {layer!r} reads {Row(name, index)!r}, but network input {name!r} has leaf shapes "
+                    f"{shapes}: a stacked input needs a leading axis longer than every row index read.")
+            if len({sh[0] for sh in shapes}) > 1:
+                raise ValueError(f"Stacked network input {name!r} has leaves with different leading axes "
+                                 f"{shapes}: every leaf needs the same number of rows.")
+
+    def _input_rows_used(self) -> dict[Hashable, tuple[int, Hashable]]:
+        """Per stacked input: the largest row index read and a layer that reads it."""
+        used: dict[Hashable, tuple[int, Hashable]] = {}
+        for layer in self._layers:
+            for r in layer.reads:
+                if isinstance(r, Row) and r.index >= used.get(r.block, (-1, None))[0]:
+                    used[r.block] = (r.index, layer.name)
+        return used
 
     def states(self, params: Mapping[Hashable, Any], *inputs: Any) -> dict[Hashable, Any]:
         """All states by name, inputs included: the plain forward substitution U = Φ(U, θ)."""
@@ -382,32 +478,70 @@ class Network:
         theta = self.select_params(params)
         rows = self._read_rows(theta)
         states: dict[Hashable, Any] = dict(zip(self._inputs, inputs))
+        input_rows = _rows_read(self._layers, "reads", states)
         for layer in self._layers:
-            inputs_i = tuple(states[r] for r in layer.reads)
+            inputs_i = tuple(input_rows[r] if isinstance(r, Row) else states[r] for r in layer.reads)
             states[layer.name] = call_layer(layer, layer_theta(layer, theta, rows), inputs_i)
         return states
 
     def _read_rows(self, theta: Mapping[Hashable, Any]) -> dict[Row, Any]:
-        """Every ``Row`` the layers use, read from its stacked block in one pass (``take``: one
-        kernel however many rows, where static slices would compile one kernel each)."""
-        used: dict[Hashable, set[int]] = {}
-        for layer in self._layers:
-            for p in layer.params:
-                if isinstance(p, Row):
-                    used.setdefault(p.block, set()).add(p.index)
-        out = {}
-        for block, indices in used.items():
-            indices = sorted(indices)
-            out.update((Row(block, i), v) for i, v in zip(indices, take(theta[block], indices)))
-        return out
+        """Every ``Row`` of a parameter block the layers use."""
+        return _rows_read(self._layers, "params", theta)
 
     def __call__(self, params: Mapping[Hashable, Any], *inputs: Any) -> Any:
         """The output state(s). Differentiated by the solve inside ``grad_by_solve``."""
         return _call(self, params, inputs)
 
     def pick_outputs(self, states: Mapping[Hashable, Any]) -> Any:
-        outs = tuple(states[o] for o in self._outputs)
+        """What a call returns, from all states by name (a :class:`Stack` stacked leaf by leaf)."""
+        outs = tuple(stack_states(item, [states[n] for n in item.names]) if isinstance(item, Stack)
+                     else states[item] for item in self._output_spec)
         return outs[0] if self._single_output else outs
+
+
+def stack_states(stack: Stack, values: list[Any]) -> Any:
+    """The states of ``stack`` stacked along a new leading axis, leaf by leaf."""
+    structures = [jax.tree.structure(v) for v in values]
+    shapes = [[(tuple(jnp.shape(x)), jnp.result_type(x)) for x in jax.tree.leaves(v)] for v in values]
+    for name, st, sh in zip(stack.names, structures, shapes):
+        if st != structures[0] or sh != shapes[0]:
+            raise ValueError(
+                f"{stack!r}: state {name!r} ({st}, {sh}) differs in structure, shape or dtype from "
+                f"{stack.names[0]!r} ({structures[0]}, {shapes[0]}); a Stack needs states of one shape.")
+    return jax.tree.map(lambda *xs: jnp.stack(xs), *values)
+
+
+def _rows_read(layers: tuple[Layer, ...], field: str, stacked: Mapping[Hashable, Any]) -> dict[Row, Any]:
+    """Every ``Row`` the layers name in ``field`` ("params" or "reads"), read from its stacked
+    value in one pass (``take``: one kernel however many rows, where static slices would compile
+    one kernel each)."""
+    used: dict[Hashable, set[int]] = {}
+    for layer in layers:
+        for p in getattr(layer, field):
+            if isinstance(p, Row):
+                used.setdefault(p.block, set()).add(p.index)
+    out = {}
+    for block, indices in used.items():
+        indices = sorted(indices)
+        out.update((Row(block, i), v) for i, v in zip(indices, take(stacked[block], indices)))
+    return out
+
+
+def _stacked_inputs(layers: tuple[Layer, ...], outputs: tuple[Hashable, ...]) -> frozenset:
+    """The inputs read by rows, checked to be read by rows only."""
+    by_rows: dict[Hashable, Hashable] = {}
+    whole: dict[Hashable, Hashable] = {}
+    for layer in layers:
+        for r in layer.reads:
+            if isinstance(r, Row):
+                by_rows.setdefault(r.block, layer.name)
+            else:
+                whole.setdefault(r, layer.name)
+    for name in by_rows.keys() & whole.keys():
+        raise GraphError(
+            f"Network input {name!r} is read whole by layer {whole[name]!r} and by rows (Row({name!r}, t)) by "
+            f"layer {by_rows[name]!r}: read it one way only, or pass it as two inputs.")
+    return frozenset(by_rows)
 
 
 def _plain_call(net: Network, params: Mapping[Hashable, Any], inputs: tuple[Any, ...]) -> Any:

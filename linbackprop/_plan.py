@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import Literal
 
-from ._graph import Layer, Network, Row, call_layer
+from ._graph import Layer, Network, Row, Stack, call_layer
 from ._stacking import explicit_sharding, place, take, zeros_of
 
 Aval = jax.ShapeDtypeStruct
@@ -89,11 +89,17 @@ class Group:
     leaves: tuple[Aval, ...]  # of one row
     names: tuple[Hashable, ...]
     pad: bool  # one extra row that absorbs the writes of inactive kinds (state groups only)
-    stacked_rows: int | None = None  # a block used by rows (lbp.Row): its single name *is* the buffer
+    stacked_rows: int | None = None  # a block or input used by rows (lbp.Row): its single name *is* the buffer
 
     @property
     def rows(self) -> int:
         return self.stacked_rows if self.stacked_rows is not None else len(self.names) + int(self.pad)
+
+    @property
+    def pad_row(self) -> int:
+        """Where inactive kinds read and write: the pad row, or row 0 where there is none (their
+        reads are discarded and their writes add zeros)."""
+        return self.rows - 1 if self.pad else 0
 
     @functools.cached_property
     def diff_leaves(self) -> tuple[bool, ...]:
@@ -324,7 +330,7 @@ class Plan:
         needed = [set() for _ in self.state_groups]
         for name in (*self.net.inputs, *self.net.outputs):
             g, row = self.state_loc[name]
-            needed[g].add(row)
+            needed[g].add(row)  # None for a stacked input: its group is kept whole
         for start, stop, _ in self.segments:
             fwd = self.forwarding(start, stop)
             for j in range(start, stop):
@@ -335,12 +341,16 @@ class Plan:
                         needed[g].add(int(kind.by_step.reads[j, r]))
         groups, remap = [], []
         for g, group in enumerate(self.state_groups):
+            if group.stacked_rows is not None:
+                groups.append(group)
+                remap.append(np.arange(group.rows, dtype=np.int32))
+                continue
             keep = [row for row in range(len(group.names)) if row in needed[g]]
             new = np.full(group.rows, len(keep), dtype=np.int32)  # default: the new pad row
             new[keep] = np.arange(len(keep))
             groups.append(dataclasses.replace(group, names=tuple(group.names[row] for row in keep)))
             remap.append(new)
-        loc = {name: (g, int(remap[g][row])) for name, (g, row) in self.state_loc.items()}
+        loc = {name: (g, None if row is None else int(remap[g][row])) for name, (g, row) in self.state_loc.items()}
 
         def columns(table: np.ndarray, gs: tuple[int, ...]) -> np.ndarray:
             out = table.copy()
@@ -363,17 +373,32 @@ class Plan:
         a period p > 0 runs p steps of known kinds per iteration (no switch)."""
         return periodic_segments(self.step_kind, len(self.kinds))
 
-    def writes(self, loop: str, with_params: bool = False) -> Writes:
+    def writes(self, loop: str, with_params: bool = False, absent: frozenset[int] = frozenset()) -> Writes:
         """The write slots of ``loop``: "forward", "forward+res", "forward+tangent", "forward_sub"
-        or "back"."""
-        key = (loop, with_params)
+        or "back"; ``absent``: state groups without a (co)tangent buffer in this solve."""
+        key = (loop, with_params, absent)
         cache = self.__dict__.setdefault("_writes", {})
         if key not in cache:
-            writes = make_writes(self.kinds, self.step_kind, [self._targets(k, loop, with_params) for k in
-                                                              self.kinds], self._pad_rows())
+            targets = [self._targets(k, loop, with_params, absent) for k in self.kinds]
+            writes = make_writes(self.kinds, self.step_kind, targets, self._pad_rows())
             tangent = {"forward_sub": {"state"}, "back": {"state", "param"}, "forward+tangent": {"tangent"}}
             cache[key] = dataclasses.replace(writes, tangent=frozenset(tangent.get(loop, ())))
         return cache[key]
+
+    @functools.cached_property
+    def params_shared_by_members(self) -> bool:
+        """Whether every kind with several members uses, in each parameter slot, one and the same
+        row for all of them (weights shared along a sequence), and some kind has parameters."""
+        many = [kind for kind in self.kinds if kind.size > 1 and kind.param_groups]
+        return bool(many) and all(np.all(kind.by_member.params[:kind.size] == kind.by_member.params[0])
+                                  for kind in many)
+
+    @functools.cached_property
+    def input_only_groups(self) -> frozenset[int]:
+        """State groups that hold network inputs only: no layer writes them, so they need a
+        (co)tangent buffer only where an input of theirs has a tangent."""
+        inputs = set(self.net.inputs)
+        return frozenset(g for g, group in enumerate(self.state_groups) if set(group.names) <= inputs)
 
     @functools.cached_property
     def params_written_once(self) -> frozenset[int]:
@@ -426,12 +451,13 @@ class Plan:
         return Forwarding(group, read, first_row)
 
     def _pad_rows(self) -> dict[Hashable, int]:
-        return {**{(family, g): grp.rows - 1 for g, grp in enumerate(self.state_groups)
+        return {**{(family, g): grp.pad_row for g, grp in enumerate(self.state_groups)
                    for family in ("state", "tangent")},
                 **{("res", r): n for r, n in enumerate(self.res_rows)},
                 **{("param", p): 0 for p in range(len(self.param_groups))}}  # adds zeros to row 0
 
-    def _targets(self, kind: Kind, loop: str, with_params: bool) -> list[tuple[Hashable, np.ndarray]]:
+    def _targets(self, kind: Kind, loop: str, with_params: bool,
+                 absent: frozenset[int]) -> list[tuple[Hashable, np.ndarray]]:
         n = kind.size
         out_diff = self.state_groups[kind.out_group].differentiable
         if loop in ("forward", "forward+res", "forward+tangent"):
@@ -446,7 +472,7 @@ class Plan:
         if loop == "forward_sub":
             return [(("state", kind.out_group), kind.by_member.out[:n])]
         values = [(("state", g), kind.by_member.reads[:n, r]) for r, g in enumerate(kind.read_groups)
-                  if self.state_groups[g].differentiable]
+                  if self.state_groups[g].differentiable and g not in absent]
         if with_params:
             values += [(("param", g), kind.by_member.params[:n, p]) for p, g in enumerate(kind.param_groups)]
         return values
@@ -707,19 +733,30 @@ def make_plan(net: Network, param_structs: tuple, input_structs: tuple, engine: 
     def slot(p: Hashable) -> tuple[int, int]:
         return (param_loc[p.block][0], p.index) if isinstance(p, Row) else param_loc[p]
 
+    def read_slot(r: Hashable) -> tuple[int, int]:
+        return (state_loc[r.block][0], r.index) if isinstance(r, Row) else state_loc[r]
+
     avals: dict[Hashable, Any] = {name: _unstruct(s) for name, s in zip(net.inputs, input_structs)}
     kind_info: dict[Any, tuple] = {}
     layer_kind: list[Any] = []
     for layer in net.layers:
         theta = tuple(_row_aval(params, p) for p in layer.params)
-        ins = tuple(avals[r] for r in layer.reads)
-        key = (function_key(layer.fn), _structure(theta), _structure(ins), tuple(slot(p)[0] for p in layer.params))
+        ins = tuple(_row_aval(avals, r) for r in layer.reads)
+        key = (function_key(layer.fn), _structure(theta), _structure(ins), tuple(slot(p)[0] for p in layer.params),
+               tuple(isinstance(r, Row) and r.block for r in layer.reads))
         if key not in kind_info:
             kind_info[key] = _analyse_kind(layer, theta, ins)
         avals[layer.name] = kind_info[key][0]
         layer_kind.append(key)
 
-    state_groups, state_loc = _group(list(avals.items()), pad=True)
+    state_groups, state_loc = _group([(n, a) for n, a in avals.items() if n not in net.stacked_inputs], pad=True)
+    for name in net.inputs:
+        if name in net.stacked_inputs:  # its own group, like a stacked block: rows are the Row indices
+            treedef, leaves = input_structs[net.inputs.index(name)]
+            state_loc[name] = (len(state_groups), None)
+            rows = tuple(_row_of(Aval(sh, d, sharding=x, weak_type=w)) for sh, d, x, w in leaves)
+            state_groups += (Group(treedef, rows, (name,), False, leaves[0][0][0]),)
+    _check_stacks(net, state_groups, state_loc)
 
     keys = list(dict.fromkeys(layer_kind))
     step_kind = np.array([keys.index(k) for k in layer_kind], dtype=np.int32)
@@ -731,11 +768,11 @@ def make_plan(net: Network, param_structs: tuple, input_structs: tuple, engine: 
         first = layers[0]
         out_aval, treedef, layout, sources, own, kept, recipes = kind_info[key]
         pgroups = tuple(slot(p)[0] for p in first.params)
-        rgroups = tuple(state_loc[r][0] for r in first.reads)
+        rgroups = tuple(read_slot(r)[0] for r in first.reads)
         ogroup = state_loc[first.name][0]
         by_member = MemberRows(
             params=_table([[slot(p)[1] for p in layer.params] for layer in layers], len(pgroups)),
-            reads=_table([[state_loc[r][1] for r in layer.reads] for layer in layers], len(rgroups)),
+            reads=_table([[read_slot(r)[1] for r in layer.reads] for layer in layers], len(rgroups)),
             out=_table([[state_loc[layer.name][1]] for layer in layers], 1)[:, 0])
         kinds.append(Kind(
             fn=_fresh(first.fn), layers=layers, param_groups=pgroups, read_groups=rgroups, out_group=ogroup,
@@ -756,10 +793,10 @@ def _table(rows: list[list[int]], width: int) -> np.ndarray:
 def _by_step(by_member: MemberRows, members: np.ndarray, n_steps: int, state_groups: tuple[Group, ...],
              read_groups: tuple[int, ...], out_group: int) -> StepRows:
     """A kind's rows per step of the loop: its members' at their steps, pad rows elsewhere."""
-    pads = np.array([state_groups[g].rows - 1 for g in read_groups], dtype=np.int32)
+    pads = np.array([state_groups[g].pad_row for g in read_groups], dtype=np.int32)
     member = np.full(n_steps, len(members), dtype=np.int32)
     member[members] = np.arange(len(members))
-    out = np.full(n_steps, state_groups[out_group].rows - 1, dtype=np.int32)
+    out = np.full(n_steps, state_groups[out_group].pad_row, dtype=np.int32)
     out[members] = by_member.out[:-1]
     reads = np.tile(pads, (n_steps, 1)).reshape(n_steps, len(read_groups))
     reads[members] = by_member.reads[:-1]
@@ -801,10 +838,24 @@ def _fresh(fn: Any) -> Any:
     return kind_fn
 
 
-def _row_aval(params: dict[Hashable, Any], p: Hashable) -> Any:
+def _row_aval(avals: dict[Hashable, Any], p: Hashable) -> Any:
+    """The aval a layer receives for a block or state name (one row of it for a ``Row``)."""
     if isinstance(p, Row):
-        return jax.tree.map(_row_of, params[p.block])
-    return params[p]
+        return jax.tree.map(_row_of, avals[p.block])
+    return avals[p]
+
+
+def _check_stacks(net: Network, groups: tuple[Group, ...], loc: dict[Hashable, tuple[int, Any]]) -> None:
+    """Every :class:`Stack` output holds states of one structure, shape and dtype (one group)."""
+    for item in net.output_spec:
+        if isinstance(item, Stack):
+            first = item.names[0]
+            for name in item.names:
+                if loc[name][0] != loc[first][0] or loc[name][1] is None:
+                    shown = lambda n: groups[loc[n][0]].row_avals() if loc[n][1] is not None else "a stacked input"
+                    raise ValueError(
+                        f"{item!r}: state {name!r} ({shown(name)}) and state {first!r} ({shown(first)}) differ in "
+                        "structure, shape or dtype; a Stack needs states of one shape.")
 
 
 def _structure(tree: Any) -> Any:

@@ -1,0 +1,335 @@
+"""Checkpointed calls: keep a few states through the forward pass, recompute the rest in the
+back substitution.
+
+With ``checkpoints=k`` the N layers (topological order) are cut into at most k + 1 segments of
+L = ⌈N / (k + 1)⌉ consecutive layers. Each segment is a network of its own, called under
+``jax.checkpoint``: the forward pass keeps only what later segments read (for a chain: the
+segment's last state, k states in all) and the network's outputs; in reverse mode JAX runs each
+segment's forward pass again, just before that segment's back substitution (ℒ restricted to the
+segment's rows, its right-hand side the cotangents of the states it hands on).
+
+Memory: the kept states plus one segment's states, residuals and Λ — O(k + N/k) states, least
+at k ≈ √N. Time: every layer runs forward twice (the last segment once): at most one forward
+pass more than without checkpoints. Evenly spaced segments cost at most 2× the forward
+evaluations for O(√N) memory; a binomial schedule (Griewank's revolve) would reach O(log N)
+memory at O(log N) recomputations and is not implemented.
+
+Segments that are translates of each other — same functions, rows of stacked blocks and inputs
+shifted by the same amount, reads reaching back at most one segment (an RNN, a chain of
+``Row``-stacked blocks) — become one network and run as a ``lax.scan``: the program does not
+grow with the number of segments.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Hashable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from ._graph import Layer, Network, Row, Stack, stack_states
+
+Call = Callable[[Network, dict, tuple], Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class Segment:
+    """Layers ``start:stop`` of a network as a network of their own (``net``), with local names:
+    layer j of the segment is ``("layer", j)``; it reads the states of earlier segments as inputs
+    ``("before", d)`` (the state d positions before the segment's start), network inputs as
+    ``("input", name)``, and rows ``base .. base + span − 1`` of stacked inputs and blocks as rows
+    0 .. span − 1 of slices."""
+
+    net: Network
+    start: int
+    before: tuple[int, ...]  # the d of each ("before", d) input, in input order
+    whole: tuple[Hashable, ...]  # network inputs read whole, in input order
+    row_inputs: tuple[tuple[Hashable, int, int], ...]  # (input, base, span), in input order
+    row_blocks: tuple[tuple[Hashable, int, int], ...]  # (block, base, span)
+    returns: tuple[int, ...]  # the local positions j whose states the segment returns
+    before_names: tuple[Hashable, ...] = ()  # the network's names for the ("before", d) inputs
+
+    @property
+    def net_length(self) -> int:
+        return len(self.net.layers)
+
+    def translates(self, other: Segment, length: int) -> bool:
+        """Whether this segment is ``other`` moved by ``length`` layers (reading at most one
+        segment back): then both are one computation with shifted rows."""
+        if self.net != other.net or max(self.before, default=0) > length:
+            return False
+        shifts = {base - b for (_, base, _), (_, b, _) in zip(self.row_inputs + self.row_blocks,
+                                                               other.row_inputs + other.row_blocks)}
+        return len(shifts) <= 1 and all(s >= 0 for s in shifts)
+
+
+def segment_length(layers: int, checkpoints: int) -> int:
+    """⌈N/(k+1)⌉ layers per segment — or, where one exists up to twice that, the shortest length
+    that divides N: then segments tile the stacked rows exactly, and a scan over all of them
+    reads (and writes the gradient of) stacked blocks in place instead of a copy of most rows.
+    Either way at most k states are kept."""
+    shortest = -(-layers // (checkpoints + 1))
+    return next((n for n in range(shortest, 2 * shortest + 1) if layers % n == 0), shortest)
+
+
+@functools.lru_cache(maxsize=64)
+def split(net: Network, checkpoints: int) -> tuple[Segment, ...]:
+    """The segments of ``net`` for ``checkpoints`` kept states (see the module docstring)."""
+    layers = net.layers
+    length = segment_length(len(layers), checkpoints)
+    position = {layer.name: i for i, layer in enumerate(layers)}
+    last_read = {}
+    for i, layer in enumerate(layers):
+        for r in layer.reads:
+            if not isinstance(r, Row) and r in position:
+                last_read[r] = i
+    outputs = set(net.outputs)
+    segments = []
+    for start in range(0, len(layers), length):
+        stop = min(start + length, len(layers))
+        segments.append(_segment(net, layers[start:stop], start, stop, position, last_read, outputs))
+    if len(segments) > 2 and not segments[1].translates(segments[0], length):
+        # The first segment reads network inputs where the next reads the states before it (a
+        # chain's input, an RNN's h0): read as those, it joins the scan of its translates.
+        as_before = _inputs_in_place_of_states(net, segments[0], segments[1])
+        if as_before:
+            first = _segment(net, layers[:length], 0, length, position, last_read, outputs, as_before)
+            if segments[1].translates(first, length):
+                segments[0] = first
+    return tuple(segments)
+
+
+def _inputs_in_place_of_states(net: Network, first: Segment, second: Segment) -> dict[Hashable, int]:
+    """Network inputs that the first segment reads exactly where the second reads ("before", d):
+    input -> d (empty where that does not describe every such read)."""
+    found: dict[Hashable, int] = {}
+    for a, b in zip(first.net.layers, second.net.layers):
+        for r1, r2 in zip(a.reads, b.reads):
+            if isinstance(r2, tuple) and not isinstance(r2, Row) and r2[:1] == ("before",):
+                if not (isinstance(r1, tuple) and r1[:1] == ("input",)) or found.get(r1[1], r2[1]) != r2[1]:
+                    return {}
+                found[r1[1]] = r2[1]
+    return found
+
+
+def _segment(net: Network, layers: tuple[Layer, ...], start: int, stop: int, position: dict,
+             last_read: dict, outputs: set, as_before: dict[Hashable, int] | None = None) -> Segment:
+    as_before = as_before or {}
+    rows: dict[Hashable, list[int]] = {}
+    blocks: dict[Hashable, list[int]] = {}
+    for layer in layers:
+        for r in layer.reads:
+            if isinstance(r, Row):
+                rows.setdefault(r.block, []).append(r.index)
+        for p in layer.params:
+            if isinstance(p, Row):
+                blocks.setdefault(p.block, []).append(p.index)
+    base = {("input", x): min(ix) for x, ix in rows.items()} | {("block", b): min(ix) for b, ix in blocks.items()}
+
+    def read(r: Hashable) -> Hashable:
+        if isinstance(r, Row):
+            return Row(("input", r.block), r.index - base[("input", r.block)])
+        if r not in position:
+            return ("before", as_before[r]) if r in as_before else ("input", r)
+        j = position[r] - start
+        return ("layer", j) if j >= 0 else ("before", -j)
+
+    def param(p: Hashable) -> Hashable:
+        return Row(p.block, p.index - base[("block", p.block)]) if isinstance(p, Row) else p
+
+    local = [Layer(("layer", j), layer.fn, tuple(map(read, layer.reads)), tuple(map(param, layer.params)))
+             for j, layer in enumerate(layers)]
+    named = {read(r)[1]: r for layer in layers for r in layer.reads
+             if not isinstance(r, Row) and read(r)[0] == "before"}
+    before = tuple(sorted(named))  # nearest first
+    whole = tuple(x for x in net.inputs if x not in as_before and any(
+        r == x for layer in layers for r in layer.reads if not isinstance(r, Row)))
+    row_inputs = tuple((x, base[("input", x)], max(rows[x]) - base[("input", x)] + 1) for x in net.inputs
+                       if x in rows)
+    row_blocks = tuple((b, base[("block", b)], max(ix) - base[("block", b)] + 1) for b, ix in blocks.items())
+    returns = tuple(j for j, layer in enumerate(layers)
+                    if layer.name in outputs or last_read.get(layer.name, -1) >= stop)
+    inputs = [("before", d) for d in before] + [("input", x) for x in whole] + [("input", x) for x, _, _ in row_inputs]
+    seg_net = Network(local, inputs, [("layer", j) for j in returns])
+    return Segment(seg_net, start, before, whole, row_inputs, row_blocks, returns,
+                   tuple(named[d] for d in before))
+
+
+class _Scanned:
+    """The outputs of a run of translated segments: ``ys[out]`` stacks output ``out`` of every
+    segment of the run; ``grid[s][out]`` is the network's name for it."""
+
+    def __init__(self, ys: tuple, grid: list[list[Hashable]]):
+        self.ys, self.grid = ys, grid
+        self.where = {name: (s, out) for s, row in enumerate(grid) for out, name in enumerate(row)}
+
+    def one(self, name: Hashable) -> Any:
+        s, out = self.where[name]
+        return jax.tree.map(lambda a: a[s], self.ys[out])
+
+    def stacked(self, names: tuple[Hashable, ...], at: int) -> tuple[Any, int] | None:
+        """Rows of a Stack from ``names[at]`` on that are whole outputs of the run, as one array:
+        every output of every segment in order, or one output of every segment. Else None."""
+        everything = [name for row in self.grid for name in row]
+        if list(names[at:at + len(everything)]) == everything:
+            stacked = jax.tree.map(lambda *ys: jnp.stack(ys, axis=1), *self.ys)
+            return jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), stacked), len(everything)
+        for out in range(len(self.grid[0])):
+            column = [row[out] for row in self.grid]
+            if list(names[at:at + len(column)]) == column:
+                return self.ys[out], len(column)
+        return None
+
+
+def checkpointed_call(net: Network, theta: dict, inputs: tuple, checkpoints: int, call: Call) -> Any:
+    """``net(theta, *inputs)`` segment by segment, every segment but the last under
+    ``jax.checkpoint``; translated segments as one ``lax.scan``. ``call`` runs one network."""
+    segments = split(net, checkpoints)
+    units = _units(segments)
+    given = dict(zip(net.inputs, inputs))
+    cut = _Cuts(units, theta, given)
+    values: dict[Hashable, Any] = dict(given)
+    runs: list[_Scanned] = []
+
+    def value(name: Hashable) -> Any:
+        if name in values:
+            return values[name]
+        return next(run.one(name) for run in runs if name in run.where)
+
+    for n, unit in enumerate(units):
+        before = tuple(value(name) for name in unit[0].before_names)
+        if len(unit) > 1:
+            ys = _scan(unit, cut.pieces(n), theta, given, before, call)
+            runs.append(_Scanned(ys, [[net.layers[sg.start + j].name for j in sg.returns] for sg in unit]))
+        else:
+            outs = _run(unit[0], cut.pieces(n), theta, given, before, checkpoint=n < len(units) - 1, call=call)
+            values.update((net.layers[unit[0].start + j].name, out) for j, out in zip(unit[0].returns, outs))
+    result = [_gather(item, value, runs) for item in net.output_spec]
+    return result[0] if net.single_output else tuple(result)
+
+
+def _units(segments: tuple[Segment, ...]) -> list[tuple[Segment, ...]]:
+    """Segments grouped into what runs as one: a run of translates (a scan), or one segment."""
+    units, s = [], 0
+    while s < len(segments):
+        stop = s + 1
+        while stop < len(segments) and segments[stop].translates(segments[stop - 1], segments[s].net_length):
+            stop += 1
+        units.append(segments[s:stop])
+        s = stop
+    return units
+
+
+class _Cuts:
+    """The rows of each stacked input and block that each unit reads, cut in one ``lax.split``
+    where the units' ranges follow one another (its transpose, a concatenation, assembles the
+    gradient without a full-size buffer per unit), else by one slice each."""
+
+    def __init__(self, units: list[tuple[Segment, ...]], theta: dict, given: dict):
+        ranges: dict[tuple[str, Hashable], list[tuple[int, int, int]]] = {}  # source -> (unit, start, stop)
+        for n, unit in enumerate(units):
+            first, last = unit[0], unit[-1]
+            for kind, table, table_last in (("input", first.row_inputs, last.row_inputs),
+                                            ("block", first.row_blocks, last.row_blocks)):
+                for (name, base, _), (_, base_last, span_last) in zip(table, table_last):
+                    ranges.setdefault((kind, name), []).append((n, base, base_last + span_last))
+        self._pieces: dict[int, dict[tuple[str, Hashable], Any]] = {n: {} for n in range(len(units))}
+        for (kind, name), parts in ranges.items():
+            source = given[name] if kind == "input" else theta[name]
+            rows = jax.tree.leaves(source)[0].shape[0]
+            bounds = [b for _, start, stop in parts for b in (start, stop)]
+            if bounds == sorted(bounds):  # in order, not overlapping: one split
+                cuts = sorted({b for b in bounds if 0 < b < rows})
+                pieces = jax.tree.map(lambda a, cuts=cuts: lax.split(a, np.diff([0, *cuts, rows]).tolist()), source)
+                where = {start: i for i, start in enumerate([0, *cuts])}
+                for n, start, _ in parts:
+                    self._pieces[n][(kind, name)] = jax.tree.map(
+                        lambda _, p, i=where[start]: p[i], source, pieces, is_leaf=lambda x: isinstance(x, list))
+            else:
+                for n, start, stop in parts:
+                    self._pieces[n][(kind, name)] = jax.tree.map(lambda a, b=start, e=stop: lax.slice_in_dim(a, b, e),
+                                                                 source)
+
+    def pieces(self, unit: int) -> dict[tuple[str, Hashable], Any]:
+        """Per ("input" | "block", name): the rows unit ``unit`` reads, from its first row read."""
+        return self._pieces[unit]
+
+
+def _run(seg: Segment, pieces: dict, theta: dict, given: dict, before: tuple, checkpoint: bool,
+         call: Call) -> tuple:
+    """One segment called on its own (under ``jax.checkpoint`` unless it is the last)."""
+    rows = tuple(pieces[("input", x)] for x, _, _ in seg.row_inputs)
+    blocks = {b: pieces[("block", b)] for b, _, _ in seg.row_blocks}
+
+    def run(theta_seg: dict, before: tuple, whole: tuple, rows: tuple) -> tuple:
+        return tuple(call(seg.net, theta_seg, (*before, *whole, *rows)))
+
+    if checkpoint:
+        run = jax.checkpoint(run)
+    theta_seg = {p: blocks[p] if p in blocks else theta[p] for p in seg.net.param_names}
+    return run(theta_seg, before, tuple(given[x] for x in seg.whole), rows)
+
+
+def _scan(run: tuple[Segment, ...], pieces: dict, theta: dict, given: dict, before: tuple, call: Call) -> tuple:
+    """Segments that translate one another as one ``lax.scan`` over the first one's network,
+    checkpointed: it carries the states the next segment reads, and its rows of stacked inputs
+    and blocks are scanned over (reshaped where segments take consecutive rows, else sliced)."""
+    first, n = run[0], len(run)
+    length = run[1].start - first.start
+    ranges = first.row_inputs + first.row_blocks
+    shift = (run[1].row_inputs + run[1].row_blocks)[0][1] - ranges[0][1] if ranges else 0
+    keys = [("input", x) for x, _, _ in first.row_inputs] + [("block", b) for b, _, _ in first.row_blocks]
+    sources = [given[x] for x, _, _ in first.row_inputs] + [theta[b] for b, _, _ in first.row_blocks]
+
+    def scanned(piece: Any, span: int) -> Any:
+        if span != shift:  # overlapping or gapped rows: sliced inside the body
+            return None
+        return jax.tree.map(lambda a: a[:n * span].reshape(n, span, *a.shape[1:]), piece)
+
+    xs = [scanned(pieces[key], span) for key, (_, _, span) in zip(keys, ranges)]
+    plain = {p: theta[p] for p in first.net.param_names if p not in dict((b, 0) for b, _, _ in first.row_blocks)}
+    whole = tuple(given[x] for x in first.whole)
+    carried = [first.returns.index(length - d) for d in first.before]
+
+    def body(carry: tuple, step: tuple) -> tuple:
+        s, rows = step
+        rows = [r if r is not None else jax.tree.map(lambda a, b=b, span=span: lax.dynamic_slice_in_dim(
+            a, b + s * shift, span), src) for r, src, (_, b, span) in zip(rows, sources, ranges)]
+        k = len(first.row_inputs)
+        blocks = {blk: r for (blk, _, _), r in zip(first.row_blocks, rows[k:])}
+        outs = tuple(call(first.net, {**plain, **blocks}, (*carry, *whole, *rows[:k])))
+        return tuple(outs[i] for i in carried), outs
+
+    _, ys = lax.scan(jax.checkpoint(body, prevent_cse=False), before, (jnp.arange(n), xs))
+    return ys
+
+
+def _gather(item: Hashable | Stack, value: Callable[[Hashable], Any], runs: list[_Scanned]) -> Any:
+    """An output item: a name's state, or a Stack, built from whole outputs of scans where its
+    names line up with them (one reshape), else state by state."""
+    if not isinstance(item, Stack):
+        return value(item)
+    parts, at = [], 0
+    while at < len(item.names):
+        found = next((hit for run in runs if item.names[at] in run.where
+                      for hit in [run.stacked(item.names, at)] if hit is not None), None)
+        if found is None:
+            parts.append(jax.tree.map(lambda a: a[None], value(item.names[at])))
+            at += 1
+        else:
+            parts.append(found[0])
+            at += found[1]
+    if len(parts) == 1:
+        return parts[0]
+    _check_same(item, parts)
+    return jax.tree.map(lambda *p: jnp.concatenate(p), *parts)
+
+
+def _check_same(item: Stack, parts: list[Any]) -> None:
+    rows = [jax.tree.map(lambda a: a[0], p) for p in parts]
+    stack_states(item, rows)  # raises the Stack's error where the states differ

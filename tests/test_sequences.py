@@ -1,0 +1,154 @@
+"""Sequences and memory: stacked inputs (Row reads), stacked outputs (Stack), checkpoints=k.
+
+Every gradient is compared with jax.grad of the same network called plainly (float64)."""
+
+import jax
+import jax.extend
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import linbackprop as lbp
+
+T, B, W, D = 24, 3, 4, 5
+
+
+def cell(th, h, x):
+    return jnp.tanh(h @ th[0] + x["u"] @ th[1] + x["v"][:, None] * th[2])
+
+
+def rnn(steps=T, outputs="last"):
+    layers = [lbp.Layer(t, cell, (t - 1, lbp.Row("xs", t - 1)), ("A", "B", "c")) for t in range(1, steps + 1)]
+    outs = {"last": steps, "every": lbp.Stack(range(1, steps + 1)),
+            "mixed": [lbp.Stack(range(2, steps + 1, 3)), 5, lbp.Stack([steps, 1])]}[outputs]
+    return lbp.Network(layers, [0, "xs"], outs)
+
+
+def data(steps=T, seed=0):
+    k = jax.random.split(jax.random.PRNGKey(seed), 5)
+    p = {"A": jax.random.normal(k[0], (W, W)) / 2, "B": jax.random.normal(k[1], (D, W)) / 2,
+         "c": jax.random.normal(k[2], (W,))}
+    xs = {"u": jax.random.normal(k[3], (steps, B, D)), "v": jax.random.normal(k[4], (steps, B))}
+    return p, jnp.ones((B, W)) * 0.1, xs
+
+
+def loss_of(net):
+    return lambda p, h0, xs: sum(jnp.sum(jnp.sin(o) * (1 + n)) for n, o in enumerate(jax.tree.leaves(net(p, h0, xs))))
+
+
+def close(a, b, tol=1e-10):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("outputs", ["last", "every", "mixed"])
+@pytest.mark.parametrize("engine", ["loop", "unrolled"])
+def test_stacked_inputs_and_outputs_match_jax_grad(outputs, engine):
+    net = rnn(outputs=outputs)
+    loss = loss_of(net)
+    args = data()
+    expected = jax.grad(loss, argnums=(0, 1, 2))(*args)
+    close(lbp.grad_by_solve(loss, argnums=(0, 1, 2), engine=engine)(*args), expected)
+    close(jax.jit(lbp.grad_by_solve(loss, engine=engine))(*args), expected[0])  # params only: no xs cotangent
+
+
+def test_stack_output_values_and_forward_mode():
+    net = rnn(outputs="mixed")
+    p, h0, xs = data()
+    states = net.states(p, h0, xs)
+    hs, five, pair = net(p, h0, xs)
+    close(hs, jnp.stack([states[t] for t in range(2, T + 1, 3)]))
+    close(pair, jnp.stack([states[T], states[1]]))
+    close(five, states[5])
+    tangent = jax.tree.map(jnp.ones_like, p)
+    ours = lbp.jvp_by_solve(lambda q: net(q, h0, xs), (p,), (tangent,))
+    close(ours, jax.jvp(lambda q: net(q, h0, xs), (p,), (tangent,)))
+
+
+@pytest.mark.parametrize(("checkpoints", "outputs"), [(1, "every"), (3, "mixed"), (5, "last"), (22, "every")])
+def test_checkpoints_match_jax_grad(checkpoints, outputs):
+    net = rnn(outputs=outputs)
+    loss = loss_of(net)
+    args = data()
+    expected = jax.grad(loss, argnums=(0, 1, 2))(*args)
+    close(lbp.grad_by_solve(loss, argnums=(0, 1, 2), checkpoints=checkpoints)(*args), expected)
+    value, grads = jax.jit(lbp.value_and_grad_by_solve(loss, checkpoints=checkpoints))(*args)
+    close(value, loss(*args))
+    close(grads, expected[0])
+
+
+def residual(th, u):
+    return u + jnp.tanh(u @ th[0] + th[1])
+
+
+def skip(th, u, s):
+    return u + jnp.tanh(u @ th[0] + s @ th[1])
+
+
+@pytest.mark.parametrize("checkpoints", [2, 7])
+def test_checkpoints_on_a_dag_with_row_blocks_and_long_skips(checkpoints):
+    """Skips reaching across segments, two kinds, Row-stacked blocks, a shared block."""
+    layers = []
+    for i in range(1, 31):
+        if i % 3 == 0:
+            layers.append(lbp.Layer(i, skip, (i - 1, max(i - 7, 0)), (lbp.Row("W", i - 1), "S")))
+        else:
+            layers.append(lbp.Layer(i, residual, (i - 1,), (lbp.Row("W", i - 1), lbp.Row("b", i - 1))))
+    net = lbp.Network(layers, [0], [30, lbp.Stack([10, 20])])
+    k = jax.random.split(jax.random.PRNGKey(1), 4)
+    p = {"W": jax.random.normal(k[0], (30, W, W)) / 3, "b": jax.random.normal(k[1], (30, W)),
+         "S": jax.random.normal(k[2], (W, W)) / 3}
+    x = jax.random.normal(k[3], (B, W))
+    loss = lambda p, x: jnp.sum(jnp.cos(net(p, x)[0])) + jnp.sum(net(p, x)[1] ** 2)
+    expected = jax.grad(loss, argnums=(0, 1))(p, x)
+    close(lbp.grad_by_solve(loss, argnums=(0, 1), checkpoints=checkpoints)(p, x), expected)
+
+
+def test_checkpoints_compose_with_hessian_vector_products():
+    net = rnn(steps=12)
+    loss = loss_of(net)
+    p, h0, xs = data(12)
+    v = jax.tree.map(jnp.ones_like, p)
+    hvp = lambda g: jax.jvp(lambda q: g(lambda r: loss(r, h0, xs))(q), (p,), (v,))[1]
+    close(hvp(lambda f: lbp.grad_by_solve(f, checkpoints=3)), hvp(jax.grad), tol=1e-9)
+
+
+def _size(jaxpr) -> int:
+    """Equations, nested ones included."""
+    n = 0
+    for eqn in jaxpr.eqns:
+        n += 1
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            n += _size(sub)
+    return n
+
+
+@pytest.mark.parametrize("checkpoints", [None, "per 16 steps"])
+def test_program_does_not_grow_with_the_sequence(checkpoints):
+    sizes = []
+    for steps in (64, 256):
+        net = rnn(steps, outputs="every")
+        k = None if checkpoints is None else steps // 16 - 1
+        grad = lbp.grad_by_solve(loss_of(net), checkpoints=k)
+        sizes.append(_size(jax.make_jaxpr(grad)(*data(steps)).jaxpr))
+    assert sizes[0] == sizes[1]
+
+
+def test_bad_sequences_are_named():
+    with pytest.raises(lbp.GraphError, match="Row in reads names a row of a stacked network input"):
+        lbp.Network([lbp.Layer(1, cell, (0,), ()), lbp.Layer(2, cell, (1, lbp.Row(1, 0)), ())], [0], 2)
+    with pytest.raises(lbp.GraphError, match="read whole by layer 2 and by rows"):
+        lbp.Network([lbp.Layer(1, cell, (0, lbp.Row("xs", 0)), ()), lbp.Layer(2, cell, (1, "xs"), ())],
+                    [0, "xs"], 2)
+    net = rnn(outputs="every")
+    p, h0, xs = data(T - 1)
+    with pytest.raises(ValueError, match=r"reads Row\('xs', 23\).*leading axis longer"):
+        net(p, h0, xs)
+    odd = lbp.Network([lbp.Layer(1, lambda th, x: x, (0,)), lbp.Layer(2, lambda th, x: x.sum(0), (1,))],
+                      [0], lbp.Stack([1, 2]))
+    with pytest.raises(ValueError, match=r"Stack\(\[1, 2\]\).*differ"):
+        odd({}, jnp.ones((2, 3)))
+    with pytest.raises(ValueError, match=r"Stack\(\[1, 2\]\).*differ"):
+        lbp.grad_by_solve(lambda x: jnp.sum(odd({}, x)[0]))(jnp.ones((2, 3)))
+    with pytest.raises(ValueError, match="checkpoints must be a positive int"):
+        lbp.grad_by_solve(lambda x: x, checkpoints=0)
