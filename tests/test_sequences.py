@@ -142,7 +142,7 @@ def test_bad_sequences_are_named():
                     [0, "xs"], 2)
     net = rnn(outputs="every")
     p, h0, xs = data(T - 1)
-    with pytest.raises(ValueError, match=r"reads Row\('xs', 23\).*leading axis longer"):
+    with pytest.raises(ValueError, match=r"reads Row\(block='xs', index=23\).*leading axis longer"):
         net(p, h0, xs)
     odd = lbp.Network([lbp.Layer(1, lambda th, x: x, (0,)), lbp.Layer(2, lambda th, x: x.sum(0), (1,))],
                       [0], lbp.Stack([1, 2]))
