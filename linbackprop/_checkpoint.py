@@ -54,18 +54,17 @@ class Segment:
     returns: tuple[int, ...]  # the local positions j whose states the segment returns
     before_names: tuple[Hashable, ...] = ()  # the network's names for the ("before", d) inputs
 
-    @property
-    def net_length(self) -> int:
-        return len(self.net.layers)
-
-    def translates(self, other: Segment, length: int) -> bool:
-        """Whether this segment is ``other`` moved by ``length`` layers (reading at most one
-        segment back): then both are one computation with shifted rows."""
+    def shift_from(self, other: Segment, length: int) -> int | None:
+        """How many rows further this segment reads every stacked input and block than ``other``,
+        when it is ``other`` moved by ``length`` layers (reading at most one segment back): then
+        both are one computation with shifted rows. None where it is not."""
         if self.net != other.net or max(self.before, default=0) > length:
-            return False
+            return None
         shifts = {base - b for (_, base, _), (_, b, _) in zip(self.row_inputs + self.row_blocks,
                                                                other.row_inputs + other.row_blocks)}
-        return len(shifts) <= 1 and all(s >= 0 for s in shifts)
+        if len(shifts) > 1 or any(s < 0 for s in shifts):
+            return None
+        return shifts.pop() if shifts else 0
 
 
 def segment_length(layers: int, checkpoints: int) -> int:
@@ -93,13 +92,13 @@ def split(net: Network, checkpoints: int) -> tuple[Segment, ...]:
     for start in range(0, len(layers), length):
         stop = min(start + length, len(layers))
         segments.append(_segment(net, layers[start:stop], start, stop, position, last_read, outputs))
-    if len(segments) > 2 and not segments[1].translates(segments[0], length):
+    if len(segments) > 2 and segments[1].shift_from(segments[0], length) is None:
         # The first segment reads network inputs where the next reads the states before it (a
         # chain's input, an RNN's h0): read as those, it joins the scan of its translates.
         as_before = _inputs_in_place_of_states(net, segments[0], segments[1])
         if as_before:
             first = _segment(net, layers[:length], 0, length, position, last_read, outputs, as_before)
-            if segments[1].translates(first, length):
+            if segments[1].shift_from(first, length) is not None:
                 segments[0] = first
     return tuple(segments)
 
@@ -218,8 +217,10 @@ def _units(segments: tuple[Segment, ...]) -> list[tuple[Segment, ...]]:
     units, s = [], 0
     while s < len(segments):
         stop = s + 1
-        while stop < len(segments) and segments[stop].translates(segments[stop - 1], segments[s].net_length):
-            stop += 1
+        shift = segments[s + 1].shift_from(segments[s], len(segments[s].net.layers)) if s + 1 < len(segments) else None
+        while (stop < len(segments) and shift is not None
+               and segments[stop].shift_from(segments[stop - 1], len(segments[s].net.layers)) == shift):
+            stop += 1  # one scan needs one shift: rows move alike from segment to segment
         units.append(segments[s:stop])
         s = stop
     return units
@@ -282,7 +283,7 @@ def _scan(run: tuple[Segment, ...], pieces: dict, theta: dict, given: dict, befo
     first, n = run[0], len(run)
     length = run[1].start - first.start
     ranges = first.row_inputs + first.row_blocks
-    shift = (run[1].row_inputs + run[1].row_blocks)[0][1] - ranges[0][1] if ranges else 0
+    shift = run[1].shift_from(first, length)
     keys = [("input", x) for x, _, _ in first.row_inputs] + [("block", b) for b, _, _ in first.row_blocks]
     sources = [given[x] for x, _, _ in first.row_inputs] + [theta[b] for b, _, _ in first.row_blocks]
 
@@ -292,7 +293,8 @@ def _scan(run: tuple[Segment, ...], pieces: dict, theta: dict, given: dict, befo
         return jax.tree.map(lambda a: a[:n * span].reshape(n, span, *a.shape[1:]), piece)
 
     xs = [scanned(pieces[key], span) for key, (_, _, span) in zip(keys, ranges)]
-    plain = {p: theta[p] for p in first.net.param_names if p not in dict((b, 0) for b, _, _ in first.row_blocks)}
+    stacked = {b for b, _, _ in first.row_blocks}
+    plain = {p: theta[p] for p in first.net.param_names if p not in stacked}
     whole = tuple(given[x] for x in first.whole)
     carried = [first.returns.index(length - d) for d in first.before]
 

@@ -622,19 +622,13 @@ def param_forward(plan: Plan, prim: Primal, h: list[Any], into: list[Any]) -> li
         # A block every member uses (a weight shared along a sequence) goes in once, not gathered n
         # times: the transpose (ℳΛ in reverse mode) then sums over the members inside the product
         # instead of forming n cotangents and adding them up.
-        shared = [_same_row(kind.by_member.params[:n, p]) for p in range(len(kind.param_groups))]
         hs = tuple(read_row(h[g], row) if row is not None else read_rows(h[g], kind.by_member.params[:n, p])
-                   for p, (g, row) in enumerate(zip(kind.param_groups, shared)))
-        axes = tuple(None if row is not None else 0 for row in shared)
+                   for p, (g, row) in enumerate(zip(kind.param_groups, kind.shared_rows)))
+        axes = tuple(None if row is not None else 0 for row in kind.shared_rows)
         dz = _per_kind(plan, prim, k, lambda m, a: m.param_forward(a), hs, axes)
         g = kind.out_group
         out[g] = _scatter_add(out[g], kind.by_member.out[:n], dz)
     return out
-
-
-def _same_row(rows: np.ndarray) -> int | None:
-    """The row when every entry of ``rows`` is the same (and there are several), else None."""
-    return int(rows[0]) if len(rows) > 1 and np.all(rows == rows[0]) else None
 
 
 def param_adjoint(plan: Plan, prim: Primal, lam: list[Any]) -> list[Any]:

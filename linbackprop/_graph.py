@@ -304,21 +304,11 @@ class Network:
         self._output_spec = spec
         self._outputs_arg = outputs if self._single_output else spec
         names: list[Hashable] = []
-        by_rows: dict[Hashable, Hashable] = {}  # stacked block -> a layer using its rows
-        whole: dict[Hashable, Hashable] = {}  # plain block -> a layer using it
         for layer in self._layers:
-            for p in layer.params:
-                (by_rows if isinstance(p, Row) else whole).setdefault(block_of(p), layer.name)
-                if block_of(p) not in names:
-                    names.append(block_of(p))
-        for b in by_rows.keys() & whole.keys():
-            raise GraphError(
-                f"Parameter block {b!r} is used whole by layer {whole[b]!r} and by rows (Row({b!r}, i)) "
-                f"by layer {by_rows[b]!r}: use it one way only, or give the two uses different blocks."
-            )
+            names.extend(b for b in map(block_of, layer.params) if b not in names)
         self._param_names = tuple(names)
-        self._stacked = frozenset(by_rows)
-        self._stacked_inputs = _stacked_inputs(self._layers, outputs_t)
+        self._stacked = _used_by_rows(self._layers, "params")
+        self._stacked_inputs = _used_by_rows(self._layers, "reads")
         self._hash = hash((self._given_layers, self._inputs, self._output_spec, self._single_output))
         self._live: Network | None = None
 
@@ -429,21 +419,9 @@ class Network:
         return theta
 
     def _check_rows(self, theta: Mapping[Hashable, Any]) -> None:
-        """Every Row(block, i) exists: each leaf of the block has a leading axis longer than i
-        (JAX would clamp an index out of range silently)."""
-        for layer in self._layers:
-            for p in layer.params:
-                if not isinstance(p, Row):
-                    continue
-                shapes = [tuple(getattr(leaf, "shape", ())) for leaf in jax.tree.leaves(theta[p.block])]
-                if not shapes or any(len(sh) == 0 or sh[0] <= p.index for sh in shapes):
-                    raise ValueError(
-                        f"Layer {layer.name!r} uses {p!r}, but parameter block {p.block!r} has leaf shapes "
-                        f"{shapes}: a stacked block needs a leading axis longer than every row index used."
-                    )
-                if len({sh[0] for sh in shapes}) > 1:
-                    raise ValueError(f"Stacked parameter block {p.block!r} has leaves with different leading "
-                                     f"axes {shapes}: every leaf needs the same number of rows.")
+        """Every Row(block, i) exists (JAX would clamp an index out of range silently)."""
+        for block, (index, layer) in _largest_rows(self._layers, "params").items():
+            _check_stacked(theta[block], f"parameter block {block!r}", Row(block, index), layer)
 
     def check_inputs(self, inputs: tuple[Any, ...]) -> None:
         """The right number of inputs, and every Row of a stacked input within its leading axis."""
@@ -453,24 +431,8 @@ class Network:
                 f"with {len(inputs)}: call net(params, {', '.join(map(str, self._inputs))})."
             )
         given = dict(zip(self._inputs, inputs))
-        for name, (index, layer) in self._input_rows_used().items():
-            shapes = [tuple(getattr(leaf, "shape", ())) for leaf in jax.tree.leaves(given[name])]
-            if not shapes or any(len(sh) == 0 or sh[0] <= index for sh in shapes):
-                raise ValueError(
-                    f"Layer {layer!r} reads {Row(name, index)!r}, but network input {name!r} has leaf shapes "
-                    f"{shapes}: a stacked input needs a leading axis longer than every row index read.")
-            if len({sh[0] for sh in shapes}) > 1:
-                raise ValueError(f"Stacked network input {name!r} has leaves with different leading axes "
-                                 f"{shapes}: every leaf needs the same number of rows.")
-
-    def _input_rows_used(self) -> dict[Hashable, tuple[int, Hashable]]:
-        """Per stacked input: the largest row index read and a layer that reads it."""
-        used: dict[Hashable, tuple[int, Hashable]] = {}
-        for layer in self._layers:
-            for r in layer.reads:
-                if isinstance(r, Row) and r.index >= used.get(r.block, (-1, None))[0]:
-                    used[r.block] = (r.index, layer.name)
-        return used
+        for name, (index, layer) in _largest_rows(self._layers, "reads").items():
+            _check_stacked(given[name], f"network input {name!r}", Row(name, index), layer)
 
     def states(self, params: Mapping[Hashable, Any], *inputs: Any) -> dict[Hashable, Any]:
         """All states by name, inputs included: the plain forward substitution U = Φ(U, θ)."""
@@ -527,21 +489,46 @@ def _rows_read(layers: tuple[Layer, ...], field: str, stacked: Mapping[Hashable,
     return out
 
 
-def _stacked_inputs(layers: tuple[Layer, ...], outputs: tuple[Hashable, ...]) -> frozenset:
-    """The inputs read by rows, checked to be read by rows only."""
-    by_rows: dict[Hashable, Hashable] = {}
-    whole: dict[Hashable, Hashable] = {}
+def _used_by_rows(layers: tuple[Layer, ...], field: str) -> frozenset:
+    """The blocks (``field="params"``) or network inputs (``"reads"``) that layers use by rows,
+    checked to be used by rows only."""
+    by_rows: dict[Hashable, Hashable] = {}  # name -> a layer using its rows
+    whole: dict[Hashable, Hashable] = {}  # name -> a layer using it whole
     for layer in layers:
-        for r in layer.reads:
-            if isinstance(r, Row):
-                by_rows.setdefault(r.block, layer.name)
-            else:
-                whole.setdefault(r, layer.name)
+        for p in getattr(layer, field):
+            (by_rows if isinstance(p, Row) else whole).setdefault(block_of(p), layer.name)
     for name in by_rows.keys() & whole.keys():
+        if field == "params":
+            what, how, verb, fix = "Parameter block", "used", "use", "give the two uses different blocks"
+        else:
+            what, how, verb, fix = "Network input", "read", "read", "pass it as two inputs"
         raise GraphError(
-            f"Network input {name!r} is read whole by layer {whole[name]!r} and by rows (Row({name!r}, t)) by "
-            f"layer {by_rows[name]!r}: read it one way only, or pass it as two inputs.")
+            f"{what} {name!r} is {how} whole by layer {whole[name]!r} and by rows (Row({name!r}, i)) by "
+            f"layer {by_rows[name]!r}: {verb} it one way only, or {fix}.")
     return frozenset(by_rows)
+
+
+def _largest_rows(layers: tuple[Layer, ...], field: str) -> dict[Hashable, tuple[int, Hashable]]:
+    """Per stacked block or input named by ``Row`` in ``field``: the largest row index and a layer
+    that uses it."""
+    used: dict[Hashable, tuple[int, Hashable]] = {}
+    for layer in layers:
+        for r in getattr(layer, field):
+            if isinstance(r, Row) and r.index >= used.get(r.block, (-1, None))[0]:
+                used[r.block] = (r.index, layer.name)
+    return used
+
+
+def _check_stacked(tree: Any, what: str, row: Row, layer: Hashable) -> None:
+    """``tree`` (a stacked block or input) has row ``row.index`` in every leaf, and as many rows in each."""
+    shapes = [tuple(getattr(leaf, "shape", ())) for leaf in jax.tree.leaves(tree)]
+    if not shapes or any(len(sh) == 0 or sh[0] <= row.index for sh in shapes):
+        verb = "reads" if what.startswith("network input") else "uses"
+        raise ValueError(f"Layer {layer!r} {verb} {row!r}, but {what} has leaf shapes {shapes}: a stacked "
+                         "value needs a leading axis longer than every row index used.")
+    if len({sh[0] for sh in shapes}) > 1:
+        raise ValueError(f"Stacked {what} has leaves with different leading axes {shapes}: every leaf needs "
+                         "the same number of rows.")
 
 
 def _plain_call(net: Network, params: Mapping[Hashable, Any], inputs: tuple[Any, ...]) -> Any:

@@ -231,6 +231,14 @@ class Kind:
     def size(self) -> int:
         return len(self.layers)
 
+    @functools.cached_property
+    def shared_rows(self) -> tuple[int | None, ...]:
+        """Per parameter slot: the row when all of several members use the same one (a weight
+        shared along a sequence), else None."""
+        rows = self.by_member.params[:self.size]
+        return tuple(int(rows[0, p]) if self.size > 1 and np.all(rows[:, p] == rows[0, p]) else None
+                     for p in range(rows.shape[1]))
+
     def split_residuals(self, vjp: Any) -> tuple[Any, ...]:
         """The residual leaves to store: neither arguments nor the output nor recomputable, each once."""
         own: dict[int, Any] = {}
@@ -390,8 +398,7 @@ class Plan:
         """Whether every kind with several members uses, in each parameter slot, one and the same
         row for all of them (weights shared along a sequence), and some kind has parameters."""
         many = [kind for kind in self.kinds if kind.size > 1 and kind.param_groups]
-        return bool(many) and all(np.all(kind.by_member.params[:kind.size] == kind.by_member.params[0])
-                                  for kind in many)
+        return bool(many) and all(row is not None for kind in many for row in kind.shared_rows)
 
     @functools.cached_property
     def input_only_groups(self) -> frozenset[int]:

@@ -152,3 +152,15 @@ def test_bad_sequences_are_named():
         lbp.grad_by_solve(lambda x: jnp.sum(odd({}, x)[0]))(jnp.ones((2, 3)))
     with pytest.raises(ValueError, match="checkpoints must be a positive int"):
         lbp.grad_by_solve(lambda x: x, checkpoints=0)
+
+
+def test_checkpoints_with_unevenly_spaced_rows():
+    """Segments that look alike but whose Row indices move by different amounts are not one scan."""
+    index = [i if i < 8 else i + 2 for i in range(16)]  # rows 0..7, then 10..17
+    net = lbp.Network([lbp.Layer(i + 1, residual, (i,), (lbp.Row("W", index[i]), lbp.Row("b", index[i])))
+                       for i in range(16)], [0], 16)
+    k = jax.random.split(jax.random.PRNGKey(2), 3)
+    p = {"W": jax.random.normal(k[0], (18, W, W)) / 3, "b": jax.random.normal(k[1], (18, W))}
+    x = jax.random.normal(k[2], (B, W))
+    loss = lambda p, x: jnp.sum(jnp.sin(net(p, x)))
+    close(lbp.grad_by_solve(loss, checkpoints=3)(p, x), jax.grad(loss)(p, x))
