@@ -17,7 +17,10 @@ memory at O(log N) recomputations and is not implemented.
 Segments that are translates of each other — same functions, rows of stacked blocks and inputs
 shifted by the same amount, reads reaching back at most one segment (an RNN, a chain of
 ``Row``-stacked blocks) — become one network and run as a ``lax.scan``: the program does not
-grow with the number of segments.
+grow with the number of segments. The scan slices its rows of stacked blocks and inputs in its
+body from the whole arrays (no copy of most rows when segments do not tile them), and stacks
+only the outputs wanted beyond the next segment: a state only the next segment reads travels in
+the carry alone (else it would be kept twice, as checkpoint and as stacked output).
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ class Segment:
     row_blocks: tuple[tuple[Hashable, int, int], ...]  # (block, base, span)
     returns: tuple[int, ...]  # the local positions j whose states the segment returns
     before_names: tuple[Hashable, ...] = ()  # the network's names for the ("before", d) inputs
+    far: tuple[int, ...] = ()  # outputs (positions in returns) wanted beyond the next segment
 
     def shift_from(self, other: Segment, length: int) -> int | None:
         """How many rows further this segment reads every stacked input and block than ``other``,
@@ -68,12 +72,8 @@ class Segment:
 
 
 def segment_length(layers: int, checkpoints: int) -> int:
-    """⌈N/(k+1)⌉ layers per segment — or, where one exists up to twice that, the shortest length
-    that divides N: then segments tile the stacked rows exactly, and a scan over all of them
-    reads (and writes the gradient of) stacked blocks in place instead of a copy of most rows.
-    Either way at most k states are kept."""
-    shortest = -(-layers // (checkpoints + 1))
-    return next((n for n in range(shortest, 2 * shortest + 1) if layers % n == 0), shortest)
+    """⌈N/(k+1)⌉ layers per segment: k + 1 segments at most, k states kept between them."""
+    return -(-layers // (checkpoints + 1))
 
 
 @functools.lru_cache(maxsize=64)
@@ -155,27 +155,36 @@ def _segment(net: Network, layers: tuple[Layer, ...], start: int, stop: int, pos
                     if layer.name in outputs or last_read.get(layer.name, -1) >= stop)
     inputs = [("before", d) for d in before] + [("input", x) for x in whole] + [("input", x) for x, _, _ in row_inputs]
     seg_net = Network(local, inputs, [("layer", j) for j in returns])
+    far = tuple(out for out, j in enumerate(returns) if layers[j].name in outputs
+                or last_read.get(layers[j].name, -1) >= stop + len(layers))
     return Segment(seg_net, start, before, whole, row_inputs, row_blocks, returns,
-                   tuple(named[d] for d in before))
+                   tuple(named[d] for d in before), far)
 
 
 class _Scanned:
-    """The outputs of a run of translated segments: ``ys[out]`` stacks output ``out`` of every
-    segment of the run; ``grid[s][out]`` is the network's name for it."""
+    """The outputs of a run of translated segments: ``ys[k]`` stacks output ``kept[k]`` of every
+    segment of the run, ``last`` holds the last segment's carried outputs (positions ``carried``);
+    ``grid[s][out]`` is the network's name for output ``out`` of segment ``s``. Outputs that only
+    the next segment reads travel in the carry alone, not stacked as well."""
 
-    def __init__(self, ys: tuple, grid: list[list[Hashable]]):
-        self.ys, self.grid = ys, grid
-        self.where = {name: (s, out) for s, row in enumerate(grid) for out, name in enumerate(row)}
+    def __init__(self, ys: tuple, kept: tuple[int, ...], last: tuple, carried: list[int],
+                 grid: list[list[Hashable]]):
+        self.ys, self.grid = ys, [[row[out] for out in kept] for row in grid]
+        self.where = {name: (s, k) for s, row in enumerate(self.grid) for k, name in enumerate(row)}
+        self.where |= {grid[-1][out]: ("last", i) for i, out in enumerate(carried) if grid[-1][out] not in self.where}
+        self.last = last
 
     def one(self, name: Hashable) -> Any:
-        s, out = self.where[name]
-        return jax.tree.map(lambda a: a[s], self.ys[out])
+        s, k = self.where[name]
+        if s == "last":
+            return self.last[k]
+        return jax.tree.map(lambda a: a[s], self.ys[k])
 
     def stacked(self, names: tuple[Hashable, ...], at: int) -> tuple[Any, int] | None:
         """Rows of a Stack from ``names[at]`` on that are whole outputs of the run, as one array:
         every output of every segment in order, or one output of every segment. Else None."""
         everything = [name for row in self.grid for name in row]
-        if list(names[at:at + len(everything)]) == everything:
+        if everything and list(names[at:at + len(everything)]) == everything:
             stacked = jax.tree.map(lambda *ys: jnp.stack(ys, axis=1), *self.ys)
             return jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), stacked), len(everything)
         for out in range(len(self.grid[0])):
@@ -203,8 +212,13 @@ def checkpointed_call(net: Network, theta: dict, inputs: tuple, checkpoints: int
     for n, unit in enumerate(units):
         before = tuple(value(name) for name in unit[0].before_names)
         if len(unit) > 1:
-            ys = _scan(unit, cut.pieces(n), theta, given, before, call)
-            runs.append(_Scanned(ys, [[net.layers[sg.start + j].name for j in sg.returns] for sg in unit]))
+            first = unit[0]
+            carried = [first.returns.index(len(first.net.layers) - d) for d in first.before]
+            kept = tuple(sorted(set(range(len(first.returns))).difference(carried).union(
+                *(sg.far for sg in unit[:-1]))))
+            last, ys = _scan(unit, theta, given, before, carried, kept, call)
+            grid = [[net.layers[sg.start + j].name for j in sg.returns] for sg in unit]
+            runs.append(_Scanned(ys, kept, last, carried, grid))
         else:
             outs = _run(unit[0], cut.pieces(n), theta, given, before, checkpoint=n < len(units) - 1, call=call)
             values.update((net.layers[unit[0].start + j].name, out) for j, out in zip(unit[0].returns, outs))
@@ -227,18 +241,17 @@ def _units(segments: tuple[Segment, ...]) -> list[tuple[Segment, ...]]:
 
 
 class _Cuts:
-    """The rows of each stacked input and block that each unit reads, cut in one ``lax.split``
-    where the units' ranges follow one another (its transpose, a concatenation, assembles the
-    gradient without a full-size buffer per unit), else by one slice each."""
+    """The rows of each stacked input and block that each segment run on its own reads, cut in
+    one ``lax.split`` where their ranges follow one another (its transpose, a concatenation,
+    assembles the gradient without a full-size buffer per segment), else by one slice each.
+    (Scans slice their rows from the whole source in their body: no copy.)"""
 
     def __init__(self, units: list[tuple[Segment, ...]], theta: dict, given: dict):
         ranges: dict[tuple[str, Hashable], list[tuple[int, int, int]]] = {}  # source -> (unit, start, stop)
-        for n, unit in enumerate(units):
-            first, last = unit[0], unit[-1]
-            for kind, table, table_last in (("input", first.row_inputs, last.row_inputs),
-                                            ("block", first.row_blocks, last.row_blocks)):
-                for (name, base, _), (_, base_last, span_last) in zip(table, table_last):
-                    ranges.setdefault((kind, name), []).append((n, base, base_last + span_last))
+        for n, (seg, *more) in enumerate(units):
+            for kind, table in (("input", seg.row_inputs), ("block", seg.row_blocks)):
+                for name, base, span in table if not more else ():
+                    ranges.setdefault((kind, name), []).append((n, base, base + span))
         self._pieces: dict[int, dict[tuple[str, Hashable], Any]] = {n: {} for n in range(len(units))}
         for (kind, name), parts in ranges.items():
             source = given[name] if kind == "input" else theta[name]
@@ -276,27 +289,28 @@ def _run(seg: Segment, pieces: dict, theta: dict, given: dict, before: tuple, ch
     return run(theta_seg, before, tuple(given[x] for x in seg.whole), rows)
 
 
-def _scan(run: tuple[Segment, ...], pieces: dict, theta: dict, given: dict, before: tuple, call: Call) -> tuple:
+def _scan(run: tuple[Segment, ...], theta: dict, given: dict, before: tuple,
+          carried: list[int], kept: tuple[int, ...], call: Call) -> tuple[tuple, tuple]:
     """Segments that translate one another as one ``lax.scan`` over the first one's network,
-    checkpointed: it carries the states the next segment reads, and its rows of stacked inputs
-    and blocks are scanned over (reshaped where segments take consecutive rows, else sliced)."""
+    checkpointed: it carries the states the next segment reads (outputs ``carried``) and stacks
+    outputs ``kept``; its rows of stacked inputs and blocks are scanned over where the run takes
+    all rows in order (a reshape), else sliced in the body. Returns (last carry, stacked)."""
     first, n = run[0], len(run)
     length = run[1].start - first.start
     ranges = first.row_inputs + first.row_blocks
     shift = run[1].shift_from(first, length)
-    keys = [("input", x) for x, _, _ in first.row_inputs] + [("block", b) for b, _, _ in first.row_blocks]
     sources = [given[x] for x, _, _ in first.row_inputs] + [theta[b] for b, _, _ in first.row_blocks]
 
-    def scanned(piece: Any, span: int) -> Any:
-        if span != shift:  # overlapping or gapped rows: sliced inside the body
-            return None
-        return jax.tree.map(lambda a: a[:n * span].reshape(n, span, *a.shape[1:]), piece)
+    def scanned(source: Any, base: int, span: int) -> Any:
+        rows = jax.tree.leaves(source)[0].shape[0]
+        if span != shift or base != 0 or n * span != rows:
+            return None  # not the whole source in order: sliced inside the body, not copied
+        return jax.tree.map(lambda a: a.reshape(n, span, *a.shape[1:]), source)
 
-    xs = [scanned(pieces[key], span) for key, (_, _, span) in zip(keys, ranges)]
+    xs = [scanned(src, base, span) for src, (_, base, span) in zip(sources, ranges)]
     stacked = {b for b, _, _ in first.row_blocks}
     plain = {p: theta[p] for p in first.net.param_names if p not in stacked}
     whole = tuple(given[x] for x in first.whole)
-    carried = [first.returns.index(length - d) for d in first.before]
 
     def body(carry: tuple, step: tuple) -> tuple:
         s, rows = step
@@ -305,10 +319,9 @@ def _scan(run: tuple[Segment, ...], pieces: dict, theta: dict, given: dict, befo
         k = len(first.row_inputs)
         blocks = {blk: r for (blk, _, _), r in zip(first.row_blocks, rows[k:])}
         outs = tuple(call(first.net, {**plain, **blocks}, (*carry, *whole, *rows[:k])))
-        return tuple(outs[i] for i in carried), outs
+        return tuple(outs[i] for i in carried), tuple(outs[i] for i in kept)
 
-    _, ys = lax.scan(jax.checkpoint(body, prevent_cse=False), before, (jnp.arange(n), xs))
-    return ys
+    return lax.scan(jax.checkpoint(body, prevent_cse=False), before, (jnp.arange(n), xs))
 
 
 def _gather(item: Hashable | Stack, value: Callable[[Hashable], Any], runs: list[_Scanned]) -> Any:

@@ -164,3 +164,23 @@ def test_checkpoints_with_unevenly_spaced_rows():
     x = jax.random.normal(k[2], (B, W))
     loss = lambda p, x: jnp.sum(jnp.sin(net(p, x)))
     close(lbp.grad_by_solve(loss, checkpoints=3)(p, x), jax.grad(loss)(p, x))
+
+
+@pytest.mark.parametrize("checkpoints", [7, 9])  # 61 layers: segments of 8 and of 7, neither tiling the rows
+def test_checkpoints_keep_fewer_temporaries_and_no_copy_of_the_weights(checkpoints):
+    """compiled.memory_analysis() is deterministic: the checkpointed gradient's temporaries are a
+    fraction of the plain solve's and smaller than the stacked weights (a scan that copied the
+    rows it reads would hold most of them)."""
+    n, width = 61, 32
+    net = lbp.Network([lbp.Layer(i, residual, (i - 1,), (lbp.Row("W", i - 1), lbp.Row("b", i - 1)))
+                       for i in range(1, n + 1)], [0], n)
+    p = {"W": jnp.ones((n, width, width)) / width, "b": jnp.zeros((n, width))}
+    x = jnp.ones((16, width))
+    loss = lambda p, x: jnp.sum(jnp.sin(net(p, x)))
+
+    def temp(**kw):
+        return jax.jit(lbp.grad_by_solve(loss, **kw)).lower(p, x).compile().memory_analysis().temp_size_in_bytes
+
+    ours = temp(checkpoints=checkpoints)
+    assert ours < 0.35 * temp() and ours < p["W"].nbytes
+    close(lbp.grad_by_solve(loss, checkpoints=checkpoints)(p, x), jax.grad(loss)(p, x))
