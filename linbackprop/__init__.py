@@ -8,6 +8,7 @@ with ℒ = I − D_UΦ and ℳ* = D_θΦ for a network U = Φ(U, θ) given as a 
 """
 
 from ._graph import GraphError, Layer, Network, Row, Stack
+from ._interop import Functional, functional
 from ._operators import Block, Linearization, LinearOperator, ParamOperator, StateOperator, linearize
 from ._pictures import plot_network, spy
 from ._transforms import grad_by_solve, jvp_by_solve, solving, value_and_grad_by_solve
@@ -16,6 +17,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Block",
+    "Functional",
     "GraphError",
     "Layer",
     "LinearOperator",
@@ -26,6 +28,7 @@ __all__ = [
     "Stack",
     "StateOperator",
     "grad_by_solve",
+    "functional",
     "jvp_by_solve",
     "linearize",
     "plot_network",

@@ -1,0 +1,119 @@
+"""Models from flax (nnx, linen) and equinox as layers.
+
+A layer function is pure: ``fn(theta, *states)`` with ``theta`` the tuple of its parameter
+blocks. A module is not: it holds its arrays. :func:`functional` splits a module once into the
+arrays to differentiate — in the framework's own pytree (an ``eqx.Module`` with ``None`` where
+equinox keeps static fields, an ``nnx.State``, a linen ``params`` dict) — and a pure function of
+them, so that gradients come back in that pytree and go straight into optax:
+
+    blocks = lbp.functional(model)                                 # model(x) == blocks.apply(blocks.params, x)
+    layer = lbp.Layer("h", blocks.layer, ("x",), ("blocks",))     # its one block: blocks.params
+    grads = lbp.grad_by_solve(loss)({"blocks": blocks.params}, x)  # grads["blocks"]: same pytree
+
+Stacked blocks (``eqx.filter_vmap`` or ``nnx.vmap`` over an init function, ``jax.vmap`` over a
+linen ``init``) split the same way: every array gains a leading axis, and ``Row("blocks", i)``
+hands row i — one block's arrays — to ``blocks.layer``, which rebuilds one block from it.
+
+flax and equinox are optional: nothing here imports them; a model is recognised by the modules
+its own code has already imported.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from collections.abc import Callable
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Functional:
+    """A module split into its arrays and a pure function of them (see :func:`functional`).
+
+    Attributes:
+        apply: ``apply(params, *args, **kwargs)`` is ``model(*args, **kwargs)`` with ``params``
+            in place of the model's own arrays (or one row of them, for a stacked model).
+        params: the arrays to differentiate, in the framework's pytree.
+        rebuild: ``rebuild(params)`` is the model with these arrays (equinox, nnx: a module;
+            linen: the variables dict for ``module.apply``) — e.g. after training.
+        layer: ``layer(theta, *states) = apply(theta[0], *states)``: a layer function whose one
+            parameter block is ``params`` or a ``Row`` of them. One object per split, so the
+            layers built from it are one kind of layer.
+    """
+
+    apply: Callable[..., Any]
+    params: Any
+    rebuild: Callable[[Any], Any]
+    layer: Callable[..., Any] = dataclasses.field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        apply = self.apply
+
+        def layer(theta: tuple, *states: Any) -> Any:
+            return apply(theta[0], *states)
+
+        layer.__name__ = layer.__qualname__ = getattr(apply, "__name__", "module")
+        object.__setattr__(self, "layer", layer)
+
+
+def functional(model: Any, variables: Any = None, *, method: str | None = None) -> Functional:
+    """Split a flax or equinox model into the arrays to differentiate and a pure function of them.
+
+    - **equinox** ``eqx.Module``: the inexact (floating) arrays, as ``eqx.partition`` with
+      ``eqx.is_inexact_array`` gives them; the rest is held fixed.
+    - **flax nnx** ``nnx.Module``: its ``nnx.Param`` state (``nnx.split(model, nnx.Param, ...)``);
+      other state (batch statistics, RNG streams) is held fixed at its value now, and mutations
+      of it during a call are dropped (evaluation-mode semantics).
+    - **flax linen** ``nn.Module`` with its ``variables``: ``variables["params"]``; other
+      collections are held fixed. ``apply`` is ``module.apply``.
+
+    ``method`` names a method to call instead of ``__call__``. Stacked models (``filter_vmap``,
+    ``nnx.vmap``, ``jax.vmap(module.init)``) split the same way; pass ``Row`` s of ``params`` to
+    ``layer``.
+
+    Example:
+        >>> import equinox as eqx, jax, linbackprop as lbp  # doctest: +SKIP
+        >>> mlp = lbp.functional(eqx.nn.MLP(4, 4, 16, 2, key=jax.random.PRNGKey(0)))  # doctest: +SKIP
+        >>> net = lbp.Network([lbp.Layer("y", mlp.layer, ("x",), ("mlp",))], ["x"], "y")  # doctest: +SKIP
+    """
+    eqx, nnx, linen = (sys.modules.get(m) for m in ("equinox", "flax.nnx", "flax.linen"))
+    if eqx is not None and isinstance(model, eqx.Module):
+        _no_variables(model, variables)
+        params, static = eqx.partition(model, eqx.is_inexact_array)
+
+        def apply_equinox(p: Any, *args: Any, **kwargs: Any) -> Any:
+            return _method(eqx.combine(p, static), method)(*args, **kwargs)
+
+        return Functional(apply_equinox, params, lambda p: eqx.combine(p, static))
+    if nnx is not None and isinstance(model, nnx.Module):
+        _no_variables(model, variables)
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+        def apply_nnx(p: Any, *args: Any, **kwargs: Any) -> Any:
+            return _method(nnx.merge(graphdef, p, rest), method)(*args, **kwargs)
+
+        return Functional(apply_nnx, params, lambda p: nnx.merge(graphdef, p, rest))
+    if linen is not None and isinstance(model, linen.Module):
+        if variables is None or "params" not in variables:
+            raise TypeError(f"functional({type(model).__name__}) is a linen module: pass its variables too, "
+                            "functional(module, module.init(key, x)) — they must hold a 'params' collection.")
+        rest = {k: v for k, v in variables.items() if k != "params"}
+        kw = {} if method is None else {"method": method}
+
+        def apply_linen(p: Any, *args: Any, **kwargs: Any) -> Any:
+            return model.apply({"params": p, **rest}, *args, **kw, **kwargs)
+
+        return Functional(apply_linen, variables["params"], lambda p: {"params": p, **rest})
+    raise TypeError(f"functional() takes an equinox Module, a flax nnx Module or a flax linen Module (with its "
+                    f"variables), got {type(model).__module__}.{type(model).__qualname__}. A plain function of "
+                    "its parameters needs no wrapping: use fn(theta, *states) as the layer function.")
+
+
+def _no_variables(model: Any, variables: Any) -> None:
+    if variables is not None:
+        raise TypeError(f"functional({type(model).__name__}, variables): only linen modules take variables; "
+                        "equinox and nnx modules hold their own arrays.")
+
+
+def _method(module: Any, method: str | None) -> Callable[..., Any]:
+    return module if method is None else getattr(module, method)

@@ -1,0 +1,162 @@
+"""flax (nnx, linen) and equinox modules as layers via lbp.functional: gradients equal jax.grad's of
+the plain model, come back in the framework's own pytree and go straight into optax."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import linbackprop as lbp
+
+eqx = pytest.importorskip("equinox", reason="pip install 'linbackprop[test]' installs equinox")
+nnx = pytest.importorskip("flax.nnx", reason="pip install 'linbackprop[test]' installs flax")
+nn = pytest.importorskip("flax.linen")
+
+D, DEPTH, B = 6, 4, 3
+
+
+def close(a, b, tol=1e-10):
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=tol, atol=tol)
+
+
+def chain(embed, blocks, head, depth=DEPTH):
+    """x → embed → depth Row-stacked blocks → head (reads the embedding too: a skip)."""
+    layers = [lbp.Layer("e", embed.layer, ("x",), ("embed",))]
+    layers += [lbp.Layer(i, blocks.layer, (i - 1 if i else "e",), (lbp.Row("blocks", i),)) for i in range(depth)]
+    layers.append(lbp.Layer("y", lambda th, h, e: head.apply(th[0], h + e), (depth - 1, "e"), ("head",)))
+    return lbp.Network(layers, ["x"], "y")
+
+
+def reference(embed, blocks, head):
+    """The same model as plain JAX: lax.scan over the stacked blocks."""
+
+    def forward(p, x):
+        e = embed.apply(p["embed"], x)
+        h, _ = jax.lax.scan(lambda h, row: (blocks.apply(row, h), None), e, p["blocks"])
+        return head.apply(p["head"], h + e)
+
+    return forward
+
+
+def check(embed, blocks, head, x):
+    net = chain(embed, blocks, head)
+    params = {"embed": embed.params, "blocks": blocks.params, "head": head.params}
+    forward = reference(embed, blocks, head)
+    loss = lambda p, x: jnp.sum(jnp.sin(net(p, x)))
+    close(net(params, x), forward(params, x))
+    grads = lbp.grad_by_solve(loss)(params, x)
+    close(grads, jax.grad(lambda p, x: jnp.sum(jnp.sin(forward(p, x))))(params, x))
+    optimizer = optax.adam(1e-2)
+    updates, _ = optimizer.update(grads, optimizer.init(params), params)
+    return net, optax.apply_updates(params, updates)
+
+
+class EqxEmbed(eqx.Module):
+    linear: eqx.nn.Linear
+
+    def __init__(self, key):
+        self.linear = eqx.nn.Linear(3, D, key=key)
+
+    def __call__(self, x):
+        return jax.vmap(self.linear)(x)
+
+
+def scaled_tanh(h):  # a field that is not an array: equinox.partition keeps it out of the params
+    return 0.9 * jnp.tanh(h)
+
+
+class EqxBlock(eqx.Module):
+    linear: eqx.nn.Linear
+    norm: eqx.nn.LayerNorm
+    activation: object
+
+    def __init__(self, key):
+        self.linear, self.norm = eqx.nn.Linear(D, D, key=key), eqx.nn.LayerNorm(D)
+        self.activation = scaled_tanh
+
+    def __call__(self, h):
+        return h + self.activation(jax.vmap(self.linear)(jax.vmap(self.norm)(h)))
+
+
+class EqxHead(eqx.Module):
+    linear: eqx.nn.Linear
+
+    def __init__(self, key):
+        self.linear = eqx.nn.Linear(D, 2, key=key)
+
+    def scores(self, h):  # called through method="scores"
+        return jax.vmap(self.linear)(h) ** 2
+
+
+def test_equinox_modules_and_filter_vmap_stacked_blocks():
+    keys = jax.random.split(jax.random.PRNGKey(0), DEPTH + 3)
+    embed = lbp.functional(EqxEmbed(keys[0]))
+    blocks = lbp.functional(eqx.filter_vmap(EqxBlock)(keys[3:]))
+    head = lbp.functional(EqxHead(keys[1]), method="scores")
+    _, trained = check(embed, blocks, head, jax.random.normal(keys[2], (B, 3)))
+    assert isinstance(trained["blocks"], EqxBlock) and trained["blocks"].linear.weight.shape == (DEPTH, D, D)
+    model = blocks.rebuild(trained["blocks"])  # the trained stack as an equinox module again
+    assert model.activation is scaled_tanh and model.linear.in_features == D
+
+
+class NnxBlock(nnx.Module):
+    def __init__(self, rngs):
+        self.linear, self.norm = nnx.Linear(D, D, rngs=rngs), nnx.LayerNorm(D, rngs=rngs)
+
+    def __call__(self, h):
+        return h + jnp.tanh(self.linear(self.norm(h)))
+
+
+class NnxHead(nnx.Module):
+    """Batch statistics besides parameters: held fixed (evaluation mode)."""
+
+    def __init__(self, rngs):
+        self.norm = nnx.BatchNorm(D, use_running_average=True, rngs=rngs)
+        self.linear = nnx.Linear(D, 2, rngs=rngs)
+
+    def __call__(self, h):
+        return self.linear(self.norm(h))
+
+
+def test_flax_nnx_modules_and_nnx_vmap_stacked_blocks():
+    keys = jax.random.split(jax.random.PRNGKey(1), DEPTH + 1)
+    stack = nnx.vmap(lambda key: NnxBlock(nnx.Rngs(key)))(keys[1:])
+    head_module = NnxHead(nnx.Rngs(2))
+    head_module.norm.mean.set_value(jnp.arange(D) / D)  # non-trivial statistics, not differentiated
+    embed, blocks, head = (lbp.functional(m) for m in (nnx.Linear(3, D, rngs=nnx.Rngs(0)), stack, head_module))
+    assert isinstance(blocks.params, nnx.State) and "mean" not in str(jax.tree_util.keystr(head.params))
+    net, trained = check(embed, blocks, head, jax.random.normal(keys[0], (B, 3)))
+    assert isinstance(trained["blocks"], nnx.State)
+    rebuilt = head.rebuild(trained["head"])  # an nnx module with the trained parameters
+    np.testing.assert_allclose(rebuilt.linear.kernel.get_value(), trained["head"]["linear"]["kernel"].get_value())
+    np.testing.assert_allclose(rebuilt.norm.mean.get_value(), jnp.arange(D) / D)
+
+
+class LinenBlock(nn.Module):
+    @nn.compact
+    def __call__(self, h):
+        return h + jnp.tanh(nn.Dense(D)(nn.LayerNorm()(h)))
+
+
+def test_flax_linen_modules_and_vmapped_init():
+    keys = jax.random.split(jax.random.PRNGKey(2), DEPTH + 3)
+    x, h = jax.random.normal(keys[0], (B, 3)), jnp.zeros((B, D))
+    embed = lbp.functional(nn.Dense(D), nn.Dense(D).init(keys[1], x))
+    stacked = jax.vmap(lambda k: LinenBlock().init(k, h))(keys[3:])
+    blocks = lbp.functional(LinenBlock(), stacked)
+    head = lbp.functional(nn.Dense(2), nn.Dense(2).init(keys[2], h))
+    _, trained = check(embed, blocks, head, x)
+    assert trained["blocks"]["Dense_0"]["kernel"].shape == (DEPTH, D, D)
+    assert set(blocks.rebuild(trained["blocks"])) == {"params"}
+
+
+def test_functional_errors_name_the_fix():
+    with pytest.raises(TypeError, match="linen module: pass its variables"):
+        lbp.functional(nn.Dense(2))
+    with pytest.raises(TypeError, match="only linen modules take variables"):
+        lbp.functional(EqxHead(jax.random.PRNGKey(0)), {"params": {}})
+    with pytest.raises(TypeError, match="got builtins.dict"):
+        lbp.functional({"W": jnp.ones(2)})
