@@ -5,13 +5,14 @@ matplotlib is imported only when one of these is called (``pip install linbackpr
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Hashable, Sequence
 from typing import Any
 
 import jax
 import numpy as np
 
-from ._graph import Network, label
+from ._graph import Layer, Network, Row, label
 
 
 def _pyplot() -> Any:
@@ -74,11 +75,34 @@ def spy(op: Any, ax: Any = None, dense: bool = True, title: str | None = None) -
     return ax
 
 
+def layout(net: Network) -> dict[Hashable, tuple[int, int]]:
+    """Where ``plot_network`` draws each state: x its place in topological order (inputs first),
+    y its lane. Where two or more kinds of layer repeat (one function for several layers: a
+    transformer's attention and MLP blocks), each such kind gets a lane of its own, 0, −1, −2, …
+    in order of first appearance, so that layers of a kind line up; inputs and everything else
+    stay on lane 0. With fewer repeating kinds every state is on lane 0."""
+    counts: dict[Any, int] = {}
+    for layer in net.layers:
+        counts[layer.fn] = counts.get(layer.fn, 0) + 1
+    repeated = list(dict.fromkeys(layer.fn for layer in net.layers if counts[layer.fn] > 1))
+    lane = {fn: -j for j, fn in enumerate(repeated)} if len(repeated) > 1 else {}
+    places = {name: (n, 0) for n, name in enumerate(net.inputs)}
+    fns = {layer.name: layer.fn for layer in net.layers}
+    for n, name in enumerate(net.order, start=len(net.inputs)):
+        places[name] = (n, lane.get(fns[name], 0))
+    return places
+
+
 def plot_network(net: Network, ax: Any = None, title: str | None = None) -> Any:
     """Draw the DAG: states left to right in topological order, an arc for every read.
 
-    Arcs above the line are skip connections (reads of a state other than the previous one);
-    a layer's label lists its parameter blocks, so shared blocks are visible. Returns the axes.
+    Blue arrows read the state just before, orange arcs above are skip connections (reads of any
+    other state). Small networks list each layer's parameter blocks under it, so shared blocks
+    are visible. Networks with more than 12 states or with two or more repeating kinds of layer
+    (see :func:`layout`: a transformer's attention and MLP layers on lanes of their own) are
+    drawn compactly: one colour per repeating kind with its blocks in the legend, names under
+    the nodes, and a dashed purple arc below for each block shared across kinds (tied
+    embeddings). Returns the axes.
 
     Example:
         >>> import jax.numpy as jnp, linbackprop as lbp
@@ -86,17 +110,36 @@ def plot_network(net: Network, ax: Any = None, title: str | None = None) -> Any:
         ...                    lbp.Layer("y", lambda th, h, x: h + x, ("h", "x"))], ["x"], "y")
         >>> ax = lbp.plot_network(net)  # doctest: +SKIP
     """
-    ax = _axes(ax)
     names: list[Hashable] = [*net.inputs, *net.order]
+    places = layout(net)
+    lanes = {y for _, y in places.values()}
+    compact = len(names) > 12 or len(lanes) > 1
+    if ax is None:
+        size = (min(30.0, max(5.0, 0.42 * len(names))), 3.0 + 0.5 * len(lanes)) if compact else (5, 5)
+        ax = _pyplot().subplots(figsize=size)[1]
+    if compact:
+        top, bottom = _draw_compact(net, ax, names, {name: (x, 0.6 * y) for name, (x, y) in places.items()})
+    else:
+        top, bottom = _draw_line(net, ax, names), -0.6
+    ax.set_xlim(-0.8, len(names) - 0.2)
+    ax.set_ylim(bottom, top)
+    ax.axis("off")
+    ax.set_title(title if title is not None else f"DAG: {len(net.order)} layers, {len(net.param_names)} blocks",
+                 fontsize=9)
+    return ax
+
+
+def _draw_line(net: Network, ax: Any, names: list[Hashable]) -> float:
+    """A small network on one line, each layer's blocks listed under it. Returns the top y."""
     x = {name: n for n, name in enumerate(names)}
-    blocks = {layer.name: layer.params for layer in net.layers}
     for layer in net.layers:
         for r in layer.reads:
             gap = x[layer.name] - x[r]
-            rad = 0.0 if gap == 1 else -0.35
             ax.annotate("", xy=(x[layer.name], 0), xytext=(x[r], 0),
                         arrowprops={"arrowstyle": "->", "color": "tab:blue" if gap == 1 else "tab:orange",
-                                    "connectionstyle": f"arc3,rad={rad}", "shrinkA": 9, "shrinkB": 9})
+                                    "connectionstyle": f"arc3,rad={0.0 if gap == 1 else -0.35}",
+                                    "shrinkA": 9, "shrinkB": 9})
+    blocks = {layer.name: layer.params for layer in net.layers}
     for name in names:
         is_input = name in net.inputs
         text = label(name)
@@ -104,10 +147,81 @@ def plot_network(net: Network, ax: Any = None, title: str | None = None) -> Any:
         ax.text(x[name], 0, text, ha="center", va="center", fontsize=7)
         if not is_input and blocks[name]:
             ax.text(x[name], -0.12, "\n".join(label(b) for b in blocks[name]), ha="center", va="top", fontsize=6)
-    ax.set_xlim(-0.8, len(names) - 0.2)
     longest = max((x[layer.name] - x[r] for layer in net.layers for r in layer.reads), default=1)
-    ax.set_ylim(-0.6, 0.3 + 0.2 * longest)
-    ax.axis("off")
-    ax.set_title(title if title is not None else f"DAG: {len(net.order)} layers, {len(net.param_names)} blocks",
-                 fontsize=9)
-    return ax
+    return 0.3 + 0.2 * longest
+
+
+def _arc(ax: Any, a: tuple[float, float], b: tuple[float, float], height: float, **style: Any) -> None:
+    """A half-sine arc from a to b in data coordinates, ``height`` above the higher end (below
+    the lower one where negative), with an arrow head at b when ``arrow``."""
+    arrow = style.pop("arrow", False)
+    t = np.linspace(0.0, 1.0, 60)
+    base = max(a[1], b[1]) if height > 0 else min(a[1], b[1])
+    xs = a[0] + (b[0] - a[0]) * t
+    ys = a[1] + (b[1] - a[1]) * t + (base - a[1] - (b[1] - a[1]) * t + height) * np.sin(np.pi * t) ** 0.6
+    ax.plot(xs, ys, **style)
+    if arrow:
+        ax.annotate("", xy=(xs[-1], ys[-1]), xytext=(xs[-4], ys[-4]),
+                    arrowprops={"arrowstyle": "->", "color": style.get("color"), "shrinkB": 5})
+
+
+def _draw_compact(net: Network, ax: Any, names: list[Hashable], position: dict) -> tuple[float, float]:
+    """Nodes coloured by repeating kind (legend: the kind's function and blocks), names rotated
+    under the lowest lane, skip arcs above, dashed arcs below for blocks shared by layers of
+    different kinds. Returns the (top, bottom) y used."""
+    from matplotlib.lines import Line2D
+
+    order = {name: n for n, name in enumerate(names)}
+    high = max(y for _, y in position.values())
+    low = min(y for _, y in position.values())
+    top = high + 0.4
+    for layer in net.layers:
+        for r in layer.reads:
+            gap = order[layer.name] - order[r]
+            if gap == 1:
+                ax.annotate("", xy=position[layer.name], xytext=position[r],
+                            arrowprops={"arrowstyle": "->", "color": "tab:blue", "shrinkA": 5, "shrinkB": 5})
+            else:
+                height = 0.25 + 0.2 * np.log2(gap)
+                _arc(ax, position[r], position[layer.name], height, color="tab:orange", lw=0.9, arrow=True)
+                top = max(top, high + height + 0.1)
+    members: dict[Any, list[Layer]] = {}
+    for layer in net.layers:
+        members.setdefault(layer.fn, []).append(layer)
+    repeated = [fn for fn, ls in members.items() if len(ls) > 1]
+    colours = {fn: f"C{j % 10}" for j, fn in enumerate(repeated)}
+    kind_of = {layer.name: layer.fn for layer in net.layers}
+    every = -(-len(names) // 72)  # names under at most 72 nodes: a wide network's every k-th
+    for n, name in enumerate(names):
+        fn = kind_of.get(name)
+        face = "tab:green" if fn is None else colours.get(fn, "white")
+        ax.plot(*position[name], "o", ms=10 if every == 1 else 5, color=face, mec="black", zorder=3)
+        if n % every == 0:
+            ax.text(position[name][0], low - 0.2, label(name), rotation=90, ha="center", va="top", fontsize=6)
+    handles = [Line2D([], [], marker="o", ls="", color=colours[fn], mec="black",
+                      label=f"{getattr(fn, '__name__', 'layer')} ×{len(members[fn])}: "
+                            f"{', '.join(dict.fromkeys(_pattern(p) for m in members[fn] for p in m.params)) or '—'}")
+               for fn in repeated]
+    users: dict[Hashable, list[Hashable]] = {}
+    for layer in net.layers:
+        for p in layer.params:
+            if not isinstance(p, Row):
+                users.setdefault(p, []).append(layer.name)
+    bottom = low - 0.9
+    for p, us in users.items():
+        if len({kind_of[u] for u in us}) > 1:  # shared across kinds: invisible in the legend
+            for a, b in itertools.pairwise(us):
+                _arc(ax, (position[a][0], low - 1.0), (position[b][0], low - 1.0), -0.3, color="tab:purple",
+                     ls="--", lw=0.9)
+            handles.append(Line2D([], [], color="tab:purple", ls="--",
+                                  label=f"{label(p)}: shared by {', '.join(map(label, us))}"))
+            bottom = low - 1.4
+    if handles:  # under the drawing, where no node or arc is
+        ax.legend(handles=handles, loc="upper left", fontsize=7, frameon=False, bbox_to_anchor=(0.0, 0.0),
+                  ncol=min(3, len(handles)))
+    return top, bottom
+
+
+def _pattern(block: Hashable) -> str:
+    """A block as the legend names it: ``attn[i]`` for rows of a stacked block."""
+    return f"{label(block.block)}[i]" if isinstance(block, Row) else label(block)

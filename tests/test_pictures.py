@@ -1,0 +1,61 @@
+"""plot_network: small networks on one line as before; repeated kinds of layer on lanes of their own."""
+
+import matplotlib
+import pytest
+
+import linbackprop as lbp
+from linbackprop._demo import digits_network
+from linbackprop._pictures import layout
+
+matplotlib.use("Agg")
+
+
+def attention(th, x):
+    return x
+
+
+def mlp(th, x):
+    return x
+
+
+def transformer(blocks=12):
+    """26 layers for 12 blocks: embed, (attention, MLP) × 12, logits tied to the embedding."""
+    layers, previous = [lbp.Layer("embed", lambda th, t: t, ("tokens",), ("wte", "wpe"))], "embed"
+    for i in range(blocks):
+        layers += [lbp.Layer(("attn", i), attention, (previous,), (lbp.Row("attn", i),)),
+                   lbp.Layer(("mlp", i), mlp, (("attn", i),), (lbp.Row("mlp", i),))]
+        previous = ("mlp", i)
+    layers.append(lbp.Layer("logits", lambda th, x: x, (previous,), ("ln_f", "wte")))
+    return lbp.Network(layers, ["tokens"], "logits")
+
+
+def test_layout_puts_each_repeated_kind_on_its_own_lane():
+    net = transformer()
+    places = layout(net)
+    assert len(net.layers) == 26
+    assert {places[("attn", i)][1] for i in range(12)} == {0}
+    assert {places[("mlp", i)][1] for i in range(12)} == {-1}
+    assert places["tokens"] == (0, 0) and places["embed"] == (1, 0) and places["logits"] == (26, 0)
+    assert [places[name][0] for name in net.order] == list(range(1, 27))
+
+
+def test_layout_of_a_small_network_is_one_line():
+    assert {y for _, y in layout(digits_network()).values()} == {0}
+
+
+def test_plot_network_of_a_transformer_names_kinds_and_the_tied_embedding():
+    ax = lbp.plot_network(transformer())
+    legend = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert legend == ["attention ×12: attn[i]", "mlp ×12: mlp[i]", "wte: shared by embed, logits"]
+    assert "('mlp', 11)" in [t.get_text() for t in ax.texts]
+    matplotlib.pyplot.close(ax.figure)
+
+
+@pytest.mark.parametrize("gap", [2, 7])
+def test_plot_network_draws_every_skip_arc(gap):
+    layers = [lbp.Layer(i, attention if i % 2 else mlp, (i - 1,)) for i in range(1, 20)]
+    layers.append(lbp.Layer(20, lambda th, u, s: u + s, (19, 19 - gap)))
+    ax = lbp.plot_network(lbp.Network(layers, [0], 20))
+    orange = [line for line in ax.lines if line.get_color() == "tab:orange"]
+    assert len(orange) == 1  # one skip: one arc (its arrow head is an annotation)
+    matplotlib.pyplot.close(ax.figure)
