@@ -161,7 +161,8 @@ def main(steps: int = 800, blocks: int = 4, width: int = 64, context: int = 64, 
     params = init(jax.random.PRNGKey(seed), len(chars), context, width, blocks)
     print(f"network: {len(net.layers)} layers ({blocks} attention + {blocks} MLP blocks), "
           f"{sum(a.size for a in jax.tree.leaves(params))} parameters")
-    optimizer = optax.adamw(optax.warmup_cosine_decay_schedule(0.0, 3e-3, 50, max(steps, 51), 3e-4), weight_decay=0.01)
+    schedule = optax.warmup_cosine_decay_schedule(0.0, 3e-3, min(50, steps // 5 + 1), max(steps, 51), 3e-4)
+    optimizer = optax.adamw(schedule, weight_decay=0.01)
 
     def make_step(value_and_grad, forward):
         @jax.jit

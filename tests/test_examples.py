@@ -67,3 +67,23 @@ def test_deep_residual_reports_times_and_agrees():
     assert result["difference"] < 1e-5
     assert {"grad_by_solve", "grad_by_solve (Row)", "jax.grad (unrolled)", "jax.grad (unrolled, Row)",
             "jax.grad (lax.scan)"} <= set(result)
+
+
+def test_flax_and_equinox_train_and_agree_with_jax_grad():
+    with jax.enable_x64(False):
+        results = load("flax_and_equinox").main(steps=8, depth=2)
+    assert set(results) == {"equinox", "flax nnx", "flax linen"}
+    for r in results.values():
+        assert r["max_grad_difference"] < 1e-4 and r["final_loss"] < r["first_loss"]
+    assert results["equinox"]["rebuilt_type"] == "EqxBlock" and results["flax nnx"]["params_type"] == "State"
+
+
+def test_transformer_lm_learns_samples_and_times_both(tmp_path):
+    png = tmp_path / "loss.png"
+    with jax.enable_x64(False):
+        result = load("transformer_lm").main(steps=40, blocks=2, width=32, context=16, batch=16, out=str(png),
+                                             progress=False, repeats=2)
+    assert result["final_loss"] < result["losses"][0] - 1.0  # from ≈ ln(vocab) towards the unigram entropy
+    assert result["gradient_difference"] < 1e-4
+    assert set(result["times"]) == {"grad_by_solve", "jax.grad over lax.scan"}
+    assert len(result["sample"]) == len("Return the ") + 300 and png.stat().st_size > 10_000
