@@ -13,6 +13,7 @@ markers in README.md.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import re
 import time
 import types
@@ -24,6 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import linbackprop as lbp
+
+ROOT = Path(__file__).resolve().parents[1]
 
 # -- the layers -------------------------------------------------------------------------------------
 
@@ -98,6 +101,19 @@ def rnn(steps: int, width: int, batch: int, every: bool = False, checkpointed_re
         return jnp.sum((hs if every else last) ** 2)
 
     return loss, (params, h0, xs), scan_loss, (params, h0, xs)
+
+
+def transformer(blocks: int, width: int, context: int, batch: int):
+    """examples/transformer_lm.py's character-level GPT (two Row-stacked kinds, tied embeddings),
+    next-token cross-entropy on random tokens. Reference: its lax.scan over the stacked blocks."""
+    spec = importlib.util.spec_from_file_location("transformer_lm", ROOT / "examples" / "transformer_lm.py")
+    lm = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(lm)  # a fresh module: fresh layer functions, a cold compile
+    params = lm.init(jax.random.PRNGKey(4), 96, context, width, blocks)
+    tokens = jax.random.randint(jax.random.PRNGKey(5), (batch, context + 1), 0, 96)
+    net = lm.network(blocks)
+    return (lambda p, t: lm.cross_entropy(net, p, t), (params, tokens),
+            lambda p, t: lm.cross_entropy(lm.scan_forward, p, t), (params, tokens))
 
 
 SKIP = 4  # the DAG's long skips reach SKIP blocks (kinds * SKIP layers) back
@@ -328,11 +344,16 @@ def main() -> None:
                    grad=lambda f: lbp.grad_by_solve(f, checkpoints=45)),
         timing_row("deep chain 128×128×64, `Row` blocks, `checkpoints=12`", scan, chain(128, 128, 64), r,
                    grad=lambda f: lbp.grad_by_solve(f, checkpoints=12)),
+        timing_row("character-level GPT (examples/transformer_lm.py): 12 blocks = 26 layers of four kinds, width "
+                   "128, context 64, batch 16, tied embeddings", "jit(jax.grad), lax.scan over stacked blocks",
+                   transformer(12, 128, 64, 16), r),
+        timing_row("same, `remat=True`", "jit(jax.grad), lax.scan over stacked blocks", transformer(12, 128, 64, 16), r,
+                   grad=lambda f: lbp.grad_by_solve(f, remat=True)),
     ]
     text = tables(timing, compile_rows(args.quick))
     print(text)
     if args.write_readme:
-        readme = Path(__file__).resolve().parents[1] / "README.md"
+        readme = ROOT / "README.md"
         block = (f"<!-- benchmark table -->\n`python benchmarks/run.py --write-readme` on "
                  f"{jax.devices()[0].platform.upper()} (float32), jax {jax.__version__}:\n\n{text}\n"
                  "<!-- /benchmark table -->")
