@@ -39,6 +39,13 @@ class Functional:
         layer: ``layer(theta, *states) = apply(theta[0], *states)``: a layer function whose one
             parameter block is ``params`` or a ``Row`` of them. One object per split, so the
             layers built from it are one kind of layer.
+
+    Example (any pure function of parameters works the same way):
+        >>> import jax.numpy as jnp, linbackprop as lbp
+        >>> f = lbp.Functional(lambda p, x: x @ p["W"], {"W": jnp.eye(2)}, lambda p: p)
+        >>> net = lbp.Network([lbp.Layer("y", f.layer, ("x",), ("W",))], ["x"], "y")
+        >>> net({"W": f.params}, jnp.ones((1, 2)))
+        Array([[1., 1.]], dtype=float32)
     """
 
     apply: Callable[..., Any]
@@ -71,10 +78,14 @@ def functional(model: Any, variables: Any = None, *, method: str | None = None) 
     ``nnx.vmap``, ``jax.vmap(module.init)``) split the same way; pass ``Row`` s of ``params`` to
     ``layer``.
 
-    Example:
-        >>> import equinox as eqx, jax, linbackprop as lbp  # doctest: +SKIP
-        >>> mlp = lbp.functional(eqx.nn.MLP(4, 4, 16, 2, key=jax.random.PRNGKey(0)))  # doctest: +SKIP
-        >>> net = lbp.Network([lbp.Layer("y", mlp.layer, ("x",), ("mlp",))], ["x"], "y")  # doctest: +SKIP
+    Example (equinox; ``pip install 'linbackprop[equinox]'``):
+        >>> import equinox as eqx, jax, jax.numpy as jnp, linbackprop as lbp
+        >>> mlp = lbp.functional(eqx.nn.MLP(4, 4, 16, 2, key=jax.random.PRNGKey(0)))
+        >>> net = lbp.Network([lbp.Layer("y", mlp.layer, ("x",), ("mlp",))], ["x"], "y")
+        >>> loss = lambda p, x: jnp.sum(net(p, x) ** 2)
+        >>> grads = lbp.grad_by_solve(loss)({"mlp": mlp.params}, jnp.ones(4))
+        >>> type(grads["mlp"]).__name__, grads["mlp"].layers[0].weight.shape
+        ('MLP', (16, 4))
     """
     eqx, nnx, linen = (sys.modules.get(m) for m in ("equinox", "flax.nnx", "flax.linen"))
     if eqx is not None and isinstance(model, eqx.Module):

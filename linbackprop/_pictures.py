@@ -5,6 +5,7 @@ matplotlib is imported only when one of these is called (``pip install linbackpr
 
 from __future__ import annotations
 
+import collections
 import itertools
 from collections.abc import Hashable, Sequence
 from typing import Any
@@ -13,6 +14,7 @@ import jax
 import numpy as np
 
 from ._graph import Layer, Network, Row, label
+from ._plan import function_key
 
 
 def _pyplot() -> Any:
@@ -78,18 +80,17 @@ def spy(op: Any, ax: Any = None, dense: bool = True, title: str | None = None) -
 def layout(net: Network) -> dict[Hashable, tuple[int, int]]:
     """Where ``plot_network`` draws each state: x its place in topological order (inputs first),
     y its lane. Where two or more kinds of layer repeat (one function for several layers: a
-    transformer's attention and MLP blocks), each such kind gets a lane of its own, 0, −1, −2, …
+    transformer's attention and MLP blocks; kinds as the plan finds them, by ``function_key``),
+    each such kind gets a lane of its own, 0, −1, −2, …
     in order of first appearance, so that layers of a kind line up; inputs and everything else
     stay on lane 0. With fewer repeating kinds every state is on lane 0."""
-    counts: dict[Any, int] = {}
-    for layer in net.layers:
-        counts[layer.fn] = counts.get(layer.fn, 0) + 1
-    repeated = list(dict.fromkeys(layer.fn for layer in net.layers if counts[layer.fn] > 1))
-    lane = {fn: -j for j, fn in enumerate(repeated)} if len(repeated) > 1 else {}
+    kinds = {layer.name: function_key(layer.fn) for layer in net.layers}
+    counts = collections.Counter(kinds.values())
+    repeated = [kind for kind in dict.fromkeys(kinds.values()) if counts[kind] > 1]
+    lane = {kind: -j for j, kind in enumerate(repeated)} if len(repeated) > 1 else {}
     places = {name: (n, 0) for n, name in enumerate(net.inputs)}
-    fns = {layer.name: layer.fn for layer in net.layers}
     for n, name in enumerate(net.order, start=len(net.inputs)):
-        places[name] = (n, lane.get(fns[name], 0))
+        places[name] = (n, lane.get(kinds[name], 0))
     return places
 
 
@@ -187,10 +188,10 @@ def _draw_compact(net: Network, ax: Any, names: list[Hashable], position: dict) 
                 top = max(top, high + height + 0.1)
     members: dict[Any, list[Layer]] = {}
     for layer in net.layers:
-        members.setdefault(layer.fn, []).append(layer)
+        members.setdefault(function_key(layer.fn), []).append(layer)
     repeated = [fn for fn, ls in members.items() if len(ls) > 1]
     colours = {fn: f"C{j % 10}" for j, fn in enumerate(repeated)}
-    kind_of = {layer.name: layer.fn for layer in net.layers}
+    kind_of = {layer.name: function_key(layer.fn) for layer in net.layers}
     every = -(-len(names) // 72)  # names under at most 72 nodes: a wide network's every k-th
     for n, name in enumerate(names):
         fn = kind_of.get(name)
@@ -199,7 +200,7 @@ def _draw_compact(net: Network, ax: Any, names: list[Hashable], position: dict) 
         if n % every == 0:
             ax.text(position[name][0], low - 0.2, label(name), rotation=90, ha="center", va="top", fontsize=6)
     handles = [Line2D([], [], marker="o", ls="", color=colours[fn], mec="black",
-                      label=f"{getattr(fn, '__name__', 'layer')} ×{len(members[fn])}: "
+                      label=f"{getattr(members[fn][0].fn, '__name__', 'layer')} ×{len(members[fn])}: "
                             f"{', '.join(dict.fromkeys(_pattern(p) for m in members[fn] for p in m.params)) or '—'}")
                for fn in repeated]
     users: dict[Hashable, list[Hashable]] = {}
