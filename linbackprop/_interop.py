@@ -25,6 +25,8 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+import jax
+
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Functional:
@@ -70,7 +72,8 @@ def functional(model: Any, variables: Any = None, *, method: str | None = None) 
       ``eqx.is_inexact_array`` gives them; the rest is held fixed.
     - **flax nnx** ``nnx.Module``: its ``nnx.Param`` state (``nnx.split(model, nnx.Param, ...)``);
       other state (batch statistics, RNG streams) is held fixed at its value now, and mutations
-      of it during a call are dropped (evaluation-mode semantics).
+      of it during a call are dropped: every call draws the same dropout mask (pass a key as a
+      network input for a fresh one per step).
     - **flax linen** ``nn.Module`` with its ``variables``: ``variables["params"]``; other
       collections are held fixed. ``apply`` is ``module.apply``.
 
@@ -101,7 +104,10 @@ def functional(model: Any, variables: Any = None, *, method: str | None = None) 
         graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 
         def apply_nnx(p: Any, *args: Any, **kwargs: Any) -> Any:
-            return _method(nnx.merge(graphdef, p, rest), method)(*args, **kwargs)
+            # fresh Variables for the fixed state: a call may mutate them (an RNG count), and
+            # nnx forbids mutating, inside a trace, Variables made outside it
+            fixed = jax.tree.map(lambda x: x, rest)
+            return _method(nnx.merge(graphdef, p, fixed), method)(*args, **kwargs)
 
         return Functional(apply_nnx, params, lambda p: nnx.merge(graphdef, p, rest))
     if linen is not None and isinstance(model, linen.Module):

@@ -160,3 +160,29 @@ def test_functional_errors_name_the_fix():
         lbp.functional(EqxHead(jax.random.PRNGKey(0)), {"params": {}})
     with pytest.raises(TypeError, match="got builtins.dict"):
         lbp.functional({"W": jnp.ones(2)})
+
+
+class NnxAttentionWithDropout(nnx.Module):
+    """A call that mutates state (the dropout stream's count) and an nnx attention layer."""
+
+    def __init__(self, rngs):
+        self.attention = nnx.MultiHeadAttention(num_heads=2, in_features=D, decode=False, rngs=rngs)
+        self.dropout = nnx.Dropout(0.5, rngs=rngs)
+
+    def __call__(self, x):
+        return self.dropout(self.attention(x))
+
+
+def test_nnx_module_that_mutates_rng_state_during_a_call():
+    model = NnxAttentionWithDropout(nnx.Rngs(0, dropout=1))
+    layer = lbp.functional(model)
+    net = lbp.Network([lbp.Layer("y", layer.layer, ("x",), ("attention",))], ["x"], "y")
+    x = jax.random.normal(jax.random.PRNGKey(3), (B, 5, D))
+    loss = lambda p, x: jnp.sum(jnp.sin(net(p, x)))
+    params = {"attention": layer.params}
+    expected = jax.grad(lambda p, x: jnp.sum(jnp.sin(layer.apply(p["attention"], x))))(params, x)
+    # nnx makes float32 parameters even under x64: float32 rounding (the key bias's gradient is 0 + noise)
+    close(lbp.grad_by_solve(loss)(params, x), expected, tol=1e-5)
+    close(jax.jit(lbp.grad_by_solve(loss))(params, x), expected, tol=1e-5)
+    assert jnp.any(net(params, x) == 0)  # the dropout mask is applied: held fixed, one mask per call
+    assert [int(c) for c in jax.tree.leaves(nnx.state(model, nnx.RngCount))] == [0]  # the model is untouched
