@@ -82,10 +82,12 @@ def rnn_step(th, h, x):
     return jnp.tanh(h @ th[0] + x @ th[1] + th[2])
 
 
-def rnn(steps: int, width: int, batch: int, every: bool = False, checkpointed_reference: bool = False):
+def rnn(steps: int, width: int, batch: int, every: bool = False, checkpointed_reference: bool = False,
+        equinox_checkpoints: int | None = None):
     """h_t = tanh(h_{t-1} A + x_t B + c) over one stacked input xs (``Row("xs", t)`` reads), the
     last state (or, ``every``, all states as a ``Stack``) into the loss. Reference: lax.scan
-    (``checkpointed_reference``: its step under jax.checkpoint)."""
+    (``checkpointed_reference``: its step under jax.checkpoint; ``equinox_checkpoints``:
+    equinox's checkpointed scan with that many checkpoints, a treeverse/binomial schedule)."""
     keys = jax.random.split(jax.random.PRNGKey(3), 4)
     params = {"A": _normal(keys[0], (width, width), 0.5 / np.sqrt(width)),
               "B": _normal(keys[1], (width, width), 0.5 / np.sqrt(width)), "c": jnp.zeros(width)}
@@ -97,7 +99,12 @@ def rnn(steps: int, width: int, batch: int, every: bool = False, checkpointed_re
 
     def scan_loss(p, h0, xs):
         body = lambda h, x: (step((p["A"], p["B"], p["c"]), h, x),) * 2
-        last, hs = jax.lax.scan(jax.checkpoint(body) if checkpointed_reference else body, h0, xs)
+        if equinox_checkpoints is not None:
+            import equinox.internal as eqxi  # the test extra installs equinox; only this row needs it
+
+            last, hs = eqxi.scan(body, h0, xs, kind="checkpointed", checkpoints=equinox_checkpoints)
+        else:
+            last, hs = jax.lax.scan(jax.checkpoint(body) if checkpointed_reference else body, h0, xs)
         return jnp.sum((hs if every else last) ** 2)
 
     return loss, (params, h0, xs), scan_loss, (params, h0, xs)
@@ -342,6 +349,9 @@ def main() -> None:
         timing_row("same, `checkpoints=45`", "jit(jax.grad), lax.scan of a `jax.checkpoint`-ed step",
                    rnn(2048, 64, 16, checkpointed_reference=True), r,
                    grad=lambda f: lbp.grad_by_solve(f, checkpoints=45)),
+        timing_row("same, `checkpoints=45`", "jit(jax.grad), equinox's checkpointed scan "
+                   "(`eqx.internal.scan(kind=\"checkpointed\", checkpoints=45)`, binomial schedule)",
+                   rnn(2048, 64, 16, equinox_checkpoints=45), r, grad=lambda f: lbp.grad_by_solve(f, checkpoints=45)),
         timing_row("deep chain 128×128×64, `Row` blocks, `checkpoints=12`", scan, chain(128, 128, 64), r,
                    grad=lambda f: lbp.grad_by_solve(f, checkpoints=12)),
         timing_row("character-level GPT (examples/transformer_lm.py): 12 blocks = 26 layers of four kinds, width "
