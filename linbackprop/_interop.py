@@ -98,7 +98,7 @@ def functional(model: Any, variables: Any = None, *, method: str | None = None) 
         def apply_equinox(p: Any, *args: Any, **kwargs: Any) -> Any:
             return _method(eqx.combine(p, static), method)(*args, **kwargs)
 
-        return Functional(apply_equinox, params, lambda p: eqx.combine(p, static))
+        return Functional(_named(apply_equinox, model), params, lambda p: eqx.combine(p, static))
     if nnx is not None and isinstance(model, nnx.Module):
         _no_variables(model, variables)
         graphdef, params, rest = nnx.split(model, nnx.Param, ...)
@@ -109,7 +109,7 @@ def functional(model: Any, variables: Any = None, *, method: str | None = None) 
             fixed = jax.tree.map(lambda x: x, rest)
             return _method(nnx.merge(graphdef, p, fixed), method)(*args, **kwargs)
 
-        return Functional(apply_nnx, params, lambda p: nnx.merge(graphdef, p, rest))
+        return Functional(_named(apply_nnx, model), params, lambda p: nnx.merge(graphdef, p, rest))
     if linen is not None and isinstance(model, linen.Module):
         if variables is None or "params" not in variables:
             raise TypeError(f"functional({type(model).__name__}) is a linen module: pass its variables too, "
@@ -120,7 +120,7 @@ def functional(model: Any, variables: Any = None, *, method: str | None = None) 
         def apply_linen(p: Any, *args: Any, **kwargs: Any) -> Any:
             return model.apply({"params": p, **rest}, *args, **kw, **kwargs)
 
-        return Functional(apply_linen, variables["params"], lambda p: {"params": p, **rest})
+        return Functional(_named(apply_linen, model), variables["params"], lambda p: {"params": p, **rest})
     raise TypeError(f"functional() takes an equinox Module, a flax nnx Module or a flax linen Module (with its "
                     f"variables), got {type(model).__module__}.{type(model).__qualname__}. A plain function of "
                     "its parameters needs no wrapping: use fn(theta, *states) as the layer function.")
@@ -130,6 +130,12 @@ def _no_variables(model: Any, variables: Any) -> None:
     if variables is not None:
         raise TypeError(f"functional({type(model).__name__}, variables): only linen modules take variables; "
                         "equinox and nnx modules hold their own arrays.")
+
+
+def _named(apply: Callable[..., Any], model: Any) -> Callable[..., Any]:
+    """``apply`` named after the model's class: the name its layers show (plot_network, errors)."""
+    apply.__name__ = apply.__qualname__ = type(model).__name__
+    return apply
 
 
 def _method(module: Any, method: str | None) -> Callable[..., Any]:

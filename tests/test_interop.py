@@ -97,6 +97,7 @@ def test_equinox_modules_and_filter_vmap_stacked_blocks():
     blocks = lbp.functional(eqx.filter_vmap(EqxBlock)(keys[3:]))
     head = lbp.functional(EqxHead(keys[1]), method="scores")
     _, trained = check(embed, blocks, head, jax.random.normal(keys[2], (B, 3)))
+    assert blocks.layer.__name__ == "EqxBlock"  # the name plot_network's legend and errors show
     assert isinstance(trained["blocks"], EqxBlock) and trained["blocks"].linear.weight.shape == (DEPTH, D, D)
     model = blocks.rebuild(trained["blocks"])  # the trained stack as an equinox module again
     assert model.activation is scaled_tanh and model.linear.in_features == D
