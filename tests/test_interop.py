@@ -187,3 +187,39 @@ def test_nnx_module_that_mutates_rng_state_during_a_call():
     close(jax.jit(lbp.grad_by_solve(loss))(params, x), expected, tol=1e-5)
     assert jnp.any(net(params, x) == 0)  # the dropout mask is applied: held fixed, one mask per call
     assert [int(c) for c in jax.tree.leaves(nnx.state(model, nnx.RngCount))] == [0]  # the model is untouched
+
+
+class NnxModel(nnx.Module):
+    """The flax pattern for deep models: blocks stacked with nnx.vmap, run with nnx.scan."""
+
+    def __init__(self, rngs):
+        self.embed = nnx.Linear(3, D, rngs=rngs)
+        self.blocks = nnx.vmap(lambda key: NnxBlock(nnx.Rngs(key)))(jax.random.split(rngs.params(), DEPTH))
+        self.head = nnx.Linear(D, 2, rngs=rngs)
+
+    def __call__(self, x):
+        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+        def run(h, block):
+            return block(h)
+
+        return self.head(run(self.embed(x), self.blocks))
+
+
+def test_a_whole_nnx_model_state_is_the_params_and_nnx_optimizer_takes_the_gradient():
+    """nnx.split(model, nnx.Param) is a Mapping of the submodules' states: used as the network's
+    params, the gradient is an nnx.State shaped like nnx.grad's, for nnx.Optimizer.update."""
+    model = NnxModel(nnx.Rngs(4))
+    _, params = nnx.split(model, nnx.Param)
+    embed, blocks, head = (lbp.functional(m) for m in (model.embed, model.blocks, model.head))
+    layers = [lbp.Layer("e", embed.layer, ("x",), ("embed",))]
+    layers += [lbp.Layer(i, blocks.layer, (i - 1 if i else "e",), (lbp.Row("blocks", i),)) for i in range(DEPTH)]
+    layers.append(lbp.Layer("y", head.layer, (DEPTH - 1,), ("head",)))
+    net = lbp.Network(layers, ["x"], "y")
+    x = jax.random.normal(jax.random.PRNGKey(5), (B, 3))
+    grads = lbp.grad_by_solve(lambda p: jnp.sum(jnp.sin(net(p, x))))(params)
+    close(grads, nnx.grad(lambda m: jnp.sum(jnp.sin(m(x))))(model), tol=1e-5)  # nnx: float32 parameters
+    optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    kernel = model.head.kernel.get_value()
+    optimizer.update(model, grads)
+    np.testing.assert_allclose(model.head.kernel.get_value(), kernel - 0.1 * grads["head"]["kernel"].get_value(),
+                               rtol=1e-6)
