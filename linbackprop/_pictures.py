@@ -152,14 +152,14 @@ def _draw_line(net: Network, ax: Any, names: list[Hashable]) -> float:
     return 0.3 + 0.2 * longest
 
 
-def _arc(ax: Any, a: tuple[float, float], b: tuple[float, float], height: float, **style: Any) -> None:
-    """A half-sine arc from a to b in data coordinates, ``height`` above the higher end (below
-    the lower one where negative), with an arrow head at b when ``arrow``."""
+def _arc(ax: Any, a: tuple[float, float], b: tuple[float, float], peak: float, **style: Any) -> None:
+    """An arc from a to b in data coordinates through y = ``peak`` halfway, with an arrow head
+    at b when ``arrow``."""
     arrow = style.pop("arrow", False)
     t = np.linspace(0.0, 1.0, 60)
-    base = max(a[1], b[1]) if height > 0 else min(a[1], b[1])
     xs = a[0] + (b[0] - a[0]) * t
-    ys = a[1] + (b[1] - a[1]) * t + (base - a[1] - (b[1] - a[1]) * t + height) * np.sin(np.pi * t) ** 0.6
+    line = a[1] + (b[1] - a[1]) * t
+    ys = line + (peak - line) * np.sin(np.pi * t) ** 0.6
     ax.plot(xs, ys, **style)
     if arrow:
         ax.annotate("", xy=(xs[-1], ys[-1]), xytext=(xs[-4], ys[-4]),
@@ -183,14 +183,15 @@ def _draw_compact(net: Network, ax: Any, names: list[Hashable], position: dict) 
                 ax.annotate("", xy=position[layer.name], xytext=position[r],
                             arrowprops={"arrowstyle": "->", "color": "tab:blue", "shrinkA": 5, "shrinkB": 5})
             else:
-                height = 0.25 + 0.2 * np.log2(gap)
-                _arc(ax, position[r], position[layer.name], height, color="tab:orange", lw=0.9, arrow=True)
-                top = max(top, high + height + 0.1)
+                peak = high + 0.25 + 0.2 * np.log2(gap)  # above every lane: never hidden by nodes
+                _arc(ax, position[r], position[layer.name], peak, color="tab:orange", lw=0.9, arrow=True)
+                top = max(top, peak + 0.1)
     members: dict[Any, list[Layer]] = {}
     for layer in net.layers:
         members.setdefault(function_key(layer.fn), []).append(layer)
     repeated = [fn for fn, ls in members.items() if len(ls) > 1]
-    colours = {fn: f"C{j % 10}" for j, fn in enumerate(repeated)}
+    palette = ["C0", "C1", "C3", "C5", "C6", "C7", "C8", "C9"]  # not green (inputs), not purple (shared)
+    colours = {fn: palette[j % len(palette)] for j, fn in enumerate(repeated)}
     kind_of = {layer.name: function_key(layer.fn) for layer in net.layers}
     every = -(-len(names) // 72)  # names under at most 72 nodes: a wide network's every k-th
     for n, name in enumerate(names):
@@ -212,7 +213,7 @@ def _draw_compact(net: Network, ax: Any, names: list[Hashable], position: dict) 
     for p, us in users.items():
         if len({kind_of[u] for u in us}) > 1:  # shared across kinds: invisible in the legend
             for a, b in itertools.pairwise(us):
-                _arc(ax, (position[a][0], low - 1.0), (position[b][0], low - 1.0), -0.3, color="tab:purple",
+                _arc(ax, (position[a][0], low - 1.0), (position[b][0], low - 1.0), low - 1.3, color="tab:purple",
                      ls="--", lw=0.9)
             handles.append(Line2D([], [], color="tab:purple", ls="--",
                                   label=f"{label(p)}: shared by {', '.join(map(label, us))}"))
