@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import linbackprop as lbp
+from linbackprop._checkpoint import _units, split
 
 T, B, W, D = 24, 3, 4, 5
 
@@ -184,3 +185,18 @@ def test_checkpoints_keep_fewer_temporaries_and_no_copy_of_the_weights(checkpoin
     ours = temp(checkpoints=checkpoints)
     assert ours < 0.35 * temp() and ours < p["W"].nbytes
     close(lbp.grad_by_solve(loss, checkpoints=checkpoints)(p, x), jax.grad(loss)(p, x))
+
+
+def test_checkpoints_with_states_a_scan_carries_read_again_later():
+    """States that the scan over segments carries (7, 14, 21 for segments of 7) read again by a
+    final layer and a Stack: they come from the stacked outputs or the last carry."""
+    final = lambda th, h, a, b: h * a + b @ th[0]
+    for reads in [(T, 7, 14), (T, 14, 21)]:
+        layers = list(rnn().layers) + [lbp.Layer("out", final, reads, ("O",))]
+        net = lbp.Network(layers, [0, "xs"], ["out", lbp.Stack([7, 14])])
+        p, h0, xs = data()
+        p = {**p, "O": jnp.eye(W) / 2}
+        loss = lambda p, h0, xs, net=net: jnp.sum(jnp.sin(net(p, h0, xs)[0])) + jnp.sum(net(p, h0, xs)[1] ** 3)
+        assert [len(unit) for unit in _units(split(net, 3))] == [3, 1]  # one scan of three segments
+        close(lbp.grad_by_solve(loss, argnums=(0, 1, 2), checkpoints=3)(p, h0, xs),
+              jax.grad(loss, argnums=(0, 1, 2))(p, h0, xs))
