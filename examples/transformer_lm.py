@@ -122,7 +122,10 @@ def cross_entropy(forward, params, tokens):
 
 
 def median_step_times(steps: dict, args: tuple, repeats: int) -> dict:
-    """Median wall time of each jitted step, run interleaved (the machine's noise hits all alike)."""
+    """Median wall time of each jitted step, run interleaved (the machine's noise hits all alike),
+    after one untimed call each (the first call compiles)."""
+    for step in steps.values():
+        jax.block_until_ready(step(*args))
     times = {name: [] for name in steps}
     for _ in range(repeats):
         for name, step in steps.items():
@@ -192,8 +195,8 @@ def main(steps: int = 800, blocks: int = 4, width: int = 64, context: int = 64, 
     print(f"loss: {losses[0]:.3f} → {final:.3f} nats (mean of the last 20 steps); unigram entropy {unigram:.3f}")
 
     held = batches()
-    ours = lbp.grad_by_solve(lambda p: cross_entropy(net, p, held))(params)
-    theirs = jax.grad(lambda p: cross_entropy(scan_forward, p, held))(params)
+    ours = jax.jit(lbp.grad_by_solve(lambda p: cross_entropy(net, p, held)))(params)
+    theirs = jax.jit(jax.grad(lambda p: cross_entropy(scan_forward, p, held)))(params)
     difference = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs)))
     times = median_step_times({"grad_by_solve": step, "jax.grad over lax.scan": reference},
                               (params, opt_state, held), repeats)
