@@ -134,13 +134,13 @@ def _draw_line(net: Network, ax: Any, names: list[Hashable]) -> float:
     """A small network on one line, each layer's blocks listed under it. Returns the top y."""
     x = {name: n for n, name in enumerate(names)}
     for layer in net.layers:
-        for r in layer.reads:
+        for r in _state_reads(layer):
             gap = x[layer.name] - x[r]
             ax.annotate("", xy=(x[layer.name], 0), xytext=(x[r], 0),
                         arrowprops={"arrowstyle": "->", "color": "tab:blue" if gap == 1 else "tab:orange",
                                     "connectionstyle": f"arc3,rad={0.0 if gap == 1 else -0.35}",
                                     "shrinkA": 9, "shrinkB": 9})
-    blocks = {layer.name: layer.params for layer in net.layers}
+    blocks = {layer.name: (*layer.params, *_row_reads(layer)) for layer in net.layers}
     for name in names:
         is_input = name in net.inputs
         text = label(name)
@@ -148,7 +148,7 @@ def _draw_line(net: Network, ax: Any, names: list[Hashable]) -> float:
         ax.text(x[name], 0, text, ha="center", va="center", fontsize=7)
         if not is_input and blocks[name]:
             ax.text(x[name], -0.12, "\n".join(label(b) for b in blocks[name]), ha="center", va="top", fontsize=6)
-    longest = max((x[layer.name] - x[r] for layer in net.layers for r in layer.reads), default=1)
+    longest = max((x[layer.name] - x[r] for layer in net.layers for r in _state_reads(layer)), default=1)
     return 0.3 + 0.2 * longest
 
 
@@ -177,7 +177,7 @@ def _draw_compact(net: Network, ax: Any, names: list[Hashable], position: dict) 
     low = min(y for _, y in position.values())
     top = high + 0.4
     for layer in net.layers:
-        for r in layer.reads:
+        for r in _state_reads(layer):
             gap = order[layer.name] - order[r]
             if gap == 1:
                 ax.annotate("", xy=position[layer.name], xytext=position[r],
@@ -200,10 +200,13 @@ def _draw_compact(net: Network, ax: Any, names: list[Hashable], position: dict) 
         ax.plot(*position[name], "o", ms=10 if every == 1 else 5, color=face, mec="black", zorder=3)
         if n % every == 0:
             ax.text(position[name][0], low - 0.2, label(name), rotation=90, ha="center", va="top", fontsize=6)
-    handles = [Line2D([], [], marker="o", ls="", color=colours[fn], mec="black",
-                      label=f"{getattr(members[fn][0].fn, '__name__', 'layer')} ×{len(members[fn])}: "
-                            f"{', '.join(dict.fromkeys(_pattern(p) for m in members[fn] for p in m.params)) or '—'}")
-               for fn in repeated]
+    handles = []
+    for fn in repeated:
+        blocks = ", ".join(dict.fromkeys(_pattern(p) for m in members[fn] for p in m.params)) or "—"
+        rows = ", ".join(dict.fromkeys(_pattern(r) for m in members[fn] for r in _row_reads(m)))
+        text = f"{getattr(members[fn][0].fn, '__name__', 'layer')} ×{len(members[fn])}: {blocks}"
+        handles.append(Line2D([], [], marker="o", ls="", color=colours[fn], mec="black",
+                              label=text + (f"; reads {rows}" if rows else "")))
     users: dict[Hashable, list[Hashable]] = {}
     for layer in net.layers:
         for p in layer.params:
@@ -222,6 +225,16 @@ def _draw_compact(net: Network, ax: Any, names: list[Hashable], position: dict) 
         ax.legend(handles=handles, loc="upper left", fontsize=7, frameon=False, bbox_to_anchor=(0.0, 0.0),
                   ncol=min(3, len(handles)))
     return top, bottom
+
+
+def _state_reads(layer: Layer) -> list[Hashable]:
+    """The states and inputs a layer reads whole: an arc each."""
+    return [r for r in layer.reads if not isinstance(r, Row)]
+
+
+def _row_reads(layer: Layer) -> list[Row]:
+    """Rows of stacked inputs a layer reads (an RNN's x_t): listed, not drawn as arcs."""
+    return [r for r in layer.reads if isinstance(r, Row)]
 
 
 def _pattern(block: Hashable) -> str:

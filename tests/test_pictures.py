@@ -59,3 +59,16 @@ def test_plot_network_draws_every_skip_arc(gap):
     orange = [line for line in ax.lines if line.get_color() == "tab:orange"]
     assert len(orange) == 1  # one skip: one arc (its arrow head is an annotation)
     matplotlib.pyplot.close(ax.figure)
+
+
+@pytest.mark.parametrize("steps", [5, 30])
+def test_plot_network_of_an_rnn_reading_rows_of_a_stacked_input(steps):
+    """Row reads (x_t of a stacked input) are listed, not drawn: they crashed plot_network."""
+    layers = [lbp.Layer(t, attention, (t - 1, lbp.Row("xs", t - 1)), ("A",)) for t in range(1, steps + 1)]
+    ax = lbp.plot_network(lbp.Network(layers, [0, "xs"], lbp.Stack(range(1, steps + 1))))
+    texts = [t.get_text() for t in ax.texts]
+    if steps == 5:
+        assert "A\nxs[4]" in texts
+    else:
+        assert [t.get_text() for t in ax.get_legend().get_texts()] == ["attention ×30: A; reads xs[i]"]
+    matplotlib.pyplot.close(ax.figure)
