@@ -17,7 +17,7 @@ import numpy as np
 from jax.flatten_util import ravel_pytree
 
 from ._engine import Primal, back_substitution, forward_substitution, param_adjoint, param_forward, state_product
-from ._graph import Network, Row, block_of, call_layer, layer_theta
+from ._graph import Network, Row, block_of, call_layer, layer_theta, resolve
 from ._plan import Plan, plan_for
 from ._render import block_matrix_text
 from ._transforms import prepare
@@ -412,7 +412,7 @@ class Linearization:
 
     def _layer_vjp(self, layer):
         theta = layer_theta(layer, self.params)
-        inputs = tuple(self.states[r] for r in layer.reads)
+        inputs = tuple(resolve(r, self.states) for r in layer.reads)  # a Row: that row of a stacked input
         out, vjp = jax.vjp(lambda t, *u: call_layer(layer, t, u), theta, *inputs)
         return vjp, jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), out)
 

@@ -200,3 +200,16 @@ def test_checkpoints_with_states_a_scan_carries_read_again_later():
         assert [len(unit) for unit in _units(split(net, 3))] == [3, 1]  # one scan of three segments
         close(lbp.grad_by_solve(loss, argnums=(0, 1, 2), checkpoints=3)(p, h0, xs),
               jax.grad(loss, argnums=(0, 1, 2))(p, h0, xs))
+
+
+def test_blocks_of_the_operators_of_a_network_reading_rows_of_an_input():
+    """lin.L.block(i, j) and lin.M.block of a layer that reads x_t by Row: Jacobians of the cell
+    (block() looked the Row up as a state and raised KeyError)."""
+    net = rnn(steps=4)
+    p, h0, xs = data(4)
+    lin = lbp.linearize(net, p, h0, xs)
+    theta = (p["A"], p["B"], p["c"])
+    jac = jax.jacobian(lambda h: cell(theta, h, jax.tree.map(lambda a: a[2], xs)))(lin.states[2])
+    close(lin.L.block(3, 2).todense(), -jac.reshape(B * W, B * W))
+    jac_a = jax.jacobian(lambda a: cell((a, p["B"], p["c"]), lin.states[2], jax.tree.map(lambda x: x[2], xs)))(p["A"])
+    close(lin.M.T.block(3, "A").todense(), jac_a.reshape(B * W, W * W))
