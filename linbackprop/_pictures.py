@@ -5,7 +5,6 @@ matplotlib is imported only when one of these is called (``pip install linbackpr
 
 from __future__ import annotations
 
-import collections
 import itertools
 from collections.abc import Hashable, Sequence
 from typing import Any
@@ -84,14 +83,17 @@ def layout(net: Network) -> dict[Hashable, tuple[int, int]]:
     each such kind gets a lane of its own, 0, −1, −2, …
     in order of first appearance, so that layers of a kind line up; inputs and everything else
     stay on lane 0. With fewer repeating kinds every state is on lane 0."""
-    kinds = {layer.name: function_key(layer.fn) for layer in net.layers}
-    counts = collections.Counter(kinds.values())
-    repeated = [kind for kind in dict.fromkeys(kinds.values()) if counts[kind] > 1]
-    lane = {kind: -j for j, kind in enumerate(repeated)} if len(repeated) > 1 else {}
-    places = {name: (n, 0) for n, name in enumerate(net.inputs)}
-    for n, name in enumerate(net.order, start=len(net.inputs)):
-        places[name] = (n, lane.get(kinds[name], 0))
-    return places
+    repeated = [members for members in _kinds(net).values() if len(members) > 1]
+    lane = {layer.name: -j for j, members in enumerate(repeated) for layer in members} if len(repeated) > 1 else {}
+    return {name: (n, lane.get(name, 0)) for n, name in enumerate([*net.inputs, *net.order])}
+
+
+def _kinds(net: Network) -> dict[Any, list[Layer]]:
+    """The layers grouped by kind (``function_key`` of their function), in order of first use."""
+    members: dict[Any, list[Layer]] = {}
+    for layer in net.layers:
+        members.setdefault(function_key(layer.fn), []).append(layer)
+    return members
 
 
 def plot_network(net: Network, ax: Any = None, title: str | None = None) -> Any:
@@ -172,13 +174,12 @@ def _draw_compact(net: Network, ax: Any, names: list[Hashable], position: dict) 
     different kinds. Returns the (top, bottom) y used."""
     from matplotlib.lines import Line2D
 
-    order = {name: n for n, name in enumerate(names)}
     high = max(y for _, y in position.values())
     low = min(y for _, y in position.values())
     top = high + 0.4
     for layer in net.layers:
         for r in _state_reads(layer):
-            gap = order[layer.name] - order[r]
+            gap = position[layer.name][0] - position[r][0]
             if gap == 1:
                 ax.annotate("", xy=position[layer.name], xytext=position[r],
                             arrowprops={"arrowstyle": "->", "color": "tab:blue", "shrinkA": 5, "shrinkB": 5})
@@ -186,13 +187,11 @@ def _draw_compact(net: Network, ax: Any, names: list[Hashable], position: dict) 
                 peak = high + 0.25 + 0.2 * np.log2(gap)  # above every lane: never hidden by nodes
                 _arc(ax, position[r], position[layer.name], peak, color="tab:orange", lw=0.9, arrow=True)
                 top = max(top, peak + 0.1)
-    members: dict[Any, list[Layer]] = {}
-    for layer in net.layers:
-        members.setdefault(function_key(layer.fn), []).append(layer)
+    members = _kinds(net)
     repeated = [fn for fn, ls in members.items() if len(ls) > 1]
     palette = ["C0", "C1", "C3", "C5", "C6", "C7", "C8", "C9"]  # not green (inputs), not purple (shared)
     colours = {fn: palette[j % len(palette)] for j, fn in enumerate(repeated)}
-    kind_of = {layer.name: function_key(layer.fn) for layer in net.layers}
+    kind_of = {layer.name: fn for fn, ls in members.items() for layer in ls}
     every = -(-len(names) // 72)  # names under at most 72 nodes: a wide network's every k-th
     for n, name in enumerate(names):
         fn = kind_of.get(name)
