@@ -76,7 +76,7 @@ def segment_length(layers: int, checkpoints: int) -> int:
     return -(-layers // (checkpoints + 1))
 
 
-@functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=32)
 def split(net: Network, checkpoints: int) -> tuple[Segment, ...]:
     """The segments of ``net`` for ``checkpoints`` kept states (see the module docstring)."""
     layers = net.layers
@@ -113,7 +113,9 @@ def _inputs_in_place_of_states(net: Network, first: Segment, second: Segment) ->
                 if not (isinstance(r1, tuple) and r1[:1] == ("input",)) or found.get(r1[1], r2[1]) != r2[1]:
                     return {}
                 found[r1[1]] = r2[1]
-    return found
+    # One to one: two inputs read where the second segment reads one state twice are two values
+    # (a translate would read one of them for both: a wrong result).
+    return found if len(set(found.values())) == len(found) else {}
 
 
 def _segment(net: Network, layers: tuple[Layer, ...], start: int, stop: int, position: dict,
@@ -198,8 +200,8 @@ def checkpointed_call(net: Network, theta: dict, inputs: tuple, checkpoints: int
     """``net(theta, *inputs)`` segment by segment, every segment but the last under
     ``jax.checkpoint``; translated segments as one ``lax.scan``. ``call`` runs one network."""
     segments = split(net, checkpoints)
-    units = _units(segments)
     given = dict(zip(net.inputs, inputs))
+    units = _typed_units(net, _units(segments), theta, given)
     cut = _Cuts(units, theta, given)
     values: dict[Hashable, Any] = dict(given)
     runs: list[_Scanned] = []
@@ -238,6 +240,54 @@ def _units(segments: tuple[Segment, ...]) -> list[tuple[Segment, ...]]:
         units.append(segments[s:stop])
         s = stop
     return units
+
+
+def _typed_units(net: Network, units: list[tuple[Segment, ...]], theta: dict, given: dict) -> list[tuple[Segment, ...]]:
+    """``units`` with every scan's first segment run on its own where the states it reads differ
+    in structure, shape or dtype from those the segments hand on (an RNN's h0 unbatched, or float32
+    under x64): a scan carries one type. Types follow by abstract evaluation, one segment a unit."""
+    avals: dict[Hashable, Any] = {name: _aval(x) for name, x in given.items()}
+    out: list[tuple[Segment, ...]] = []
+    pending = list(units)
+    while pending:
+        unit = pending.pop(0)
+        first = unit[0]
+        before = tuple(avals[name] for name in first.before_names)
+        outs = _abstract_outputs(first, theta, given, before)
+        if len(unit) > 1:
+            carried = [outs[first.returns.index(len(first.net.layers) - d)] for d in first.before]
+            if _types(tuple(carried)) != _types(before):
+                out.append((first,))
+                pending.insert(0, unit[1:])
+                avals.update((net.layers[first.start + j].name, o) for j, o in zip(first.returns, outs))
+                continue
+        out.append(unit)
+        for sg in unit:  # translates of the first: the same types
+            avals.update((net.layers[sg.start + j].name, o) for j, o in zip(sg.returns, outs))
+    return out
+
+
+def _aval(x: Any) -> Any:
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), jnp.result_type(a)), x)
+
+
+def _types(trees: Any) -> Any:
+    leaves, treedef = jax.tree.flatten(trees)
+    return treedef, [(tuple(a.shape), np.dtype(a.dtype)) for a in leaves]
+
+
+def _abstract_outputs(seg: Segment, theta: dict, given: dict, before: tuple) -> tuple:
+    """The types of a segment's returned states (plain evaluation, traced abstractly)."""
+    def outputs(before):
+        rows = tuple(jax.tree.map(lambda a, b=b, n=n: lax.slice_in_dim(a, b, b + n), given[x])
+                     for x, b, n in seg.row_inputs)
+        blocks = {blk: jax.tree.map(lambda a, b=b, n=n: lax.slice_in_dim(a, b, b + n), theta[blk])
+                  for blk, b, n in seg.row_blocks}
+        theta_seg = {p: blocks[p] if p in blocks else theta[p] for p in seg.net.param_names}
+        states = seg.net.states(theta_seg, *before, *(given[x] for x in seg.whole), *rows)
+        return tuple(states[("layer", j)] for j in seg.returns)
+
+    return jax.eval_shape(outputs, before)
 
 
 class _Cuts:

@@ -310,7 +310,7 @@ class Network:
         self._stacked = _used_by_rows(self._layers, "params")
         self._stacked_inputs = _used_by_rows(self._layers, "reads")
         self._hash = hash((self._given_layers, self._inputs, self._output_spec, self._single_output))
-        self._live: Network | None = None
+        self._live: Network | bool | None = None  # False: no layer reaches an output
 
     # -- the graph ---------------------------------------------------------------------------
     @property
@@ -358,8 +358,9 @@ class Network:
         return self._single_output
 
     @property
-    def live(self) -> Network:
-        """The network without the layers that reach no output (itself when every layer does).
+    def live(self) -> Network | None:
+        """The network without the layers that reach no output (itself when every layer does;
+        None when none does: the outputs are network inputs only).
 
         The outputs do not depend on such layers, so their gradient is exactly zero and they have
         no place in the substitutions: keeping them would cost time and multiply their zero Λ
@@ -372,10 +373,12 @@ class Network:
                     needed.update(r for r in layer.reads if not isinstance(r, Row))
             if all(layer.name in needed for layer in self._layers):
                 self._live = self
+            elif not any(layer.name in needed for layer in self._layers):
+                self._live = False  # cached: no network
             else:
                 kept = [layer for layer in self._given_layers if layer.name in needed]
                 self._live = Network(kept, self._inputs, self._outputs_arg)
-        return self._live
+        return self._live or None
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Network):

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import types
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from typing import Any, NamedTuple
 
 import jax
@@ -25,7 +25,7 @@ import numpy as np
 from jax.extend.core import Literal
 
 from ._graph import Layer, Network, Row, Stack, call_layer
-from ._stacking import explicit_sharding, place, take, zeros_of
+from ._stacking import explicit_sharding, mesh_of, place, take, zeros_of
 
 Aval = jax.ShapeDtypeStruct
 
@@ -169,13 +169,24 @@ class Group:
             for n, a in enumerate(self._avals(tangent))])
 
 
-def weakly_typed(x: Any) -> Any:
-    """``x`` as a weakly typed array (JAX has no public conversion; without it, ``x``)."""
+def _weak_conversion() -> Callable[..., Any] | None:
+    """JAX's private conversion to a weakly typed array (there is no public one), or None."""
     try:
         from jax._src.lax.lax import _convert_element_type
     except ImportError:  # pragma: no cover - another JAX layout
+        return None
+    return _convert_element_type
+
+
+_TO_WEAK = _weak_conversion()
+
+
+def weakly_typed(x: Any) -> Any:
+    """``x`` as a weakly typed array; without JAX's private conversion, ``x`` as it is (a layer
+    given a Python scalar then sees a strongly typed one: values equal, dtype promotion may widen)."""
+    if _TO_WEAK is None:
         return x
-    return _convert_element_type(x, weak_type=True)
+    return _TO_WEAK(x, weak_type=True)
 
 
 def as_dtype(x: Any, dtype: Any) -> Any:
@@ -677,7 +688,10 @@ def _analyse_kind(layer: Layer, theta_avals: tuple[Any, ...], input_avals: tuple
 
     closed, (out_aval, own) = jax.make_jaxpr(probe, return_shape=True)(theta_avals, *input_avals)
     _avals_of(out_aval, f"The output of layer {layer.name!r}")
-    kept, recipes = _recipes(closed.jaxpr, len(jax.tree.leaves(out_aval)))
+    try:
+        kept, recipes = _recipes(closed.jaxpr, len(jax.tree.leaves(out_aval)))
+    except (AttributeError, TypeError, KeyError, ValueError):  # jaxpr internals changed: store them all
+        kept, recipes = tuple(range(len(own))), {}
     return out_aval, found["treedef"], found["layout"], found["sources"], tuple(own[n] for n in kept), kept, recipes
 
 
@@ -724,7 +738,7 @@ def periodic_segments(step_kind: np.ndarray, kinds: int) -> list[tuple[int, int,
     return [p for p in parts if p[1] > p[0]]
 
 
-@functools.lru_cache(maxsize=256)
+@functools.lru_cache(maxsize=64)
 def make_plan(net: Network, param_structs: tuple, input_structs: tuple, engine: str = "auto") -> Plan:
     """The layout for ``net`` at the given shapes (``param_structs`` follows ``net.param_names``)."""
     params = {p: _unstruct(s) for p, s in zip(net.param_names, param_structs)}
@@ -858,11 +872,21 @@ def _check_stacks(net: Network, groups: tuple[Group, ...], loc: dict[Hashable, t
         if isinstance(item, Stack):
             first = item.names[0]
             for name in item.names:
-                if loc[name][0] != loc[first][0] or loc[name][1] is None:
+                # Groups may differ in weak types alone (a Python scalar input beside a state):
+                # jnp.stack of such states is strongly typed, and so is the Stack.
+                if loc[name][1] is None or loc[first][1] is None or (
+                        loc[name][0] != loc[first][0]
+                        and _strong(groups[loc[name][0]].row_avals()) != _strong(groups[loc[first][0]].row_avals())):
                     shown = lambda n: groups[loc[n][0]].row_avals() if loc[n][1] is not None else "a stacked input"
                     raise ValueError(
                         f"{item!r}: state {name!r} ({shown(name)}) and state {first!r} ({shown(first)}) differ in "
                         "structure, shape or dtype; a Stack needs states of one shape.")
+
+
+def _strong(tree: Any) -> Any:
+    """Structure, shapes and dtypes of a pytree of avals, weak types left out."""
+    leaves, treedef = jax.tree.flatten(tree)
+    return treedef, tuple((tuple(a.shape), dtype_key(a.dtype)) for a in leaves)
 
 
 def _structure(tree: Any) -> Any:
@@ -903,7 +927,8 @@ def plan_for(net: Network, theta: dict[Hashable, Any], inputs: tuple[Any, ...], 
     """
     param_structs = tuple(_struct_of(theta[p], f"Parameter block {p!r}") for p in net.param_names)
     input_structs = tuple(_struct_of(x, f"Network input {name!r}") for name, x in zip(net.inputs, inputs))
-    return make_plan(net, param_structs, input_structs, engine)
+    with mesh_of((theta, inputs)):  # the layers' analysis types its arrays on the arguments' mesh
+        return make_plan(net, param_structs, input_structs, engine)
 
 
 def _struct_of(tree: Any, where: str) -> Any:

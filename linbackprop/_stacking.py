@@ -15,6 +15,7 @@ cannot fold (:func:`opaque_rows`), so all the n reads are one and the same kerne
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import jax
@@ -23,7 +24,7 @@ import numpy as np
 from jax import lax
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
-from jax.sharding import AxisType, NamedSharding
+from jax.sharding import AbstractMesh, AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 MANY = 8  # below this, plain slices (a handful of kernels) keep small programs simple
@@ -41,8 +42,8 @@ def opaque_rows(n: int) -> tuple[jax.Array, ...]:
 
 
 def explicit_sharding(x: Any) -> NamedSharding | None:
-    """The sharding of an array (or aval) whose type carries one — mesh axes of type Explicit,
-    ``jax.make_mesh``'s default — else None (unsharded, or sharded by XLA under Auto axes)."""
+    """The sharding of an array (or aval) whose type carries one — on a mesh with axes of type
+    Explicit, ``jax.make_mesh``'s default — else None (unsharded, or sharded by XLA under Auto axes)."""
     if isinstance(x, (jax.ShapeDtypeStruct, jax.core.ShapedArray)):
         sharding = getattr(x, "sharding", None)
     else:
@@ -52,11 +53,11 @@ def explicit_sharding(x: Any) -> NamedSharding | None:
             return None
     if not isinstance(sharding, NamedSharding):
         return None
-    explicit = {name for name, kind in zip(sharding.mesh.axis_names, sharding.mesh.axis_types)
-                if kind == AxisType.Explicit}
-    used = {name for entry in sharding.spec if entry is not None
-            for name in (entry if isinstance(entry, tuple) else (entry,))}
-    return sharding if used & explicit else None
+    # Replicated arrays on a mesh with Explicit axes count too: their type carries the mesh, which
+    # JAX's rules need to shard the products that contract over a sharded axis (the batch of ℳΛ)
+    # when no mesh is set (``jax.set_mesh``).
+    explicit = any(kind == AxisType.Explicit for kind in sharding.mesh.axis_types)
+    return sharding if explicit else None
 
 
 def zeros_of(like: Any, lead: tuple[int, ...] = ()) -> jax.Array:
@@ -67,8 +68,24 @@ def zeros_of(like: Any, lead: tuple[int, ...] = ()) -> jax.Array:
     sharding = explicit_sharding(like)
     if sharding is None:
         return jnp.zeros(shape, like.dtype)
-    stacked = NamedSharding(sharding.mesh, P(*(None for _ in lead), *sharding.spec))
-    return jnp.zeros(shape, like.dtype, out_sharding=stacked)
+    with mesh_of(like):
+        return jnp.zeros(shape, like.dtype, out_sharding=NamedSharding(sharding.mesh, P(*(None for _ in lead),
+                                                                                          *sharding.spec)))
+
+
+def mesh_of(tree: Any) -> contextlib.AbstractContextManager:
+    """The abstract mesh of the first explicitly sharded leaf of ``tree`` as JAX's current one,
+    where none is set (no ``jax.set_mesh``): inside jit, JAX then types the arrays the solve
+    creates (zeros, residual buffers) on that mesh, as it types the user's arrays; without it
+    (JAX 0.12) their shardings would be dropped and mismatch those of the user's arrays."""
+    if not jax.sharding.get_abstract_mesh().empty:
+        return contextlib.nullcontext()
+    for leaf in jax.tree.leaves(tree):
+        sharding = explicit_sharding(leaf)
+        if sharding is not None:
+            mesh = sharding.mesh if isinstance(sharding.mesh, AbstractMesh) else sharding.mesh.abstract_mesh
+            return jax.sharding.use_abstract_mesh(mesh)
+    return contextlib.nullcontext()
 
 
 # -- place ------------------------------------------------------------------------------------------

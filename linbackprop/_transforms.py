@@ -6,8 +6,8 @@ How a Network call is differentiated:
     ℒ Z = ℳ* h + E₀ dU₀        (forward substitution; E₀ places the input tangents)
     outputs' tangents = 𝒫 Z
 
-is the call's JVP rule (a ``jax.custom_jvp``), and the solve is a ``lax.custom_linear_solve``
-whose transpose is the back substitution ℒ* Λ = 𝒫* ḡ. Reverse mode is JAX transposing that
+is the call's JVP rule (a ``jax.custom_jvp``), and the solve is a linear-solve primitive of our
+own (``_solve``) whose transpose is the back substitution ℒ* Λ = 𝒫* ḡ. Reverse mode is JAX transposing that
 rule: the back substitution runs, then ℳ Λ — the transpose of the batched ℳ* h — is applied to
 all layers of a kind at once, after the loop. Because everything is a JVP rule plus
 transposition, jit, vmap, jvp-of-grad (Hessian-vector products) and jax.hessian all compose.
@@ -21,6 +21,7 @@ so ``grad_by_solve(jax.jit(f))`` traces ``f`` again instead of reusing a plain t
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import threading
@@ -30,32 +31,32 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 from jax.custom_derivatives import SymbolicZero
 
 from ._checkpoint import checkpointed_call
 from ._engine import (
     Primal,
-    back_substitution,
     forward,
-    forward_substitution,
     param_forward,
     read_row,
     read_rows,
-    state_product,
 )
 from ._graph import Network, Stack, set_call
 from ._plan import Plan, differentiable_dtype, leaf_aval, plan_for
-from ._stacking import explicit_sharding, zeros_of
+from ._solve import solve
+from ._stacking import mesh_of, zeros_of
 
 
 class _ThreadLocalMode(threading.local):
-    """The fallback where JAX lacks the private config API (documented in README)."""
+    """The fallback where JAX lacks the private config API: a per-thread value whose default holds
+    in every thread (``threading.local`` runs ``__init__`` again in each new thread). It is not
+    part of jit's key: there ``grad_by_solve(jax.jit(f))`` reuses a plain trace (see README)."""
 
-    value = False
+    def __init__(self, default: Any):
+        self.value = default
 
     @contextlib.contextmanager
-    def __call__(self, value: bool):
+    def __call__(self, value: Any):
         old, self.value = self.value, value
         try:
             yield
@@ -63,23 +64,32 @@ class _ThreadLocalMode(threading.local):
             self.value = old
 
 
+def _jax_config() -> Any:
+    """JAX's private config module (states keyed into jit's cache), or None without it."""
+    try:
+        from jax._src import config as jax_config
+    except ImportError:  # pragma: no cover - another JAX layout
+        return None
+    needed = ("bool_state", "enum_state", "int_state")
+    return jax_config if all(hasattr(jax_config, n) for n in needed) else None
+
+
 def _mode(name: str, help_text: str, values: tuple[str, ...] | type | None = None) -> Any:
     """A state keyed into jit's cache (boolean, one of ``values``, or an int for ``values=int``):
     a mode changes what a trace contains."""
+    default = False if values is None else 0 if values is int else values[0]
+    jax_config = _jax_config()
+    if jax_config is None:
+        return _ThreadLocalMode(default)
+    keyed = dict(include_in_jit_key=True, include_in_trace_context=True)
     try:
-        from jax._src import config as jax_config
-
         if values is int:
-            return jax_config.int_state(name, 0, help_text, include_in_jit_key=True, include_in_trace_context=True)
+            return jax_config.int_state(name, 0, help_text, **keyed)
         if values is None:
-            return jax_config.bool_state(name, False, help_text, include_in_jit_key=True,
-                                         include_in_trace_context=True)
-        return jax_config.enum_state(name, values, values[0], help_text, include_in_jit_key=True,
-                                     include_in_trace_context=True)
-    except Exception:  # pragma: no cover - a JAX without the private API
-        mode = _ThreadLocalMode()
-        mode.value = False if values is None else 0 if values is int else values[0]
-        return mode
+            return jax_config.bool_state(name, False, help_text, **keyed)
+        return jax_config.enum_state(name, values, values[0], help_text, **keyed)
+    except TypeError:  # pragma: no cover - the private API changed its signature
+        return _ThreadLocalMode(default)
 
 
 _SOLVE_MODE = _mode("linbackprop_differentiate_by_solve",
@@ -119,10 +129,14 @@ def network_call(net: Network, params: Any, inputs: tuple[Any, ...]) -> Any:
     if not solving():
         return net.pick_outputs(net.states(theta, *inputs))
     live = net.live  # layers that reach no output are not part of the solve
+    if live is None:  # the outputs are network inputs: nothing to solve (JAX differentiates them)
+        return net.pick_outputs(dict(zip(net.inputs, inputs)))
     theta = {p: theta[p] for p in live.param_names}
     if _CHECKPOINTS.value and not _FORWARD_ONLY.value and _CHECKPOINTS.value < len(live.layers) - 1:
-        return checkpointed_call(live, theta, tuple(inputs), _CHECKPOINTS.value, _jitted_call_by_solve)
-    outs = _jitted_call_by_solve(live, theta, tuple(inputs))
+        with mesh_of((theta, inputs)):
+            return checkpointed_call(live, theta, tuple(inputs), _CHECKPOINTS.value, _jitted_call_by_solve)
+    with mesh_of((theta, inputs)):
+        outs = _jitted_call_by_solve(live, theta, tuple(inputs))
     return outs[0] if net.single_output else outs
 
 
@@ -134,16 +148,32 @@ def _outputs(plan: Plan, bufs: list[Any]) -> tuple[Any, ...]:
     result = []
     for item in plan.net.output_spec:
         g, rows = _rows_of(plan, item)
+        if g is None:  # a Stack over groups that differ in weak types only: strongly typed
+            result.append(_stack([read_row(bufs[gn], r) for gn, r in map(plan.state_loc.get, item.names)]))
+            continue
         value = read_rows(bufs[g], rows) if isinstance(item, Stack) else outs[item]
         result.append(plan.state_groups[g].typed(value))
     return tuple(result)
 
 
-def _rows_of(plan: Plan, item: Hashable | Stack) -> tuple[int, Any]:
-    """The group and row (a Stack: the rows, as a static table) of an output item."""
+def _rows_of(plan: Plan, item: Hashable | Stack) -> tuple[int | None, Any]:
+    """The group and row (a Stack: the rows, as a static table) of an output item; (None, None)
+    for a Stack whose states lie in several groups (same types but for weak types)."""
     if isinstance(item, Stack):
+        if len({plan.state_loc[n][0] for n in item.names}) > 1:
+            return None, None
         return plan.state_loc[item.names[0]][0], np.array([plan.state_loc[n][1] for n in item.names], np.int32)
     return plan.state_loc[item]
+
+
+def _stack(values: list[Any]) -> Any:
+    """Pytrees stacked leaf by leaf (float0 tangents with numpy: JAX has no float0 arrays)."""
+    def one(*leaves):
+        if all(isinstance(x, np.ndarray) and x.dtype == jax.dtypes.float0 for x in leaves):
+            return np.stack(leaves)
+        return jnp.stack(leaves)
+
+    return jax.tree.map(one, *values)
 
 
 def prepare(net: Network, theta: dict[Hashable, Any], inputs: tuple[Any, ...]) -> tuple[Plan, Primal]:
@@ -183,68 +213,16 @@ def solve_joint(plan: Plan, prim: Primal, h: list[Any], rhs: list[Any]) -> list[
     [[I, −ℳ], [0, ℒ*]] is solved by the back substitution for Λ with ℳΛ accumulated step by step
     from the same linearisation of each layer (the in-loop alternative to the batched ℳ).
     """
-    def matvec(x):  # (h, ℒZ − ℳ*h)
-        hh, zz = x
-        return hh, param_forward(plan, prim, jax.tree.map(jnp.negative, hh), state_product(plan, prim, zz))
-
-    def solve(_, b):
-        bh, bz = b
-        return bh, forward_substitution(plan, prim, param_forward(plan, prim, bh, bz))
-
-    def transpose_solve(_, g):
-        gh, gz = g
-        lam, grads = back_substitution(plan, prim, gz, grads=gh)
-        return grads, lam
-
-    return lax.custom_linear_solve(matvec, (h, rhs), solve=solve, transpose_solve=transpose_solve)[1]
-
-
-def _relax_linear_solve_transpose() -> None:
-    """Let ``lax.custom_linear_solve`` transpose when some leaves of its right-hand side are zeros.
-
-    Reverse-over-reverse (``jax.grad`` of a gradient: penalties, MAML) differentiates the back
-    substitution, itself the transposed solve. JAX's JVP rule of a linear solve binds the tangent
-    solve with instantiated zeros wherever a leaf of b has no tangent (a state no output reads,
-    a row of an unrolled buffer), and its transpose rule then asserts that every leaf of b is
-    linear (jax-ml/jax#10929). Those leaves are zeros, so the transpose of the linear part treats
-    them as absent: their cotangents are dropped and x's is exact. Only programs JAX would reject
-    are affected; without the private API JAX is left as it is.
-    """
-    try:
-        from jax._src.interpreters import ad
-        from jax._src.lax.control_flow.solves import linear_solve_p
-    except ImportError:  # pragma: no cover - another JAX layout
-        return
-    strict = ad.primitive_transposes.get(linear_solve_p)
-    if strict is None or getattr(strict, "_linbackprop_relaxed", False):
-        return
-
-    def relaxed(cotangent, *primals, const_lengths, jaxprs):
-        n = sum(const_lengths)
-        consts, b = primals[:n], primals[n:]
-        linear = [x if ad.is_undefined_primal(x) else ad.UndefinedPrimal(jax.typeof(x)) for x in b]
-        cts = strict(cotangent, *consts, *linear, const_lengths=const_lengths, jaxprs=jaxprs)
-        return [*cts[:n], *(ct if ad.is_undefined_primal(x) else None for x, ct in zip(b, cts[n:]))]
-
-    relaxed._linbackprop_relaxed = True
-    ad.primitive_transposes[linear_solve_p] = relaxed
-
-
-_relax_linear_solve_transpose()
+    return solve(plan, prim, (h, rhs), joint=True)[1]
 
 
 def solve_forward(plan: Plan, prim: Primal, rhs: list[Any]) -> list[Any]:
     """Z with ℒ Z = rhs, differentiable in rhs (transpose: back substitution) and in prim."""
-    return lax.custom_linear_solve(
-        lambda x: state_product(plan, prim, x),
-        rhs,
-        solve=lambda _, b: forward_substitution(plan, prim, b),
-        transpose_solve=lambda _, b: back_substitution(plan, prim, b),
-    )
+    return solve(plan, prim, rhs)
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
 def _call_by_solve(net: Network, theta: dict, inputs: tuple) -> tuple[Any, ...]:
+    """The call's outputs (the primal of the custom JVP made per network in ``_jitted_call_by_solve``)."""
     plan = plan_for(net, theta, inputs, _ENGINE.value).compact
     prim = forward(plan, plan.pack_params(theta), plan.pack_states(dict(zip(net.inputs, inputs))),
                    residuals=False)
@@ -283,11 +261,11 @@ def _call_by_solve_jvp(net: Network, primals: tuple, tangents: tuple) -> tuple:
         return _call_by_solve(net, theta, inputs), tuple(_zero_tangent(plan, o) for o in net.output_spec)
     if _FORWARD_ONLY.value:
         return _jvp_in_forward_sweep(plan.compact, theta, inputs, dtheta, dinputs)
-    return _jvp_by_linear_solve(plan, theta, inputs, dtheta, dinputs, anchor)
+    return _jvp_by_linear_solve(plan, theta, inputs, dtheta, dinputs)
 
 
 def _anchor(dtheta: Any, dinputs: Any) -> jax.Array | None:
-    """A tangent leaf of floats (what the exact zeros of ``_linear_zero`` are made linear in)."""
+    """A tangent leaf of floats, if any."""
     return next((leaf for leaf in jax.tree.leaves((dtheta, dinputs), is_leaf=_symbolic)
                  if not _symbolic(leaf) and differentiable_dtype(leaf.dtype)), None)
 
@@ -316,8 +294,7 @@ def _jvp_in_forward_sweep(plan: Plan, theta: dict, inputs: tuple, dtheta: dict, 
     return _outputs(plan, prim.states), tuple(_tangent_or_zero(plan, o, z) for o in net.output_spec)
 
 
-def _jvp_by_linear_solve(plan: Plan, theta: dict, inputs: tuple, dtheta: dict, dinputs: tuple,
-                         anchor: jax.Array) -> tuple:
+def _jvp_by_linear_solve(plan: Plan, theta: dict, inputs: tuple, dtheta: dict, dinputs: tuple) -> tuple:
     """The forward pass with residuals, then ℒ Z = ℳ* h + E₀ dU₀ as a transposable linear solve:
     reverse mode is its transpose, the back substitution (with ℳΛ batched after it, the transpose
     of the batched ℳ* h, or formed in the loop: ``solve_joint``)."""
@@ -329,35 +306,21 @@ def _jvp_by_linear_solve(plan: Plan, theta: dict, inputs: tuple, dtheta: dict, d
     rhs = _input_tangents(plan, dinputs)
     if moves_params and not in_loop:
         rhs = param_forward(plan, prim, plan.pack_params(_instantiate(dtheta), tangent=True), rhs)
-    # custom_linear_solve transposes only when every leaf of rhs is linear in the tangents; a part
-    # built from symbolic zeros alone is not, so add to each an exact zero that is. XLA folds it away.
-    linear = lambda b: jax.tree.map(lambda x: x + _linear_zero(anchor, x), b)
-    rhs = [None if b is None else linear(b) for b in rhs]
+    # Parts of rhs built from symbolic zeros alone are constants: the solve's transpose gives
+    # them no cotangent (see _solve).
     if in_loop:
-        h = [linear(b) for b in plan.pack_params(_instantiate(dtheta), tangent=True)]
-        z = solve_joint(plan, prim, h, rhs)
+        z = solve_joint(plan, prim, plan.pack_params(_instantiate(dtheta), tangent=True), rhs)
     else:
         z = solve_forward(plan, prim, rhs)
     return _outputs(plan, prim.states), tuple(_tangent_or_zero(plan, o, z) for o in net.output_spec)
-
-
-def _linear_zero(anchor: jax.Array, like: jax.Array) -> jax.Array:
-    """Exact zeros shaped (and sharded) like ``like``, linear in ``anchor``: a sum over no element
-    of it (a select, no arithmetic on its values: NaN-safe), broadcast."""
-    nothing = jnp.sum(anchor, where=np.zeros(anchor.shape, bool))
-    if jnp.iscomplexobj(nothing) and not jnp.iscomplexobj(like):
-        nothing = jnp.real(nothing)
-    nothing = nothing.astype(like.dtype)
-    sharding = explicit_sharding(like)
-    if sharding is None:
-        return jnp.broadcast_to(nothing, like.shape)
-    return jnp.broadcast_to(nothing, like.shape, out_sharding=sharding)
 
 
 def _tangent_or_zero(plan: Plan, item: Hashable | Stack, z: list[Any]) -> Any:
     """The tangent of an output item from the solution Z, as JAX wants it (float0 zeros at leaves
     without tangents)."""
     g, rows = _rows_of(plan, item)
+    if g is None:
+        return _stack([_tangent_or_zero(plan, name, z) for name in item.names])
     if z[g] is None:
         return _zero_tangent(plan, item)
     group = plan.state_groups[g]
@@ -370,6 +333,8 @@ def _tangent_or_zero(plan: Plan, item: Hashable | Stack, z: list[Any]) -> Any:
 
 def _zero_tangent(plan: Plan, item: Hashable | Stack) -> Any:
     g, rows = _rows_of(plan, item)
+    if g is None:
+        return _stack([_zero_tangent(plan, name) for name in item.names])
     group = plan.state_groups[g]
     if rows is None or isinstance(item, Stack):
         lead = (group.rows if rows is None else len(rows),)
@@ -377,13 +342,39 @@ def _zero_tangent(plan: Plan, item: Hashable | Stack) -> Any:
     return group.full_tangent(group.row_zeros(tangent=True))
 
 
-_call_by_solve.defjvp(_call_by_solve_jvp, symbolic_zeros=True)
-# Staged as one computation even when called eagerly: JAX then compiles the solve (and its JVP and
-# transpose) as a whole instead of dispatching its operations one by one. Inside jit it inlines.
-# The jit also caches the traced solve and its linearisation: a loss that calls one network 20
-# times traces in 0.16 s, against 1.0 s calling the custom_jvp directly (which would save only
-# the primal trace: a few percent of one call's tracing time, as measured).
-_jitted_call_by_solve = jax.jit(_call_by_solve, static_argnums=0)
+# A network call is a jax.custom_jvp (primal _call_by_solve, rule _call_by_solve_jvp), staged as one
+# computation even when called eagerly: JAX then compiles the solve (and its JVP and transpose) as
+# a whole instead of dispatching its operations one by one. Inside jit it inlines. The jit also
+# caches the traced solve and its linearisation: a loss that calls one network 20 times traces in
+# 0.16 s, against 1.0 s calling the custom_jvp directly (which would save only the primal trace: a
+# few percent of one call's tracing time, as measured).
+#
+# One custom_jvp and jit per network, the most recently used JITTED_NETWORKS kept: JAX's caches
+# hold a function's traces, executables and what its layers close over weakly keyed on the
+# function, so they go with it, and a program that builds networks in a loop keeps memory bounded.
+# (One global custom_jvp with the network as a static argument kept every network until JAX's
+# own LRU caches evicted it: ~4 MB per network, up to thousands of networks.)
+JITTED_NETWORKS = 32
+_jitted: collections.OrderedDict[Network, Callable] = collections.OrderedDict()
+_jitted_lock = threading.Lock()
+
+
+def _solver_of(net: Network) -> Callable:
+    call = jax.custom_jvp(functools.partial(_call_by_solve, net))
+    call.defjvp(functools.partial(_call_by_solve_jvp, net), symbolic_zeros=True)
+    return jax.jit(call)
+
+
+def _jitted_call_by_solve(net: Network, theta: dict, inputs: tuple) -> tuple[Any, ...]:
+    with _jitted_lock:
+        call = _jitted.get(net)
+        if call is None:
+            call = _jitted[net] = _solver_of(net)
+            if len(_jitted) > JITTED_NETWORKS:
+                _jitted.popitem(last=False)
+        else:
+            _jitted.move_to_end(net)
+    return call(theta, inputs)
 
 
 # -- the public transforms ---------------------------------------------------------------------

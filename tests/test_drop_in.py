@@ -263,9 +263,11 @@ def test_python_float_scale_keeps_bfloat16_activations_narrow(engine):
 
 
 def test_a_layer_with_a_nonlinear_custom_vjp_backward_gets_a_clear_error():
-    """JAX's clip_gradient example inside a layer: jax.grad calls its backward; the solve needs the
-    layer's forward derivative, the transpose of that backward, which does not exist. It raises,
-    naming the layer, and never returns a gradient."""
+    """JAX's clip_gradient example inside a layer: jax.grad calls its backward. The back
+    substitution with ℳΛ in the loop calls only that backward too, and gives jax.grad's gradient;
+    where the solve needs the layer's forward derivative (ℳ after the loop, forward mode), the
+    transpose of that backward, which does not exist, it raises, naming the layer — never a
+    wrong gradient."""
 
     @jax.custom_vjp
     def clip_gradient(x):
@@ -276,9 +278,12 @@ def test_a_layer_with_a_nonlinear_custom_vjp_backward_gets_a_clear_error():
                       ["x"], "clipped")
     loss = lambda p, x: jnp.sum(net(p, x) ** 2)
     p, x = {"W": jnp.ones((2, 2))}, jnp.ones((1, 2))
-    jax.grad(loss)(p, x)
+    expected = jax.grad(loss)(p, x)
+    for a, e in zip(jax.tree.leaves(lbp.grad_by_solve(loss, param_products="in_loop")(p, x)),
+                    jax.tree.leaves(expected)):
+        np.testing.assert_allclose(a, e, rtol=1e-12)
     with pytest.raises(NotImplementedError, match=r"Layer\(s\) \['clipped'\].*custom_vjp"):
-        lbp.grad_by_solve(loss)(p, x)
+        lbp.grad_by_solve(loss, param_products="after")(p, x)
 
 
 def test_straight_through_rounding_and_gradient_reversal_layers():

@@ -101,14 +101,14 @@ def test_grad_of_jitted_function_still_solves():
 
 
 def test_solve_is_used_inside_transforms():
-    """The solve path is really taken: its jaxpr holds the loops and the custom linear solve."""
+    """The solve path is really taken: its jaxpr holds the loops and linbackprop's solve."""
     case = REGISTRY["chain"]()
     plain = str(jax.make_jaxpr(jax.grad(case.loss))(case.params, *case.inputs))
     solved = str(jax.make_jaxpr(lbp.grad_by_solve(case.loss, engine="loop"))(case.params, *case.inputs))
     unrolled = str(jax.make_jaxpr(lbp.grad_by_solve(case.loss))(case.params, *case.inputs))
-    assert "custom_linear_solve" not in plain and "scan" not in plain
-    assert "custom_linear_solve" in solved and "scan" in solved
-    assert "custom_linear_solve" in unrolled and "scan" not in unrolled  # a 3-layer net: auto unrolls
+    assert "linbackprop_solve" not in plain and "scan" not in plain
+    assert "linbackprop_solve" in solved and "scan" in solved
+    assert "linbackprop_solve" in unrolled and "scan" not in unrolled  # a 3-layer net: auto unrolls
     with pytest.raises(ValueError, match="engine must be one of"):
         lbp.grad_by_solve(case.loss, engine="fast")
 

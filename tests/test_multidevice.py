@@ -83,3 +83,40 @@ def test_explicit_sharding_data_tensor_and_fully_sharded_parallel():
     assert done.returncode == 0, done.stderr[-3000:]
     for name in ("tensor-parallel", "tensor-parallel, one array per block", "fsdp", "data-parallel"):
         assert f"ok {name}\n" in done.stdout
+
+
+WITHOUT_SET_MESH = """
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+import linbackprop as lbp
+
+mesh = jax.make_mesh((8,), ("data",))  # Explicit axes, and no jax.set_mesh
+put = lambda x, *spec: jax.device_put(x, NamedSharding(mesh, P(*spec)))
+D = 6
+residual = lambda th, u: u + jnp.tanh(u @ th[0])
+chain = lbp.Network([lbp.Layer(i, residual, (i - 1,), (lbp.Row("W", i - 1),)) for i in range(1, D + 1)], [0], D)
+shallow = lbp.Network([lbp.Layer(i, residual, (i - 1,), (("W", i),)) for i in range(1, 3)], [0], 2)
+x = put(jax.random.normal(jax.random.key(0), (16, 8)), "data")
+cases = {"row-stacked chain": (chain, {"W": put(0.3 * jax.random.normal(jax.random.key(1), (D, 8, 8)))}),
+         "one array per block": (shallow, {("W", i): put(0.3 * jnp.eye(8) + 0.01 * i) for i in range(1, 3)})}
+for name, (net, params) in cases.items():
+    loss = lambda p, x: jnp.mean(net(p, x) ** 2)
+    ref = jax.jit(jax.grad(loss))(params, x)
+    for settings in (dict(engine="loop"), dict(engine="unrolled"), dict(param_products="in_loop"),
+                     dict(remat=True), dict(checkpoints=2)):
+        grads = jax.jit(lbp.grad_by_solve(loss, **settings))(params, x)
+        for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref)):
+            assert g.sharding.is_equivalent_to(r.sharding, g.ndim), (name, settings, g.sharding, r.sharding)
+            np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-7)
+    print("ok", name)
+"""
+
+
+def test_explicitly_sharded_batch_without_set_mesh():
+    """Batch on NamedSharding(mesh, P("data")), parameters replicated, no ``jax.set_mesh``: jitted
+    gradients as jax.grad's, with its shardings (the ℳΛ products contract over the sharded batch)."""
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    done = subprocess.run([sys.executable, "-c", WITHOUT_SET_MESH], capture_output=True, text=True, timeout=600,
+                          env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("ok ") == 2

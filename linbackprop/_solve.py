@@ -1,0 +1,201 @@
+"""The substitutions as one linear-solve primitive of linbackprop's own.
+
+    x = A⁻¹ b,   A = ℒ (forward substitution) or ℒ* (back substitution, ``transposed``),
+    or, for the joint system, A = [[I, 0], [−ℳ*, ℒ]] on (h, Z) and its transpose [[I, −ℳ], [0, ℒ*]]
+
+bound on the leaves of the stored linearisation (``Primal``) and of b. Its rules:
+
+- JVP: ẋ = A⁻¹ (ḃ − Ȧ x), Ȧ x the derivative of the product A x along the tangents of the
+  linearisation (a ``jax.jvp`` of it); a solve again, so every order of forward mode works.
+- transpose: linear in b only; b̄ = A⁻*  x̄, the other substitution. Leaves of b that are constants
+  in a linear program are zeros (what JAX's JVP makes of a symbolic zero tangent): they get no
+  cotangent. (JAX's own ``custom_linear_solve`` asserts instead, and its JVP rule passes symbolic
+  zeros to its solve: a Hessian-vector product or ``jax.grad`` of a gradient would fail.)
+- batching: one more ``jax.vmap`` level around the same substitutions; b is batched wherever the
+  linearisation is, so the solution and the cotangents always are.
+
+A primitive of our own (through ``jax.extend``, as ``_stacking``'s) keeps JAX unchanged: no
+other user of ``custom_linear_solve`` sees these rules.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend.core import Primitive
+from jax.interpreters import ad, batching, mlir
+
+from ._engine import Primal, back_substitution, forward_substitution, param_adjoint, param_forward, state_product
+from ._plan import Plan
+from ._stacking import mesh_of, zeros_of
+
+
+@dataclasses.dataclass(frozen=True)
+class System:
+    """What is static about one solve: the plan, whether it is the joint system over (h, Z), and
+    the pytree structures of the linearisation and of b."""
+
+    plan: Plan
+    joint: bool
+    prim_tree: Any
+    b_tree: Any
+
+    def __repr__(self) -> str:  # as printed in jaxprs
+        net = self.plan.net
+        return f"System({len(net.layers)} layers, outputs {list(net.outputs)!r}{', joint' if self.joint else ''})"
+
+
+def _held_weakly_by_jax_caches(cls: type) -> type:
+    """Let JAX's caches that are keyed on primitive parameters (the abstract evaluation of every
+    bind) hold a System weakly, as they hold jaxprs: an entry then goes when the last jaxpr using
+    the System goes, instead of keeping its plan — the network and whatever its layers close over
+    — until JAX's LRU evicts it. Without the private registry, memory is bounded by that LRU."""
+    try:
+        from jax._src.util import weakref_cache_key_types
+    except ImportError:  # pragma: no cover - another JAX layout
+        return cls
+    weakref_cache_key_types.add(cls)
+    return cls
+
+
+System = _held_weakly_by_jax_caches(System)
+
+
+def _solve_fn(system: System, transposed: bool) -> Callable[[Primal, Any], Any]:
+    plan = system.plan
+    if not system.joint:
+        if transposed:
+            return lambda prim, b: back_substitution(plan, prim, b)
+        return lambda prim, b: forward_substitution(plan, prim, b)
+    if transposed:  # [[I, −ℳ], [0, ℒ*]] (grads, Λ) = (gh, gz): Λ by back substitution, grads = gh + ℳΛ
+        def solve_t(prim, g):
+            lam, grads = back_substitution(plan, prim, g[1], grads=g[0])
+            return grads, lam
+        return solve_t
+    return lambda prim, b: (b[0], forward_substitution(plan, prim, param_forward(plan, prim, b[0], b[1])))
+
+
+def _matvec_fn(system: System, transposed: bool) -> Callable[[Primal, Any], Any]:
+    plan = system.plan
+    if not system.joint:
+        return lambda prim, x: state_product(plan, prim, x, adjoint=transposed)
+    if transposed:  # (a, b) ↦ (a − ℳ b, ℒ* b)
+        def matvec_t(prim, x):
+            m = param_adjoint(plan, prim, x[1])
+            return jax.tree.map(jnp.subtract, x[0], m), state_product(plan, prim, x[1], adjoint=True)
+        return matvec_t
+    # (h, Z) ↦ (h, ℒZ − ℳ*h)
+    return lambda prim, x: (x[0], param_forward(plan, prim, jax.tree.map(jnp.negative, x[0]),
+                                                 state_product(plan, prim, x[1])))
+
+
+def _apply(fn: Callable, system: System, axes: tuple, leaves: list[Any]) -> list[Any]:
+    """``fn(prim, b)`` on flat leaves, vmapped once per batching level (``axes[0]`` outermost)."""
+    n = system.prim_tree.num_leaves
+
+    def core(*ls):
+        prim = jax.tree.unflatten(system.prim_tree, ls[:n])
+        b = jax.tree.unflatten(system.b_tree, ls[n:])
+        return jax.tree.leaves(fn(prim, b))
+
+    for level in reversed(axes):
+        core = jax.vmap(core, in_axes=level)
+    return core(*leaves)
+
+
+def _impl(*leaves: Any, system: System, transposed: bool, axes: tuple) -> list[Any]:
+    with mesh_of(leaves):
+        return _apply(_solve_fn(system, transposed), system, axes, list(leaves))
+
+
+def _abstract(*avals: Any, system: System, transposed: bool, axes: tuple) -> list[Any]:
+    return list(avals[system.prim_tree.num_leaves:])
+
+
+def _zeros(aval: Any) -> jax.Array:
+    return zeros_of(jax.ShapeDtypeStruct(aval.shape, aval.dtype, sharding=getattr(aval, "sharding", None)))
+
+
+def _instantiate(t: Any, aval: Any) -> Any:
+    return _zeros(aval) if type(t) is ad.Zero else t
+
+
+def _jvp(primals: tuple, tangents: tuple, *, system: System, transposed: bool, axes: tuple) -> tuple:
+    n = system.prim_tree.num_leaves
+    params = dict(system=system, transposed=transposed, axes=axes)
+    x = solve_p.bind(*primals, **params)
+    prim, dprim, db = list(primals[:n]), tangents[:n], tangents[n:]
+    moving = [i for i, t in enumerate(dprim)
+              if type(t) is not ad.Zero and jnp.result_type(t) != jax.dtypes.float0]
+    if not moving and all(type(t) is ad.Zero for t in db):
+        return x, [ad.Zero(jax.typeof(v).to_tangent_aval()) for v in x]
+    rhs = [_instantiate(t, jax.typeof(p)) for t, p in zip(db, primals[n:])]
+    if moving:  # ḃ − Ȧx: the product's derivative along the moving leaves of the linearisation
+
+        def product(*ms):
+            leaves = list(prim)
+            for i, m in zip(moving, ms):
+                leaves[i] = m
+            return _apply(_matvec_fn(system, transposed), system, axes, leaves + list(x))
+
+        da_x = jax.jvp(product, [prim[i] for i in moving], [dprim[i] for i in moving])[1]
+        rhs = [r - d.astype(r.dtype) for r, d in zip(rhs, da_x)]
+    return x, solve_p.bind(*prim, *rhs, **params)
+
+
+def _transpose(cts: list, *operands: Any, system: System, transposed: bool, axes: tuple) -> list:
+    n = system.prim_tree.num_leaves
+    if any(ad.is_undefined_primal(p) for p in operands[:n]):
+        raise NotImplementedError("linbackprop's solve is linear in its right-hand side only.")
+    b = operands[n:]
+    avals = [x.aval if ad.is_undefined_primal(x) else jax.typeof(x) for x in b]
+    cts = [_instantiate(ct, a) for ct, a in zip(cts, avals)]
+    out = solve_p.bind(*operands[:n], *cts, system=system, transposed=not transposed, axes=axes)
+    return [None] * n + [ct if ad.is_undefined_primal(x) else None for x, ct in zip(b, out)]
+
+
+def _batch(args: tuple, dims: tuple, *, system: System, transposed: bool, axes: tuple) -> tuple:
+    n = system.prim_tree.num_leaves
+    size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
+    moved = [a if d is None else jnp.moveaxis(a, d, 0) for a, d in zip(args, dims)]
+    # b (and so x) batched throughout: the transposed solve's cotangents then fit its avals.
+    moved[n:] = [a if d is not None else jnp.broadcast_to(a, (size, *np.shape(a)))
+                 for a, d in zip(moved[n:], dims[n:])]
+    level = tuple(None if d is None else 0 for d in dims[:n]) + (0,) * (len(args) - n)
+    out = solve_p.bind(*moved, system=system, transposed=transposed, axes=(level, *axes))
+    return out, [0] * len(out)
+
+
+solve_p = Primitive("linbackprop_solve")
+solve_p.multiple_results = True
+solve_p.def_impl(_impl)
+solve_p.def_abstract_eval(_abstract)
+
+
+def _lowering(ctx: Any, *args: Any, **params: Any) -> Any:
+    # A fresh function per lowering: JAX caches lowered functions weakly keyed on the function and
+    # strongly on its parameters, so lowering ``_impl`` itself would keep every plan (and the
+    # network and whatever its layers close over) until JAX's LRU evicts it.
+    return mlir.lower_fun(functools.partial(_impl, **params), multiple_results=True)(ctx, *args)
+
+
+mlir.register_lowering(solve_p, _lowering)
+ad.primitive_jvps[solve_p] = _jvp
+ad.primitive_transposes[solve_p] = _transpose
+batching.primitive_batchers[solve_p] = _batch
+
+
+def solve(plan: Plan, prim: Primal, b: Any, joint: bool = False) -> Any:
+    """A⁻¹ b for A = ℒ (``joint``: [[I, 0], [−ℳ*, ℒ]] on b = (h, rhs)), by forward substitution,
+    differentiable in b (transpose: the back substitution) and in the linearisation."""
+    prim_leaves, prim_tree = jax.tree.flatten(prim)
+    b_leaves, b_tree = jax.tree.flatten(b)
+    out = solve_p.bind(*prim_leaves, *b_leaves, system=System(plan, joint, prim_tree, b_tree),
+                       transposed=False, axes=())
+    return jax.tree.unflatten(b_tree, out)

@@ -1,0 +1,139 @@
+"""linbackprop leaves JAX as it found it, and each use of JAX's private internals has a fallback
+that still gives jax.grad's gradient (docs/architecture.md, "Private JAX internals")."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import linbackprop as lbp
+from linbackprop import _plan, _transforms
+
+UNCHANGED = """
+import jax
+from jax._src.interpreters import ad, batching, mlir
+from jax._src.interpreters import partial_eval as pe
+
+tables = {"jvps": ad.primitive_jvps, "transposes": ad.primitive_transposes,
+          "batchers": batching.fancy_primitive_batchers,
+          "lowerings": mlir._lowerings, "partial eval": pe.custom_partial_eval_rules}
+before = {name: dict(table) for name, table in tables.items()}
+import linbackprop
+import jax.numpy as jnp
+net = linbackprop.Network([linbackprop.Layer("y", lambda th, x: jnp.tanh(x * th[0]), ("x",), ("w",))], ["x"], "y")
+linbackprop.grad_by_solve(lambda p: jnp.sum(net(p, jnp.ones(3))))({"w": 1.0})
+for name, table in tables.items():
+    changed = [p for p, rule in before[name].items() if table.get(p) is not rule]
+    assert not changed, (name, changed)
+    # Rules added since: JAX's own modules imported on the way (chex imports some), and
+    # linbackprop's primitives; no rule of linbackprop's for a primitive not its own.
+    ours = [str(p) for p, rule in table.items() if p not in before[name]
+            and "linbackprop" in getattr(rule, "__module__", "") + getattr(rule, "__qualname__", "")]
+    assert all(p.startswith("linbackprop_") for p in ours), (name, ours)
+print("unchanged")
+"""
+
+
+def test_importing_and_using_linbackprop_changes_no_rule_of_jax():
+    """Every JVP, transpose, batching, lowering and partial-eval rule JAX had is the same object
+    after ``import linbackprop`` and a gradient; the only additions are linbackprop's own
+    primitives. (``custom_linear_solve`` users such as ``jax.scipy.sparse.linalg.cg`` are untouched.)"""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    done = subprocess.run([sys.executable, "-c", UNCHANGED], capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "unchanged" in done.stdout
+
+
+def test_custom_linear_solve_of_jax_still_rejects_what_it_rejected():
+    """JAX's own linear solve keeps its own transpose rule (linbackprop used to relax it)."""
+    from jax._src.interpreters import ad as ad_internal
+    from jax._src.lax.control_flow.solves import linear_solve_p
+
+    assert not getattr(ad_internal.primitive_transposes[linear_solve_p], "_linbackprop_relaxed", False)
+    a = jnp.array([[3.0, 1.0], [1.0, 2.0]])
+    b = jnp.array([1.0, -1.0])
+    x = jax.scipy.sparse.linalg.cg(lambda v: a @ v, b)[0]
+    np.testing.assert_allclose(x, np.linalg.solve(a, b), rtol=1e-6)
+
+
+def test_thread_local_fallback_has_its_default_in_every_thread():
+    """Without JAX's private config API, each mode is a thread-local value whose default holds in
+    threads other than the importing one."""
+    modes = [_transforms._ThreadLocalMode(d) for d in (False, 0, "auto")]
+    seen = []
+    thread = threading.Thread(target=lambda: seen.extend(m.value for m in modes))
+    thread.start()
+    thread.join()
+    assert seen == [False, 0, "auto"]
+    with modes[2]("in_loop"):
+        assert modes[2].value == "in_loop"
+        other = []
+        t = threading.Thread(target=lambda: other.append(modes[2].value))
+        t.start()
+        t.join()
+        assert other == ["auto"]  # a mode entered in one thread is not seen in another
+    assert modes[2].value == "auto"
+
+
+def test_modes_fall_back_to_thread_locals_without_the_private_config(monkeypatch):
+    monkeypatch.setattr(_transforms, "_jax_config", lambda: None)
+    for values, default in ((None, False), (int, 0), (("auto", "loop"), "auto")):
+        mode = _transforms._mode("linbackprop_test_fallback", "test", values)
+        assert isinstance(mode, _transforms._ThreadLocalMode) and mode.value == default
+
+
+def _scalar_network():
+    layers = [lbp.Layer(i, lambda th, u: jnp.tanh(u * th[0]) * th[1], (i - 1,), (lbp.Row("W", i - 1), "s"))
+              for i in range(1, 5)]
+    return lbp.Network(layers, [0], 4)
+
+
+def test_without_the_private_weak_type_conversion_gradients_are_unchanged(monkeypatch):
+    """A Python scalar block is then seen as a strongly typed array by the layers: same values."""
+    monkeypatch.setattr(_plan, "_TO_WEAK", None)
+    net = _scalar_network()
+    loss = lambda p, x: jnp.sum(net(p, x) ** 2)
+    p, x = {"W": 0.5 * jnp.ones((4, 3)), "s": 1.5}, jnp.ones(3)
+    ours = lbp.grad_by_solve(loss, engine="loop")(p, x)
+    ref = jax.grad(loss)(p, x)
+    for a, e in zip(jax.tree.leaves(ours), jax.tree.leaves(ref)):
+        np.testing.assert_allclose(a, e, rtol=1e-12)
+
+
+@pytest.mark.parametrize("engine", ["loop", "unrolled"])
+def test_without_the_jaxpr_analysis_every_residual_is_stored(monkeypatch, engine):
+    """If JAX's jaxpr internals change, the residual analysis stores every residual instead of
+    recomputing cheap ones: gradients unchanged."""
+    def broken(*_):
+        raise AttributeError("jaxpr layout changed")
+
+    monkeypatch.setattr(_plan, "_recipes", broken)
+    net = lbp.Network([lbp.Layer(i, lambda th, u: jnp.tanh(u @ th[0]), (i - 1,), (lbp.Row("W", i - 1),))
+                       for i in range(1, 7)], [0], 6)
+    p, x = {"W": 0.4 * jnp.ones((6, 3, 3))}, jnp.ones((2, 3))  # shapes no other test uses: a new plan
+    plan = _plan.plan_for(net, net.select_params(p), (x,), engine)
+    assert not plan.kinds[0].recipes
+    loss = lambda p, x: jnp.sum(net(p, x) ** 2)
+    for a, e in zip(jax.tree.leaves(lbp.grad_by_solve(loss, engine=engine)(p, x)),
+                    jax.tree.leaves(jax.grad(loss)(p, x))):
+        np.testing.assert_allclose(a, e, rtol=1e-12)
+
+
+def test_a_vjp_layout_other_than_the_analysed_one_is_relinearised(monkeypatch):
+    """Residuals are rebuilt into a VJP only when its printed structure matches the analysed
+    one; any difference re-linearises the kind (never a wrong rebuild)."""
+    monkeypatch.setattr(_plan, "vjp_layout", lambda vjp: f"different {id(vjp)}")
+    monkeypatch.setattr("linbackprop._engine.vjp_layout", lambda vjp: "never the analysed one")
+    net = lbp.Network([lbp.Layer(i, lambda th, u: jnp.sin(u @ th[0]), (i - 1,), (lbp.Row("W", i - 1),))
+                       for i in range(1, 6)], [0], 5)
+    p, x = {"W": 0.4 * jnp.ones((5, 2, 2))}, jnp.ones((3, 2))
+    loss = lambda p, x: jnp.sum(net(p, x) ** 2)
+    for a, e in zip(jax.tree.leaves(lbp.grad_by_solve(loss)(p, x)), jax.tree.leaves(jax.grad(loss)(p, x))):
+        np.testing.assert_allclose(a, e, rtol=1e-12)
