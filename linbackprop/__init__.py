@@ -7,6 +7,7 @@ triangular linear system.
 with ℒ = I − D_UΦ and ℳ* = D_θΦ for a network U = Φ(U, θ) given as a DAG of layers.
 """
 
+from ._curvature import GaussNewton, diag_ggn, gauss_newton, per_example_grad_norms, per_example_grads
 from ._graph import GraphError, Layer, Network, Row, Stack
 from ._interop import Functional, functional
 from ._operators import Block, Linearization, LinearOperator, ParamOperator, StateOperator, linearize
@@ -18,6 +19,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Block",
     "Functional",
+    "GaussNewton",
     "GraphError",
     "Layer",
     "LinearOperator",
@@ -27,10 +29,14 @@ __all__ = [
     "Row",
     "Stack",
     "StateOperator",
+    "diag_ggn",
     "functional",
+    "gauss_newton",
     "grad_by_solve",
     "jvp_by_solve",
     "linearize",
+    "per_example_grad_norms",
+    "per_example_grads",
     "plot_network",
     "solving",
     "spy",

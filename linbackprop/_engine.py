@@ -643,3 +643,50 @@ def param_adjoint(plan: Plan, prim: Primal, lam: list[Any]) -> list[Any]:
         for p, (g, ct) in enumerate(zip(kind.param_groups, cts)):
             out[g] = _scatter_add(out[g], kind.by_member.params[:n, p], ct)
     return out
+
+
+def param_adjoint_per_example(plan: Plan, prim: Primal, lam: list[Any], batch: int,
+                              examples: Any = None) -> list[Any]:
+    """ℳ Λ split by example: parameter-layout buffers with a leading axis of ``batch``, row b the
+    sum over layers of (∂Φ_i/∂θ)* Λ_i restricted to example b.
+
+    The leading axis of every state (and of the rows of stacked inputs) is the batch: a layer's
+    output for example b depends only on its inputs' row b (callers check it), so its parameter
+    cotangent splits into one term per example — the VJP of the layer on that example alone
+    (inputs and Λ_i of one row) — vmapped over the examples and over the kind's members.
+    ``examples``: the indices of the examples wanted (default: all ``batch``).
+    """
+    wanted = batch if examples is None else len(examples)
+    out = [jax.tree.map(lambda z: jnp.zeros((wanted, *z.shape), z.dtype), g.zeros(plan.unrolled, tangent=True))
+           for g in plan.param_groups]
+    for kind in plan.kinds:
+        n = kind.size
+        if lam[kind.out_group] is None or not kind.param_groups:
+            continue
+        members = np.arange(n)
+        lam_k = read_rows(lam[kind.out_group], kind.by_member.out[:n])
+        theta, inputs = _arguments(plan, kind, prim, members)
+        out_group = plan.state_groups[kind.out_group]
+        param_groups = [plan.param_groups[g] for g in kind.param_groups]
+        leaves, tree = jax.tree.flatten(inputs)  # each [n, ...]: the members stacked
+        rows = jax.tree.leaves(tuple(plan.state_groups[g].row_avals() for g in kind.read_groups))
+        batched = [bool(a.ndim) and a.shape[0] == batch for a in rows]
+        if examples is not None:  # the members' rows of those examples: axis 1 (axis 0: the members)
+            leaves = [jnp.take(x, examples, axis=1) if b else x for x, b in zip(leaves, batched)]
+            lam_k = jax.tree.map(lambda x: jnp.take(x, examples, axis=1), lam_k)
+
+        def member(theta, leaves, lam_i, kind=kind, out_group=out_group, param_groups=param_groups, tree=tree,
+                   batched=batched):
+            def example(leaves_b, lam_b):
+                one = tree.unflatten([x[None] if b else x for x, b in zip(leaves_b, batched)])
+                _, vjp = jax.vjp(lambda th: kind.fn(th, *one), theta)
+                cts = vjp(out_group.full_tangent(jax.tree.map(lambda x: x[None], lam_b)))[0]
+                return tuple(g.tangent(ct) for g, ct in zip(param_groups, cts))
+
+            return jax.vmap(example, in_axes=([0 if b else None for b in batched], 0))(leaves, lam_i)
+
+        cts = jax.vmap(member)(theta, leaves, lam_k)  # per slot: [n, batch, ...]
+        for p, (g, ct) in enumerate(zip(kind.param_groups, cts)):
+            idx = kind.by_member.params[:n, p]
+            out[g] = jax.vmap(lambda o, c, idx=idx: _scatter_add(o, idx, c), in_axes=(0, 1))(out[g], ct)
+    return out

@@ -119,7 +119,31 @@ def solving() -> bool:
     return bool(_SOLVE_MODE.value)
 
 
+class _Interceptor(threading.local):
+    def __init__(self) -> None:
+        self.handler: Callable[[Network, Any, tuple], Any] | None = None
+
+
+_INTERCEPTOR = _Interceptor()
+
+
+@contextlib.contextmanager
+def calls_intercepted(handler: Callable[[Network, Any, tuple], Any] | None):
+    """Inside, every Network call ``net(params, *inputs)`` is ``handler(net, params, inputs)``
+    instead (which runs with no handler: calling ``net`` there is the ordinary call). The
+    curvature transforms split a function into its network calls and the rest this way."""
+    old, _INTERCEPTOR.handler = _INTERCEPTOR.handler, handler
+    try:
+        yield
+    finally:
+        _INTERCEPTOR.handler = old
+
+
 def network_call(net: Network, params: Any, inputs: tuple[Any, ...]) -> Any:
+    handler = _INTERCEPTOR.handler
+    if handler is not None:
+        with calls_intercepted(None):
+            return handler(net, params, tuple(inputs))
     net.check_inputs(inputs)
     theta = net.select_params(params)
     for where, tree in [*((f"Parameter block {n!r}", b) for n, b in theta.items()),
@@ -138,6 +162,17 @@ def network_call(net: Network, params: Any, inputs: tuple[Any, ...]) -> Any:
     with mesh_of((theta, inputs)):
         outs = _jitted_call_by_solve(live, theta, tuple(inputs))
     return outs[0] if net.single_output else outs
+
+
+def outputs_of(plan: Plan, bufs: list[Any]) -> tuple[Any, ...]:
+    """The call's output items (as ``net(...)`` returns them, always a tuple) from state buffers."""
+    return _outputs(plan, bufs)
+
+
+def output_tangents(plan: Plan, z: list[Any]) -> tuple[Any, ...]:
+    """The output items' tangents 𝒫 Z from state-layout tangents Z (linear in Z; its transpose
+    places output cotangents into the right-hand side of the back substitution)."""
+    return tuple(_tangent_or_zero(plan, o, z) for o in plan.net.output_spec)
 
 
 def _outputs(plan: Plan, bufs: list[Any]) -> tuple[Any, ...]:
@@ -384,6 +419,13 @@ set_call(network_call)  # Network.__call__ runs network_call from now on (see _g
 def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
     if value not in choices:
         raise ValueError(f"{name} must be one of {choices}, got {value!r}.")
+
+
+def solve_mode(fun: Callable, *, remat: bool = False, checkpoints: int | None = None,
+               param_products: str = "auto", engine: str = "auto") -> Callable:
+    """``fun`` run with Network calls differentiated by the solve (any JAX transform of it, e.g.
+    ``jax.linearize``, then uses the solve's rules), with these settings (see grad_by_solve)."""
+    return _in_solve_mode(fun, fun, remat, param_products, engine, checkpoints)
 
 
 def _in_solve_mode(transformed: Callable, fun: Callable, remat: bool, param_products: str,

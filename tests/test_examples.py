@@ -6,8 +6,11 @@ import sys
 from pathlib import Path
 
 import jax
+import pytest
 
 from linbackprop._seed import main
+
+pytestmark = pytest.mark.slow  # .ci/run's second interpreter skips these
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -87,3 +90,11 @@ def test_transformer_lm_learns_samples_and_times_both(tmp_path):
     assert result["gradient_difference"] < 1e-4
     assert set(result["times"]) == {"grad_by_solve", "jax.grad over lax.scan"}
     assert len(result["sample"]) == len("Return the ") + 300 and png.stat().st_size > 10_000
+
+
+def test_gauss_newton_example_beats_adam(tmp_path):
+    """Levenberg–Marquardt on G against Adam (best of three rates), the same short budget."""
+    png = tmp_path / "gn.png"
+    result = load("gauss_newton").main(["--seconds", "1.5", "--width", "12", "--out", str(png)])
+    assert result["lm"] * 10 < result["adam"]
+    assert png.stat().st_size > 10_000

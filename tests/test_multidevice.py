@@ -6,6 +6,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow  # .ci/run's second interpreter skips these
+
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "data_parallel.py"
 
 

@@ -1,0 +1,510 @@
+"""Curvature from the operators: Gauss–Newton products, per-example gradients and their norms,
+the exact diagonal of the generalised Gauss–Newton matrix.
+
+In ``fun`` the Network calls are the model and the rest is the loss ℓ of their outputs (and of
+the arguments directly). With J = E ℒ⁻¹ ℳ* (E picks the outputs) and H the Hessian of ℓ w.r.t.
+the outputs,
+
+    G = J* H J,     G v = ℳ ℒ⁻* E* H E ℒ⁻¹ ℳ* v
+
+is one forward substitution, one product with H, one back substitution and ℳ, all on the
+linearisation stored by one forward pass (no forward pass per product). Per-example quantities
+use that the leading axis of every state is the batch: one back substitution serves every
+example, and ℳ is applied to each example's rows alone.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend.core import Literal
+
+from ._engine import back_substitution, param_adjoint_per_example
+from ._graph import Network, Stack
+from ._operators import LinearOperator
+from ._plan import Plan, differentiable_dtype
+from ._transforms import calls_intercepted, output_tangents, outputs_of, prepare, solve_mode
+
+
+def _normalise(argnums: int | Sequence[int]) -> tuple[tuple[int, ...], bool]:
+    if isinstance(argnums, int):
+        return (argnums,), True
+    return tuple(argnums), False
+
+
+class _Split:
+    """``fun`` at ``args`` as model and loss: ``model(*diff)`` the tuple of its network calls'
+    outputs (in call order), ``loss(outs, *diff)`` its value (and aux) with each call's output
+    replaced by ``outs[k]``; ``diff`` the arguments named by ``argnums``."""
+
+    def __init__(self, fun: Callable, args: tuple, argnums: tuple[int, ...], has_aux: bool):
+        self.fun, self.args, self.argnums, self.has_aux = fun, args, argnums, has_aux
+        self.diff = tuple(args[i] for i in argnums)
+
+    def args_with(self, diff: tuple) -> list:
+        full = list(self.args)
+        for i, d in zip(self.argnums, diff):
+            full[i] = d
+        return full
+
+    def run(self, handler: Callable, diff: tuple) -> Any:
+        with calls_intercepted(handler):
+            return self.fun(*self.args_with(diff))
+
+    def model(self, *diff: Any) -> tuple:
+        recorded = []
+
+        def record(net, params, inputs):
+            out = net(params, *inputs)
+            recorded.append(out)
+            return out
+
+        self.run(record, diff)
+        return tuple(recorded)
+
+    def loss(self, outs: tuple, *diff: Any) -> tuple[Any, Any]:
+        replay = iter(outs)
+        result = self.run(lambda net, params, inputs: next(replay), diff)
+        return result if self.has_aux else (result, None)
+
+
+def _add(a: Any, b: Any) -> Any:
+    return jax.tree.map(lambda x, y: x + y.astype(x.dtype), a, b)
+
+
+# -- the Gauss–Newton operator ------------------------------------------------------------------
+@jax.tree_util.register_pytree_node_class
+class GaussNewton(LinearOperator):
+    """G = J* H J on parameter-shaped pytrees (the arguments ``argnums`` names), from one stored
+    linearisation: ``mv(v)`` is J v (a forward substitution and ℳ*), H (J v) (the loss's Hessian
+    w.r.t. the outputs, linearised once) and J* (a back substitution and ℳ). Symmetric:
+    ``G.T`` is ``G``. A pytree (its leaves are the stored residuals), so it can cross ``jax.jit``.
+    """
+
+    symbol = "G"
+
+    def __init__(self, jvp: Callable, vjp: Callable, hvp: Callable, single: bool, example: Any):
+        self._jvp, self._vjp, self._hvp = jvp, vjp, hvp
+        self._single, self._example = single, example
+
+    def tree_flatten(self) -> tuple[tuple, tuple]:
+        return (self._jvp, self._vjp, self._hvp), (self._single, self._example)
+
+    @classmethod
+    def tree_unflatten(cls, aux: tuple, children: tuple) -> GaussNewton:
+        return cls(*children, *aux)
+
+    def mv(self, v: Any) -> Any:
+        """G v."""
+        return _gauss_newton_mv(self, v)
+
+    def apply(self, v: Any) -> Any:
+        vs = (v,) if self._single else tuple(v)
+        out = self._vjp(self._hvp(self._jvp(*vs)))
+        return out[0] if self._single else tuple(out)
+
+    @property
+    def T(self) -> GaussNewton:  # noqa: N802 - the mathematical name
+        return self
+
+    def todense(self) -> jax.Array:
+        """The dense matrix over the arguments flattened in order (``jax.flatten_util``); tiny nets."""
+        treedef, leaves = self._example
+        zeros = jax.tree.unflatten(treedef, [jnp.zeros(s, d) for s, d in leaves])
+        flat, unravel = jax.flatten_util.ravel_pytree(zeros)
+        columns = jax.vmap(lambda e: jax.flatten_util.ravel_pytree(self.mv(unravel(e)))[0])(jnp.eye(flat.size,
+                                                                                                   dtype=flat.dtype))
+        return columns.T
+
+    @property
+    def pattern(self) -> np.ndarray:
+        """G couples every pair of parameters that reach a common output: dense, one block."""
+        return np.ones((1, 1), dtype=bool)
+
+    def block(self, i: Any, j: Any) -> GaussNewton:
+        if (i, j) != (0, 0):
+            raise KeyError(f"G is one dense block (0, 0), not ({i!r}, {j!r}).")
+        return self
+
+    def __repr__(self) -> str:
+        return "G = J* H J (Gauss–Newton)"
+
+
+_gauss_newton_mv = jax.jit(lambda G, v: G.apply(v))
+
+
+def gauss_newton(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool = False, *,
+                 remat: bool = False, checkpoints: int | None = None, param_products: str = "auto",
+                 engine: str = "auto") -> Callable:
+    """``(value, grad, G)`` of ``fun`` at its arguments: value and gradient as
+    :func:`value_and_grad_by_solve`, and the generalised Gauss–Newton matrix
+
+        G = J* H J,   J = ∂(network outputs)/∂θ = E ℒ⁻¹ ℳ*,   H = ∂²ℓ/∂(outputs)²
+
+    as a :class:`GaussNewton` operator on pytrees shaped like the arguments ``argnums`` names.
+    The Network calls in ``fun`` are the model; everything else in ``fun`` is the loss ℓ of their
+    outputs. ``G.mv(v)`` runs one forward substitution, one product with H, one back substitution
+    and ℳ on the linearisation stored by the one forward pass made here: no forward pass per
+    product. It works under ``jax.jit``, so
+    ``jax.scipy.sparse.linalg.cg(lambda v: G.mv(v) + lam * v, grad)`` inside a jitted step is a
+    Gauss–Newton / Levenberg–Marquardt step.
+
+    For squared error and for softmax cross-entropy on logits (any loss that is a negative
+    log-likelihood of an exponential family in its natural parameters) G equals the Fisher
+    information matrix. Terms of ``fun`` that use the arguments directly (a weight decay
+    λ‖θ‖²) are in ``value`` and ``grad`` but not in G: H is the Hessian w.r.t. the outputs with
+    the arguments held fixed; add their curvature yourself (2λ I for that weight decay).
+    ``G.T`` is ``G``; ``G.todense()`` for tiny networks.
+
+    Example:
+        >>> import jax.numpy as jnp, linbackprop as lbp
+        >>> net = lbp.Network([lbp.Layer("y", lambda th, x: x @ th[0], ("x",), ("W",))], ["x"], "y")
+        >>> loss = lambda p, x: 0.5 * jnp.sum(net(p, x) ** 2)
+        >>> value, grad, G = lbp.gauss_newton(loss)({"W": jnp.ones((2, 1))}, jnp.eye(2))
+        >>> G.todense().tolist()          # J* J for the linear model: x*x = I
+        [[1.0, 0.0], [0.0, 1.0]]
+    """
+    nums, single = _normalise(argnums)
+    settings = dict(remat=remat, checkpoints=checkpoints, param_products=param_products, engine=engine)
+
+    def run(*args: Any) -> tuple[Any, Any, GaussNewton]:
+        split = _Split(fun, args, nums, has_aux)
+        outs, jvp = jax.linearize(solve_mode(split.model, **settings), *split.diff)
+        loss_args = tuple(range(1 + len(nums)))
+        (value, aux), grads = jax.value_and_grad(split.loss, loss_args, has_aux=True)(outs, *split.diff)
+        vjp = jax.linear_transpose(jvp, *split.diff)
+        grad = tuple(_add(g, m) for g, m in zip(grads[1:], vjp(grads[0])))
+        _, hvp = jax.linearize(jax.grad(lambda o: split.loss(o, *split.diff)[0]), outs)
+        leaves, treedef = jax.tree.flatten(split.diff[0] if single else split.diff)
+        example = (treedef, tuple((tuple(np.shape(x)), jnp.result_type(x)) for x in leaves))
+        G = GaussNewton(jvp, vjp, hvp, single, example)
+        value = (value, aux) if has_aux else value
+        return value, grad[0] if single else grad, G
+
+    return run
+
+
+# -- per-example quantities ---------------------------------------------------------------------
+class _Calls:
+    """One forward pass of ``fun``'s network calls with residuals kept (their plans and stored
+    linearisations), the map from the differentiated arguments to each call's parameter blocks,
+    and the calls' outputs."""
+
+    def __init__(self, split: _Split, engine: str):
+        self.plans: list[Plan] = []
+        self.nets: list[Network] = []
+
+        def route(*diff):
+            thetas, stored = [], []
+
+            def forward(net, params, inputs):
+                net.check_inputs(inputs)
+                live = net.live
+                if live is None:  # outputs are inputs only: no parameter is used
+                    return net.pick_outputs(dict(zip(net.inputs, inputs)))
+                theta = {p: net.select_params(params)[p] for p in live.param_names}
+                plan, prim = prepare(live, jax.lax.stop_gradient(theta), tuple(jax.lax.stop_gradient(inputs)))
+                outs = outputs_of(plan, prim.states)
+                thetas.append(theta)
+                stored.append((prim, outs))
+                self.plans.append(plan)
+                self.nets.append(net)
+                return outs[0] if net.single_output else outs
+
+            split.run(forward, diff)
+            return thetas, stored
+
+        self.diff = split.diff
+        self.thetas, self.vjp, self.stored = jax.vjp(solve_mode(route, engine=engine), *split.diff, has_aux=True)
+        self.outs = tuple(outs if not net.single_output else outs[0]
+                          for net, (_, outs) in zip(self.nets, self.stored))
+        _check_inputs_independent(split)
+
+    def per_example(self, g_outs: tuple, batch: int, examples: Any = None) -> tuple:
+        """J* g split by example: per differentiated argument, a pytree with a leading axis of the
+        examples (all, or those indexed by ``examples``); ``g_outs``: cotangents of the calls' outputs."""
+        theta_cts = []
+        n = batch if examples is None else len(examples)
+        for plan, net, (prim, _), g, theta in zip(self.plans, self.nets, self.stored, g_outs, self.thetas):
+            _check_per_example(plan, batch)
+            g = (g,) if net.single_output else tuple(g)
+            z_example = jax.eval_shape(lambda: [grp.zeros(plan.unrolled, tangent=True) for grp in plan.state_groups])
+            rhs = jax.linear_transpose(lambda z, plan=plan: output_tangents(plan, z), z_example)(g)[0]
+            lam = back_substitution(plan, prim, rhs)
+            bufs = param_adjoint_per_example(plan, prim, lam, batch, examples)
+            unpack = jax.linear_transpose(lambda th, plan=plan: plan.pack_params(th, tangent=True),
+                                          jax.eval_shape(lambda th=theta: th))
+            theta_cts.append(jax.vmap(lambda b, unpack=unpack: unpack(b)[0])(bufs))
+        if not theta_cts:  # no network uses a parameter
+            return tuple(jax.tree.map(lambda x: jnp.zeros((n, *np.shape(x)), jnp.result_type(x)), d)
+                         for d in self.diff)
+        return jax.vmap(lambda cts: self.vjp(cts))(theta_cts)
+
+
+def _check_inputs_independent(split: _Split) -> None:
+    """Per-example quantities treat the networks' inputs as data: raise where an input depends on
+    the differentiated arguments (a network fed by another's output, an input in ``argnums``)."""
+    def inputs_of(*diff):
+        found = []
+
+        def record(net, params, inputs):  # traced only: the plain call, so outputs depend on what they read
+            found.append(inputs)
+            return net.pick_outputs(net.states(params, *inputs))
+
+        split.run(record, diff)
+        return found
+
+    closed = jax.make_jaxpr(inputs_of)(*split.diff)
+    if _reaches_outputs(closed.jaxpr):
+        raise NotImplementedError(
+            "Per-example gradients, their norms and the GGN diagonal need the networks' inputs to be data: "
+            "here an input of a Network call depends on the differentiated arguments (an input in argnums, or "
+            "one network fed by another's output). Make it one Network (its layers may read any earlier "
+            "state), or use jax.jacrev / jax.vmap(jax.grad) of the per-example loss.")
+
+
+def _reaches_outputs(jaxpr: Any) -> bool:
+    """Whether any output of ``jaxpr`` depends on any of its inputs (every equation counted as
+    depending on all its operands: conservative)."""
+    live = {v for v in jaxpr.invars}
+    for eqn in jaxpr.eqns:
+        if any(not isinstance(v, Literal) and v in live for v in eqn.invars):
+            live.update(eqn.outvars)
+    return any(not isinstance(v, Literal) and v in live for v in jaxpr.outvars)
+
+
+_checked: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _check_per_example(plan: Plan, batch: int) -> None:
+    """Raise where a kind of layer mixes examples: its output for one example is not the output
+    for that example alone (batch statistics, attention across the batch). Checked once per plan
+    and batch size on random data, at trace time."""
+    done = _checked.setdefault(plan, set())
+    if batch in done:
+        return
+    rng = np.random.default_rng(0)
+
+    def sample(aval):
+        if not differentiable_dtype(aval.dtype):
+            if jnp.issubdtype(aval.dtype, jnp.integer):
+                return jnp.asarray(rng.integers(0, 2, aval.shape), aval.dtype)
+            return None
+        return jnp.asarray(rng.standard_normal(aval.shape), aval.dtype)
+
+    with jax.ensure_compile_time_eval():
+        for kind in plan.kinds:
+            theta_avals = tuple(plan.param_groups[g].row_avals() for g in kind.param_groups)
+            input_avals = tuple(plan.state_groups[g].row_avals() for g in kind.read_groups)
+            if not all(differentiable_dtype(a.dtype) or jnp.issubdtype(a.dtype, jnp.integer)
+                       for a in jax.tree.leaves((theta_avals, input_avals))):
+                continue  # PRNG keys and the like: not checked
+            theta = jax.tree.map(sample, theta_avals)
+            leaves, tree = jax.tree.flatten(jax.tree.map(sample, input_avals))
+            batched = [bool(np.ndim(x)) and np.shape(x)[0] == batch for x in leaves]
+            outs = jax.tree.leaves(kind.out_aval)
+            if not any(batched) or not all(len(o.shape) and o.shape[0] == batch for o in outs):
+                names = [layer.name for layer in kind.layers][:4]
+                raise ValueError(
+                    f"Layer(s) {names!r}: per-example gradients, their norms and the GGN diagonal need the batch "
+                    f"({batch} examples) on the leading axis of every state; these layers read "
+                    f"{[tuple(np.shape(x)) for x in leaves]} and return {[tuple(o.shape) for o in outs]}. Put the "
+                    "batch first, or use jax.jacrev / jax.vmap(jax.grad) of a per-example loss.")
+            whole = kind.fn(theta, *tree.unflatten(leaves))
+
+            def alone_fn(ls, kind=kind, theta=theta, tree=tree, batched=batched):
+                one = tree.unflatten([x[None] if b else x for x, b in zip(ls, batched)])
+                return jax.tree.map(lambda o: o[0], kind.fn(theta, *one))
+
+            alone = jax.vmap(alone_fn, in_axes=([0 if b else None for b in batched],))(leaves)
+            for a, b in zip(jax.tree.leaves(whole), jax.tree.leaves(alone)):
+                a64, b64 = np.asarray(a, np.float64), np.asarray(b, np.float64)
+                if a64.shape != b64.shape or not np.allclose(a64, b64, rtol=1e-3, atol=1e-3 * (1 + np.abs(a64).max())):
+                    names = [layer.name for layer in kind.layers][:4]
+                    raise ValueError(
+                        f"Layer(s) {names!r} mix examples: their output for one example is not what they give for "
+                        "that example alone (batch statistics, attention or normalisation across the batch, or a "
+                        "leading axis that is not the batch). Per-example gradients, their norms and the GGN "
+                        "diagonal assume the leading axis of every state is the batch; compute those with "
+                        "jax.jacrev or jax.vmap(jax.grad) of a per-example loss instead.")
+    done.add(batch)
+
+
+def _per_example_losses(split: _Split, outs: tuple, diff: tuple) -> jax.Array:
+    losses = split.loss(outs, *diff)[0]
+    if jnp.ndim(losses) != 1:
+        raise ValueError(f"Per-example gradients need fun to return one loss per example, shape (B,); it returned "
+                         f"shape {jnp.shape(losses)}.")
+    return losses
+
+
+def _leading(tree: Any, n: int) -> Any:
+    return jax.tree.map(lambda x: x[:n], tree)
+
+
+def per_example_grads(fun: Callable, argnums: int | Sequence[int] = 0, *, engine: str = "auto") -> Callable:
+    """The gradient of each example's loss, stacked on a leading axis — ``jax.jacrev(fun)``.
+
+    ``fun`` returns per-example losses, shape (B,), and the leading axis of every network state
+    (and of every row read of a stacked input) is the batch. One forward pass and ONE back
+    substitution ℒ*Λ = ∇_U Σ_b ℓ_b serve every example (row b of Λ is example b's adjoint, since
+    ℓ_b sees only row b of the outputs); then ℳ is applied to each example's rows alone,
+    (∂Φ_i/∂θ)* Λ_i[b] — the layer's VJP on one example — and shared and ``Row`` blocks sum the
+    contributions of every layer that uses them. Terms of ``fun`` that use the arguments
+    directly are added per example (``jax.jacrev`` of them). Layers that mix examples (batch
+    statistics, attention across the batch) raise a ``ValueError``; networks whose inputs depend
+    on the differentiated arguments raise ``NotImplementedError``.
+
+    Example:
+        >>> import jax.numpy as jnp, linbackprop as lbp
+        >>> net = lbp.Network([lbp.Layer("y", lambda th, x: x @ th[0], ("x",), ("w",))], ["x"], "y")
+        >>> losses = lambda p, x: net(p, x)[:, 0] ** 2 / 2
+        >>> g = lbp.per_example_grads(losses)({"w": jnp.ones((2, 1))}, jnp.array([[1.0, 0.0], [0.0, 2.0]]))
+        >>> g["w"][:, :, 0].tolist()      # example b: (x_b·w) x_b
+        [[1.0, 0.0], [0.0, 4.0]]
+    """
+    nums, single = _normalise(argnums)
+
+    def run(*args: Any) -> Any:
+        split = _Split(fun, args, nums, False)
+        calls = _Calls(split, engine)
+        losses = lambda outs, *d: _per_example_losses(split, outs, d)
+        batch = jnp.shape(losses(calls.outs, *split.diff))[0]
+        g_outs = jax.grad(lambda o: jnp.sum(losses(o, *split.diff)))(calls.outs)
+        through_networks = calls.per_example(g_outs, batch)
+        direct = jax.jacrev(lambda *d: losses(calls.outs, *d), argnums=tuple(range(len(nums))))(*split.diff)
+        grads = tuple(_add(a, b) for a, b in zip(direct, through_networks))
+        return grads[0] if single else grads
+
+    return run
+
+
+def per_example_grad_norms(fun: Callable, argnums: int | Sequence[int] = 0, *, engine: str = "auto",
+                           chunk: int = 16) -> Callable:
+    """The (B,) Euclidean norms of the per-example gradients (over every argument ``argnums``
+    names), as ``jnp.linalg.norm`` of :func:`per_example_grads` flattened — without holding all
+    per-example gradients at once: after the one back substitution, ℳ runs on ``chunk`` examples at
+    a time (``lax.map``), keeping only their norms. For DP-SGD clipping.
+
+    Example:
+        >>> import jax.numpy as jnp, linbackprop as lbp
+        >>> net = lbp.Network([lbp.Layer("y", lambda th, x: x @ th[0], ("x",), ("w",))], ["x"], "y")
+        >>> losses = lambda p, x: net(p, x)[:, 0] ** 2 / 2
+        >>> lbp.per_example_grad_norms(losses)({"w": jnp.ones((2, 1))}, jnp.array([[1.0, 0.0], [0.0, 2.0]])).tolist()
+        [1.0, 4.0]
+    """
+    nums, _ = _normalise(argnums)
+
+    def run(*args: Any) -> jax.Array:
+        split = _Split(fun, args, nums, False)
+        calls = _Calls(split, engine)
+        losses = lambda outs, *d: _per_example_losses(split, outs, d)
+        batch = jnp.shape(losses(calls.outs, *split.diff))[0]
+        g_outs = jax.grad(lambda o: jnp.sum(losses(o, *split.diff)))(calls.outs)
+        size = min(chunk, batch)
+        starts = np.arange(0, batch, size)
+
+        def norms(start):
+            examples = jnp.minimum(start + jnp.arange(size), batch - 1)
+            through = calls.per_example(g_outs, batch, examples)
+            direct = jax.vmap(lambda b: jax.grad(lambda *d: losses(calls.outs, *d)[b], argnums=tuple(range(len(nums))))(
+                *split.diff))(examples)
+            total = _add(direct, through)
+            return jnp.sqrt(sum(jnp.sum(jnp.reshape(x, (size, -1)).astype(jnp.result_type(float)) ** 2, axis=1)
+                                for x in jax.tree.leaves(total)))
+
+        return jax.lax.map(norms, jnp.asarray(starts)).reshape(-1)[:batch]
+
+    return run
+
+
+def diag_ggn(fun: Callable, argnums: int | Sequence[int] = 0, *, engine: str = "auto") -> Callable:
+    """The exact diagonal of G = J* H J, shaped like the arguments ``argnums`` names.
+
+    ``fun`` returns a scalar loss that is a sum (or mean) of per-example terms, so that H is block
+    diagonal over the examples (the leading axis of every state is the batch). Each example's
+    block H_b (C × C over its C output coordinates: C products with H, all examples at once) is
+    factored H_b = Σ_k λ_bk s_bk s_bkᵀ (``eigh``: exact for indefinite H too), and
+
+        diag G = Σ_b Σ_k λ_bk (J_b* s_bk)²
+
+    where J_b* s is ℳ on example b's rows of Λ = ℒ⁻* E* s: the C back substitutions run as one
+    batched solve over k (``vmap``), ℳ per example. Costs about C + 2 gradients. Layers that mix
+    examples raise a ``ValueError``.
+
+    Example:
+        >>> import jax.numpy as jnp, linbackprop as lbp
+        >>> net = lbp.Network([lbp.Layer("y", lambda th, x: x @ th[0], ("x",), ("W",))], ["x"], "y")
+        >>> loss = lambda p, x: 0.5 * jnp.sum(net(p, x) ** 2)
+        >>> lbp.diag_ggn(loss)({"W": jnp.ones((2, 1))}, jnp.array([[1.0, 0.0], [0.0, 2.0]]))["W"].tolist()
+        [[1.0], [4.0]]
+    """
+    nums, single = _normalise(argnums)
+
+    def run(*args: Any) -> Any:
+        split = _Split(fun, args, nums, False)
+        calls = _Calls(split, engine)
+        loss = lambda o: split.loss(o, *split.diff)[0]
+        if jnp.ndim(loss(calls.outs)) != 0:
+            raise ValueError("diag_ggn needs fun to return a scalar loss (a sum or mean over examples).")
+        batch = _batch_of(calls)
+        flat_outs, unflatten = _by_example(calls, batch)
+        _, hvp = jax.linearize(jax.grad(loss), calls.outs)
+        coords = flat_outs.shape[1]
+        basis = jnp.broadcast_to(jnp.eye(coords, dtype=flat_outs.dtype)[:, None, :], (coords, batch, coords))
+        columns = jax.vmap(lambda e: _by_example(calls, batch, hvp(unflatten(e)))[0])(basis)  # [C(j), B, C(i)]
+        h = jnp.moveaxis(columns, 0, 2)  # [B, i, j]
+        lam, vecs = jnp.linalg.eigh((h + jnp.swapaxes(h, 1, 2)) / 2)
+
+        def term(k):  # Σ_b λ_bk (J_b* s_bk)²
+            per_example = calls.per_example(unflatten(vecs[:, :, k]), batch)
+            return jax.tree.map(lambda g: jnp.einsum("b,b...->...", lam[:, k].astype(g.dtype), g * g), per_example)
+
+        terms = jax.lax.map(term, jnp.arange(coords))
+        diag = jax.tree.map(lambda t: jnp.sum(t, axis=0), terms)
+        return diag[0] if single else diag
+
+    return run
+
+
+def _batch_of(calls: _Calls) -> int:
+    leaves = jax.tree.leaves(calls.outs)
+    if not leaves:
+        raise ValueError("diag_ggn needs at least one network call whose outputs the loss reads.")
+    return int(np.shape(leaves[0])[0])
+
+
+def _by_example(calls: _Calls, batch: int, outs: Any = None) -> tuple[jax.Array, Callable]:
+    """The calls' outputs as [B, C] (each leaf's batch axis first: axis 0 of a state, axis 1 of a
+    Stack), and the map back from such a matrix to outputs."""
+    outs = calls.outs if outs is None else outs
+    leaves, treedef = jax.tree.flatten(outs)
+    axes = _batch_axes(calls, batch)
+    moved = [jnp.moveaxis(x, ax, 0).reshape(batch, -1) for x, ax in zip(leaves, axes)]
+    sizes = np.cumsum([m.shape[1] for m in moved])[:-1]
+    shapes = [jnp.moveaxis(x, ax, 0).shape for x, ax in zip(leaves, axes)]
+
+    def unflatten(flat):
+        parts = jnp.split(flat, sizes, axis=1)
+        return treedef.unflatten([jnp.moveaxis(p.reshape(s), 0, ax) for p, s, ax in zip(parts, shapes, axes)])
+
+    return jnp.concatenate(moved, axis=1), unflatten
+
+
+def _batch_axes(calls: _Calls, batch: int) -> list[int]:
+    axes = []
+    for net, outs in zip(calls.nets, calls.outs):
+        items = (outs,) if net.single_output else outs
+        for item, value in zip(net.output_spec, items):
+            ax = 1 if isinstance(item, Stack) else 0
+            for leaf in jax.tree.leaves(value):
+                if np.ndim(leaf) <= ax or np.shape(leaf)[ax] != batch:
+                    raise ValueError(f"diag_ggn: an output of {net!r} has shape {np.shape(leaf)}, without the "
+                                     f"batch ({batch}) on axis {ax}; every state's leading axis must be the batch.")
+                axes.append(ax)
+    return axes

@@ -1,0 +1,279 @@
+"""Curvature from the operators against plain-JAX references only: the dense J* H J from
+jax.jacfwd and jax.hessian, products from jax.jvp + jax.vjp, per-example gradients from
+jax.jacrev — on DAGs with skips, shared whole blocks, Row blocks, pytree states, an RNN with tied
+weights reading Row("xs", t), and a tied-embedding transformer; both engines, under jit and vmap."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.flatten_util import ravel_pytree
+from networks import REGISTRY
+
+import linbackprop as lbp
+
+
+def close(a, b, rtol=1e-9, atol=1e-11):
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        assert np.shape(x) == np.shape(y)
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=atol)
+
+
+# -- networks whose states have the batch on the leading axis ------------------------------------
+def per_example_loss(net):
+    """Per-example losses (B,) of every output: sum over the non-batch axes (Stack: axis 1 is the batch)."""
+    def losses(params, *inputs):
+        outs = net(params, *inputs)
+        outs = outs if isinstance(outs, tuple) else (outs,)
+        total = 0.0
+        for item, o in zip(net.output_spec, outs):
+            for leaf in jax.tree.leaves(o):
+                leaf = jnp.moveaxis(leaf, 1, 0) if isinstance(item, lbp.Stack) else leaf
+                total = total + jnp.sum((jnp.sin(leaf) + 0.5 * leaf**2).reshape(leaf.shape[0], -1), axis=1)
+        return total
+
+    return losses
+
+
+def rnn_case():
+    """Tied weights along a sequence read as Row("xs", t), every state stacked as the output."""
+    rng = np.random.default_rng(11)
+    T, B, D, W = 5, 3, 2, 3
+    cell = lambda th, h, x: jnp.tanh(h @ th[0] + x @ th[1] + th[2])
+    layers = [lbp.Layer(t, cell, (t - 1, lbp.Row("xs", t - 1)), ("Wh", "Wx", "b")) for t in range(1, T + 1)]
+    net = lbp.Network(layers, [0, "xs"], lbp.Stack(range(1, T + 1)))
+    params = {"Wh": jnp.asarray(0.5 * rng.standard_normal((W, W))), "Wx": jnp.asarray(rng.standard_normal((D, W))),
+              "b": jnp.asarray(0.1 * rng.standard_normal(W))}
+    inputs = (jnp.asarray(rng.standard_normal((B, W))), jnp.asarray(rng.standard_normal((T, B, D))))
+    return net, params, inputs
+
+
+def transformer_case():
+    """A tiny causal transformer over token ids with tied embeddings (the embedding block is read
+    by the first and the last layer) and Row-stacked blocks."""
+    rng = np.random.default_rng(12)
+    V, L, E, B, depth = 7, 4, 6, 3, 2
+
+    def embed(th, ids):
+        return th[0][ids] + th[1]
+
+    def block(th, h):
+        p = th[0]
+        q, k, v = h @ p["q"], h @ p["k"], h @ p["v"]
+        scores = jnp.einsum("bld,bmd->blm", q, k) / jnp.sqrt(E)
+        scores = jnp.where(jnp.tril(jnp.ones((L, L), bool)), scores, -1e9)
+        h = h + jnp.einsum("blm,bmd->bld", jax.nn.softmax(scores, axis=-1), v) @ p["o"]
+        return h + jnp.tanh(h @ p["m"])
+
+    def unembed(th, h):
+        return h @ th[0].T
+
+    layers = [lbp.Layer("h0", embed, ("ids",), ("emb", "pos"))]
+    layers += [lbp.Layer(f"h{i}", block, (f"h{i - 1}",), (lbp.Row("blocks", i - 1),)) for i in range(1, depth + 1)]
+    layers += [lbp.Layer("logits", unembed, (f"h{depth}",), ("emb",))]
+    net = lbp.Network(layers, ["ids"], "logits")
+    r = lambda *s: jnp.asarray(0.4 * rng.standard_normal(s))
+    params = {"emb": r(V, E), "pos": r(L, E), "blocks": {n: r(depth, E, E) for n in "qkvom"}}
+    ids = jnp.asarray(rng.integers(0, V, (B, L)))
+    targets = jnp.asarray(rng.integers(0, V, (B, L)))
+    return net, params, (ids,), targets
+
+
+def xent_per_example(net, targets):
+    def losses(params, ids):
+        logp = jax.nn.log_softmax(net(params, ids), axis=-1)
+        return -jnp.sum(jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0], axis=1)
+
+    return losses
+
+
+def cases():
+    out = {}
+    for name in ("chain", "skips", "densenet", "rnn", "lstm", "multi_input", "conv", "stacked"):
+        c = REGISTRY[name]()
+        out[name] = (per_example_loss(c.net), c.params, c.inputs)
+    net, params, inputs = rnn_case()
+    out["rnn-rows"] = (per_example_loss(net), params, inputs)
+    net, params, inputs, targets = transformer_case()
+    out["transformer"] = (xent_per_example(net, targets), params, inputs)
+    return out
+
+
+CASES = cases()
+
+
+# -- Gauss–Newton ---------------------------------------------------------------------------------
+def reference_ggn(losses, params, inputs):
+    """Dense J* H J from plain JAX: J by jacfwd of the network outputs, H by jax.hessian of the
+    loss as a function of the outputs (the networks replaced by their values)."""
+    flat, unravel = ravel_pytree(params)
+    calls = []
+
+    def model(v):
+        calls.clear()
+        return _outputs_of(losses, unravel(v), inputs)
+
+    outs = model(flat)
+    out_flat, out_unravel = ravel_pytree(outs)
+    jac = jax.jacfwd(lambda v: ravel_pytree(model(v))[0])(flat)
+    hess = jax.hessian(lambda o: jnp.sum(_loss_of_outputs(losses, params, inputs, out_unravel(o))))(out_flat)
+    return jac.T @ hess @ jac
+
+
+def _outputs_of(losses, params, inputs):
+    recorded = []
+    from linbackprop._transforms import calls_intercepted
+
+    def record(net, p, xs):
+        out = net(p, *xs)
+        recorded.append(out)
+        return out
+
+    with calls_intercepted(record):
+        losses(params, *inputs)
+    return tuple(recorded)
+
+
+def _loss_of_outputs(losses, params, inputs, outs):
+    from linbackprop._transforms import calls_intercepted
+
+    replay = iter(outs)
+    with calls_intercepted(lambda net, p, xs: next(replay)):
+        return losses(params, *inputs)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_gauss_newton_dense_and_products(name):
+    losses, params, inputs = CASES[name]
+    loss = lambda p, *xs: jnp.sum(losses(p, *xs))
+    value, grad, G = jax.jit(lbp.gauss_newton(loss))(params, *inputs)
+    ref_value, ref_grad = jax.value_and_grad(loss)(params, *inputs)
+    close(value, ref_value)
+    close(grad, ref_grad)
+    dense = reference_ggn(losses, params, inputs)
+    np.testing.assert_allclose(G.todense(), dense, rtol=1e-8, atol=1e-10)
+    np.testing.assert_allclose(G.T.todense(), dense.T, rtol=1e-8, atol=1e-10)
+    v = jax.tree.map(lambda x: jnp.asarray(np.random.default_rng(1).standard_normal(np.shape(x))), params)
+    flat_v = ravel_pytree(v)[0]
+    close(ravel_pytree(G.mv(v))[0], dense @ flat_v, rtol=1e-8, atol=1e-10)
+
+
+@pytest.mark.parametrize("engine", ["loop", "unrolled"])
+def test_gauss_newton_product_against_jvp_and_vjp_on_a_deep_row_chain(engine):
+    """G v = J*(H(J v)) with J v by jax.jvp and J* by jax.vjp of the plain network; squared error
+    (G is the Fisher) with a weight decay term that G leaves out."""
+    rng = np.random.default_rng(3)
+    n, w = 20, 4
+    net = lbp.Network([lbp.Layer(i, lambda th, u: u + jnp.tanh(u @ th[0]), (i - 1,), (lbp.Row("W", i - 1),))
+                       for i in range(1, n + 1)], [0], n)
+    p = {"W": jnp.asarray(0.3 * rng.standard_normal((n, w, w)))}
+    x, y = jnp.asarray(rng.standard_normal((6, w))), jnp.asarray(rng.standard_normal((6, w)))
+    loss = lambda p, x: 0.5 * jnp.sum((net(p, x) - y) ** 2) + 1e-2 * jnp.sum(p["W"] ** 2)
+    v = {"W": jnp.asarray(rng.standard_normal((n, w, w)))}
+    _, grad, G = lbp.gauss_newton(loss, engine=engine)(p, x)
+    close(grad, jax.grad(loss)(p, x))
+    _, jv = jax.jvp(lambda q: net(q, x), (p,), (v,))
+    expected = jax.vjp(lambda q: net(q, x), p)[1](jv)[0]  # H = I for squared error
+    close(G.mv(v), expected, rtol=1e-9, atol=1e-11)
+
+
+def test_levenberg_marquardt_step_with_cg_under_jit():
+    """A jitted Levenberg–Marquardt step: cg on G + λI, from the stored linearisation."""
+    losses, params, inputs = CASES["skips"]
+    loss = lambda p, *xs: jnp.sum(losses(p, *xs))
+
+    @jax.jit
+    def step(p, x):
+        _, grad, G = lbp.gauss_newton(loss)(p, x)
+        delta, _ = jax.scipy.sparse.linalg.cg(lambda v: jax.tree.map(lambda a, b: a + 0.1 * b, G.mv(v), v), grad,
+                                              tol=1e-12, maxiter=500)
+        return delta
+
+    delta = step(params, *inputs)
+    dense = reference_ggn(losses, params, inputs) + 0.1 * np.eye(ravel_pytree(params)[0].size)
+    expected = np.linalg.solve(dense, ravel_pytree(jax.grad(loss)(params, *inputs))[0])
+    np.testing.assert_allclose(ravel_pytree(delta)[0], expected, rtol=1e-6, atol=1e-9)
+
+
+def test_gauss_newton_with_several_arguments_and_aux():
+    losses, params, inputs = CASES["multi_input"]
+    loss = lambda p, x, z: (jnp.sum(losses(p, x, z)), {"n": 1.0})
+    (_, aux), grad, G = lbp.gauss_newton(loss, argnums=(0, 1), has_aux=True)(params, *inputs)
+    ref = jax.grad(lambda *a: loss(*a)[0], argnums=(0, 1))(params, *inputs)
+    close(grad, ref)
+    assert aux == {"n": 1.0}
+    v = jax.tree.map(jnp.ones_like, (params, inputs[0]))
+    u = G.mv(v)
+    assert jax.tree.structure(u) == jax.tree.structure(v)
+    # symmetric: ⟨u, G v⟩ = ⟨G u, v⟩
+    w = jax.tree.map(lambda a: jnp.cos(jnp.arange(a.size, dtype=a.dtype).reshape(a.shape)), v)
+    dot = lambda a, b: sum(jnp.vdot(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+    np.testing.assert_allclose(dot(w, G.mv(v)), dot(G.mv(w), v), rtol=1e-10)
+
+
+# -- per-example gradients and norms --------------------------------------------------------------
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_per_example_gradients_equal_jacrev(name):
+    losses, params, inputs = CASES[name]
+    ours = jax.jit(lbp.per_example_grads(losses))(params, *inputs)
+    close(ours, jax.jacrev(losses)(params, *inputs), rtol=1e-9, atol=1e-11)
+    norms = jax.jit(lbp.per_example_grad_norms(losses, chunk=2))(params, *inputs)
+    flat = jax.vmap(lambda g: ravel_pytree(g)[0])(jax.jacrev(losses)(params, *inputs))
+    np.testing.assert_allclose(norms, jnp.linalg.norm(flat, axis=1), rtol=1e-9)
+
+
+@pytest.mark.parametrize("engine", ["loop", "unrolled"])
+def test_per_example_gradients_with_a_direct_term_and_both_engines(engine):
+    net, params, inputs = rnn_case()
+    losses = lambda p, h0, xs: per_example_loss(net)(p, h0, xs) + 0.1 * jnp.sum(p["b"] ** 2) * jnp.arange(3.0)
+    close(lbp.per_example_grads(losses, engine=engine)(params, *inputs), jax.jacrev(losses)(params, *inputs))
+
+
+def test_per_example_gradients_under_vmap():
+    """vmap over independent problems (e.g. ensembles of parameters)."""
+    losses, params, inputs = CASES["chain"]
+    stacked = jax.tree.map(lambda a: jnp.stack([a, 1.1 * a]), params)
+    ours = jax.vmap(lambda p: lbp.per_example_grads(losses)(p, *inputs))(stacked)
+    ref = jax.vmap(lambda p: jax.jacrev(losses)(p, *inputs))(stacked)
+    close(ours, ref)
+
+
+def test_layers_that_mix_examples_raise():
+    """Batch statistics: the output for one example depends on the others."""
+    bn = lambda th, u: (u - u.mean(0)) / (u.std(0) + 1.0) @ th[0]
+    net = lbp.Network([lbp.Layer("y", bn, ("x",), ("W",))], ["x"], "y")
+    losses = lambda p, x: jnp.sum(net(p, x) ** 2, axis=1)
+    p, x = {"W": jnp.ones((3, 2))}, jnp.asarray(np.random.default_rng(0).standard_normal((5, 3)))
+    with pytest.raises(ValueError, match=r"\['y'\] mix examples"):
+        lbp.per_example_grads(losses)(p, x)
+    with pytest.raises(ValueError, match="mix examples"):
+        lbp.diag_ggn(lambda p, x: jnp.sum(losses(p, x)))(p, x)
+
+
+def test_batch_not_leading_raises():
+    case = REGISTRY["seed"]()  # states are (features, examples)
+    losses = lambda p, u: jnp.sum(case.net(p, u) ** 2, axis=0)
+    with pytest.raises(ValueError, match="leading axis"):
+        lbp.per_example_grads(losses)(case.params, *case.inputs)
+
+
+def test_chained_networks_are_refused_for_per_example():
+    a = lbp.Network([lbp.Layer("h", lambda th, x: jnp.tanh(x @ th[0]), ("x",), ("A",))], ["x"], "h")
+    b = lbp.Network([lbp.Layer("y", lambda th, h: h @ th[0], ("h",), ("B",))], ["h"], "y")
+    losses = lambda p, x: jnp.sum(b(p, a(p, x)) ** 2, axis=1)
+    p, x = {"A": jnp.ones((2, 2)), "B": jnp.ones((2, 1))}, jnp.ones((3, 2))
+    with pytest.raises(NotImplementedError, match="inputs to be data"):
+        lbp.per_example_grads(losses)(p, x)
+
+
+# -- the GGN diagonal -----------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["chain", "skips", "stacked", "rnn-rows", "transformer", "lstm"])
+def test_diag_ggn_is_the_diagonal_of_the_dense_ggn(name):
+    losses, params, inputs = CASES[name]
+    loss = lambda p, *xs: jnp.sum(losses(p, *xs))
+    ours = jax.jit(lbp.diag_ggn(loss))(params, *inputs)
+    dense = reference_ggn(losses, params, inputs)
+    np.testing.assert_allclose(ravel_pytree(ours)[0], np.diag(dense), rtol=1e-8, atol=1e-10)
