@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import Literal
 
-from ._engine import back_substitution, param_adjoint_per_example
+from ._engine import back_substitution, param_adjoint_per_example, param_adjoint_squares
 from ._graph import Network, Stack
 from ._operators import LinearOperator
 from ._plan import Plan, differentiable_dtype
@@ -84,6 +84,14 @@ class GaussNewton(LinearOperator):
     linearisation: ``mv(v)`` is J v (a forward substitution and ℳ*), H (J v) (the loss's Hessian
     w.r.t. the outputs, linearised once) and J* (a back substitution and ℳ). Symmetric:
     ``G.T`` is ``G``. A pytree (its leaves are the stored residuals), so it can cross ``jax.jit``.
+    Made by :func:`gauss_newton`.
+
+    Example:
+        >>> import jax.numpy as jnp, linbackprop as lbp
+        >>> net = lbp.Network([lbp.Layer("y", lambda th, x: 2.0 * x @ th[0], ("x",), ("w",))], ["x"], "y")
+        >>> _, _, G = lbp.gauss_newton(lambda p, x: 0.5 * jnp.sum(net(p, x) ** 2))({"w": jnp.ones(2)}, jnp.eye(2))
+        >>> G.mv({"w": jnp.array([1.0, 0.0])})["w"].tolist(), G.T is G      # J*J = 4 I
+        ([4.0, 0.0], True)
     """
 
     symbol = "G"
@@ -199,8 +207,11 @@ class _Calls:
         self.plans: list[Plan] = []
         self.nets: list[Network] = []
 
+        self.placement: list[list[int | None]] = []  # per call, per θ leaf: the argument leaf it is
+
         def route(*diff):
             thetas, stored = [], []
+            position = {id(leaf): n for n, leaf in enumerate(jax.tree.leaves(diff))}
 
             def forward(net, params, inputs):
                 net.check_inputs(inputs)
@@ -211,6 +222,7 @@ class _Calls:
                 plan, prim = prepare(live, jax.lax.stop_gradient(theta), tuple(jax.lax.stop_gradient(inputs)))
                 outs = outputs_of(plan, prim.states)
                 thetas.append(theta)
+                self.placement.append([position.get(id(leaf)) for leaf in jax.tree.leaves(theta)])
                 stored.append((prim, outs))
                 self.plans.append(plan)
                 self.nets.append(net)
@@ -232,10 +244,7 @@ class _Calls:
         n = batch if examples is None else len(examples)
         for plan, net, (prim, _), g, theta in zip(self.plans, self.nets, self.stored, g_outs, self.thetas):
             _check_per_example(plan, batch)
-            g = (g,) if net.single_output else tuple(g)
-            z_example = jax.eval_shape(lambda: [grp.zeros(plan.unrolled, tangent=True) for grp in plan.state_groups])
-            rhs = jax.linear_transpose(lambda z, plan=plan: output_tangents(plan, z), z_example)(g)[0]
-            lam = back_substitution(plan, prim, rhs)
+            lam = back_substitution(plan, prim, self._rhs(plan, net, g))
             bufs = param_adjoint_per_example(plan, prim, lam, batch, examples)
             unpack = jax.linear_transpose(lambda th, plan=plan: plan.pack_params(th, tangent=True),
                                           jax.eval_shape(lambda th=theta: th))
@@ -244,6 +253,34 @@ class _Calls:
             return tuple(jax.tree.map(lambda x: jnp.zeros((n, *np.shape(x)), jnp.result_type(x)), d)
                          for d in self.diff)
         return jax.vmap(lambda cts: self.vjp(cts))(theta_cts)
+
+
+    def squares(self, g_outs: tuple, batch: int, weights: jax.Array) -> tuple | None:
+        """Σ_b w_b (J_b* g)², elementwise, per differentiated argument — where each argument leaf
+        is one parameter block of one call, as it is (then squares commute with the map from the
+        arguments to the blocks); else None."""
+        used = [n for call in self.placement for n in call]
+        if any(n is None for n in used) or len(set(used)) != len(used):
+            return None
+        leaves, treedef = jax.tree.flatten(self.diff)
+        result = [jnp.zeros(np.shape(x), jnp.result_type(x)) for x in leaves]
+        for plan, net, (prim, _), g, theta, place in zip(self.plans, self.nets, self.stored, g_outs, self.thetas,
+                                                         self.placement):
+            _check_per_example(plan, batch)
+            lam = back_substitution(plan, prim, self._rhs(plan, net, g))
+            bufs = param_adjoint_squares(plan, prim, lam, batch, weights)
+            unpack = jax.linear_transpose(lambda th, plan=plan: plan.pack_params(th, tangent=True),
+                                          jax.eval_shape(lambda th=theta: th))
+            for n, sq in zip(place, jax.tree.leaves(unpack(bufs)[0])):
+                result[n] = result[n] + sq.astype(result[n].dtype)
+        return tuple(jax.tree.unflatten(treedef, result))
+
+    @staticmethod
+    def _rhs(plan: Plan, net: Network, g: Any) -> list[Any]:
+        """The back substitution's right-hand side E* g from cotangents of a call's outputs."""
+        g = (g,) if net.single_output else tuple(g)
+        z_example = jax.eval_shape(lambda: [grp.zeros(plan.unrolled, tangent=True) for grp in plan.state_groups])
+        return jax.linear_transpose(lambda z: output_tangents(plan, z), z_example)(g)[0]
 
 
 def _check_inputs_independent(split: _Split) -> None:
@@ -462,6 +499,9 @@ def diag_ggn(fun: Callable, argnums: int | Sequence[int] = 0, *, engine: str = "
         lam, vecs = jnp.linalg.eigh((h + jnp.swapaxes(h, 1, 2)) / 2)
 
         def term(k):  # Σ_b λ_bk (J_b* s_bk)²
+            squares = calls.squares(unflatten(vecs[:, :, k]), batch, lam[:, k])
+            if squares is not None:
+                return squares
             per_example = calls.per_example(unflatten(vecs[:, :, k]), batch)
             return jax.tree.map(lambda g: jnp.einsum("b,b...->...", lam[:, k].astype(g.dtype), g * g), per_example)
 
@@ -473,10 +513,12 @@ def diag_ggn(fun: Callable, argnums: int | Sequence[int] = 0, *, engine: str = "
 
 
 def _batch_of(calls: _Calls) -> int:
-    leaves = jax.tree.leaves(calls.outs)
-    if not leaves:
-        raise ValueError("diag_ggn needs at least one network call whose outputs the loss reads.")
-    return int(np.shape(leaves[0])[0])
+    """The batch: the leading axis of the first output state (axis 1 of a Stack)."""
+    for net, outs in zip(calls.nets, calls.outs):
+        for item, value in zip(net.output_spec, (outs,) if net.single_output else outs):
+            for leaf in jax.tree.leaves(value):
+                return int(np.shape(leaf)[1 if isinstance(item, Stack) else 0])
+    raise ValueError("diag_ggn needs at least one network call with an output.")
 
 
 def _by_example(calls: _Calls, batch: int, outs: Any = None) -> tuple[jax.Array, Callable]:

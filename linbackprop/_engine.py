@@ -690,3 +690,56 @@ def param_adjoint_per_example(plan: Plan, prim: Primal, lam: list[Any], batch: i
             idx = kind.by_member.params[:n, p]
             out[g] = jax.vmap(lambda o, c, idx=idx: _scatter_add(o, idx, c), in_axes=(0, 1))(out[g], ct)
     return out
+
+
+def param_adjoint_squares(plan: Plan, prim: Primal, lam: list[Any], batch: int, weights: jax.Array) -> list[Any]:
+    """Σ_b w_b (ℳ Λ restricted to example b)², elementwise, in the parameter layout (no batch
+    axis): what the GGN diagonal sums. Where a row of a block is used by one layer only, its
+    per-example cotangents are squared and summed over the examples as they are formed (XLA fuses
+    them: no [batch, parameters] buffer); rows used by several layers (shared blocks) first add
+    the layers' contributions per example, then square."""
+    uses: dict[tuple[int, int], int] = {}
+    for kind in plan.kinds:
+        for p, g in enumerate(kind.param_groups):
+            for row in kind.by_member.params[:kind.size, p]:
+                uses[(g, int(row))] = uses.get((g, int(row)), 0) + 1
+    exclusive = {g for g in range(len(plan.param_groups))
+                 if all(n <= 1 for (gg, _), n in uses.items() if gg == g)}
+    out = [g.zeros(plan.unrolled, tangent=True) for g in plan.param_groups]
+    shared = {g: jax.tree.map(lambda z: jnp.zeros((batch, *z.shape), z.dtype), plan.param_groups[g].zeros(
+        plan.unrolled, tangent=True)) for g in range(len(plan.param_groups)) if g not in exclusive}
+    square_sum = lambda ct: jax.tree.map(lambda c: jnp.einsum("b,b...->...", weights.astype(c.dtype), c * c), ct)
+    for kind in plan.kinds:
+        n = kind.size
+        if lam[kind.out_group] is None or not kind.param_groups:
+            continue
+        lam_k = read_rows(lam[kind.out_group], kind.by_member.out[:n])
+        theta, inputs = _arguments(plan, kind, prim, np.arange(n))
+        out_group = plan.state_groups[kind.out_group]
+        param_groups = [plan.param_groups[g] for g in kind.param_groups]
+        leaves, tree = jax.tree.flatten(inputs)
+        rows = jax.tree.leaves(tuple(plan.state_groups[g].row_avals() for g in kind.read_groups))
+        batched = [bool(a.ndim) and a.shape[0] == batch for a in rows]
+        squared = tuple(g in exclusive for g in kind.param_groups)
+
+        def member(theta, leaves, lam_i, kind=kind, out_group=out_group, param_groups=param_groups, tree=tree,
+                   batched=batched, squared=squared):
+            def example(leaves_b, lam_b):
+                one = tree.unflatten([x[None] if b else x for x, b in zip(leaves_b, batched)])
+                _, vjp = jax.vjp(lambda th: kind.fn(th, *one), theta)
+                cts = vjp(out_group.full_tangent(jax.tree.map(lambda x: x[None], lam_b)))[0]
+                return tuple(g.tangent(ct) for g, ct in zip(param_groups, cts))
+
+            cts = jax.vmap(example, in_axes=([0 if b else None for b in batched], 0))(leaves, lam_i)
+            return tuple(square_sum(ct) if sq else ct for ct, sq in zip(cts, squared))
+
+        cts = jax.vmap(member)(theta, leaves, lam_k)
+        for p, (g, ct) in enumerate(zip(kind.param_groups, cts)):
+            idx = kind.by_member.params[:n, p]
+            if g in exclusive:  # [n, ...]: squared sums already
+                out[g] = _scatter_add(out[g], idx, ct)
+            else:  # [n, batch, ...]: per example, summed over the layers first
+                shared[g] = jax.vmap(lambda o, c, idx=idx: _scatter_add(o, idx, c), in_axes=(0, 1))(shared[g], ct)
+    for g, acc in shared.items():
+        out[g] = jax.tree.map(jnp.add, out[g], square_sum(acc))
+    return out

@@ -277,3 +277,12 @@ def test_diag_ggn_is_the_diagonal_of_the_dense_ggn(name):
     ours = jax.jit(lbp.diag_ggn(loss))(params, *inputs)
     dense = reference_ggn(losses, params, inputs)
     np.testing.assert_allclose(ravel_pytree(ours)[0], np.diag(dense), rtol=1e-8, atol=1e-10)
+
+
+def test_diag_ggn_through_a_transformation_of_the_parameters():
+    """Parameters that reach the network through user code (here scaled): the general path."""
+    losses, params, inputs = CASES["skips"]
+    loss = lambda p, *xs: jnp.sum(losses(jax.tree.map(lambda a: 1.5 * a, p), *xs))
+    ours = lbp.diag_ggn(loss)(params, *inputs)
+    dense = reference_ggn(lambda p, *xs: losses(jax.tree.map(lambda a: 1.5 * a, p), *xs), params, inputs)
+    np.testing.assert_allclose(ravel_pytree(ours)[0], np.diag(dense), rtol=1e-8, atol=1e-10)
