@@ -328,19 +328,17 @@ def _check_per_example(plan: Plan, batch: int) -> None:
     rng = np.random.default_rng(0)
 
     def sample(aval):
+        if jax.dtypes.issubdtype(aval.dtype, jax.dtypes.prng_key):  # keys: a dropout mask must not mix either
+            keys = jax.random.split(jax.random.key(0, impl=jax.random.key_impl(jax.random.key(0))), max(1, aval.size))
+            return keys[: aval.size].reshape(aval.shape)
         if not differentiable_dtype(aval.dtype):
-            if jnp.issubdtype(aval.dtype, jnp.integer):
-                return jnp.asarray(rng.integers(0, 2, aval.shape), aval.dtype)
-            return None
+            return jnp.asarray(rng.integers(0, 2, aval.shape), aval.dtype)
         return jnp.asarray(rng.standard_normal(aval.shape), aval.dtype)
 
     with jax.ensure_compile_time_eval():
         for kind in plan.kinds:
             theta_avals = tuple(plan.param_groups[g].row_avals() for g in kind.param_groups)
             input_avals = tuple(plan.state_groups[g].row_avals() for g in kind.read_groups)
-            if not all(differentiable_dtype(a.dtype) or jnp.issubdtype(a.dtype, jnp.integer)
-                       for a in jax.tree.leaves((theta_avals, input_avals))):
-                continue  # PRNG keys and the like: not checked
             theta = jax.tree.map(sample, theta_avals)
             leaves, tree = jax.tree.flatten(jax.tree.map(sample, input_avals))
             batched = [bool(np.ndim(x)) and np.shape(x)[0] == batch for x in leaves]

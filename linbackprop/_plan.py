@@ -738,7 +738,7 @@ def periodic_segments(step_kind: np.ndarray, kinds: int) -> list[tuple[int, int,
     return [p for p in parts if p[1] > p[0]]
 
 
-@functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=32)
 def make_plan(net: Network, param_structs: tuple, input_structs: tuple, engine: str = "auto") -> Plan:
     """The layout for ``net`` at the given shapes (``param_structs`` follows ``net.param_names``)."""
     params = {p: _unstruct(s) for p, s in zip(net.param_names, param_structs)}
