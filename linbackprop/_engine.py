@@ -645,6 +645,36 @@ def param_adjoint(plan: Plan, prim: Primal, lam: list[Any]) -> list[Any]:
     return out
 
 
+def _per_example_param_cts(plan: Plan, prim: Primal, kind: Kind, lam: list[Any], batch: int, examples: Any,
+                           reduce: tuple[Callable | None, ...]) -> tuple:
+    """Per parameter slot of ``kind``: [members, examples, ...] cotangents (∂Φ_i/∂θ)* Λ_i[b], each
+    the layer's VJP on example b alone; a slot with a ``reduce`` gets it applied over the
+    examples instead, as the cotangents are formed ([members, ...])."""
+    n = kind.size
+    lam_k = read_rows(lam[kind.out_group], kind.by_member.out[:n])
+    theta, inputs = _arguments(plan, kind, prim, np.arange(n))
+    out_group = plan.state_groups[kind.out_group]
+    param_groups = [plan.param_groups[g] for g in kind.param_groups]
+    leaves, tree = jax.tree.flatten(inputs)  # each [n, ...]: the members stacked
+    rows = jax.tree.leaves(tuple(plan.state_groups[g].row_avals() for g in kind.read_groups))
+    batched = [bool(a.ndim) and a.shape[0] == batch for a in rows]
+    if examples is not None:  # the members' rows of those examples: axis 1 (axis 0: the members)
+        leaves = [jnp.take(x, examples, axis=1) if b else x for x, b in zip(leaves, batched)]
+        lam_k = jax.tree.map(lambda x: jnp.take(x, examples, axis=1), lam_k)
+
+    def member(theta, leaves, lam_i):
+        def example(leaves_b, lam_b):
+            one = tree.unflatten([x[None] if b else x for x, b in zip(leaves_b, batched)])
+            _, vjp = jax.vjp(lambda th: kind.fn(th, *one), theta)
+            cts = vjp(out_group.full_tangent(jax.tree.map(lambda x: x[None], lam_b)))[0]
+            return tuple(g.tangent(ct) for g, ct in zip(param_groups, cts))
+
+        cts = jax.vmap(example, in_axes=([0 if b else None for b in batched], 0))(leaves, lam_i)
+        return tuple(ct if r is None else r(ct) for ct, r in zip(cts, reduce))
+
+    return jax.vmap(member)(theta, leaves, lam_k)
+
+
 def param_adjoint_per_example(plan: Plan, prim: Primal, lam: list[Any], batch: int,
                               examples: Any = None) -> list[Any]:
     """ℳ Λ split by example: parameter-layout buffers with a leading axis of ``batch``, row b the
@@ -660,34 +690,11 @@ def param_adjoint_per_example(plan: Plan, prim: Primal, lam: list[Any], batch: i
     out = [jax.tree.map(lambda z: jnp.zeros((wanted, *z.shape), z.dtype), g.zeros(plan.unrolled, tangent=True))
            for g in plan.param_groups]
     for kind in plan.kinds:
-        n = kind.size
         if lam[kind.out_group] is None or not kind.param_groups:
             continue
-        members = np.arange(n)
-        lam_k = read_rows(lam[kind.out_group], kind.by_member.out[:n])
-        theta, inputs = _arguments(plan, kind, prim, members)
-        out_group = plan.state_groups[kind.out_group]
-        param_groups = [plan.param_groups[g] for g in kind.param_groups]
-        leaves, tree = jax.tree.flatten(inputs)  # each [n, ...]: the members stacked
-        rows = jax.tree.leaves(tuple(plan.state_groups[g].row_avals() for g in kind.read_groups))
-        batched = [bool(a.ndim) and a.shape[0] == batch for a in rows]
-        if examples is not None:  # the members' rows of those examples: axis 1 (axis 0: the members)
-            leaves = [jnp.take(x, examples, axis=1) if b else x for x, b in zip(leaves, batched)]
-            lam_k = jax.tree.map(lambda x: jnp.take(x, examples, axis=1), lam_k)
-
-        def member(theta, leaves, lam_i, kind=kind, out_group=out_group, param_groups=param_groups, tree=tree,
-                   batched=batched):
-            def example(leaves_b, lam_b):
-                one = tree.unflatten([x[None] if b else x for x, b in zip(leaves_b, batched)])
-                _, vjp = jax.vjp(lambda th: kind.fn(th, *one), theta)
-                cts = vjp(out_group.full_tangent(jax.tree.map(lambda x: x[None], lam_b)))[0]
-                return tuple(g.tangent(ct) for g, ct in zip(param_groups, cts))
-
-            return jax.vmap(example, in_axes=([0 if b else None for b in batched], 0))(leaves, lam_i)
-
-        cts = jax.vmap(member)(theta, leaves, lam_k)  # per slot: [n, batch, ...]
-        for p, (g, ct) in enumerate(zip(kind.param_groups, cts)):
-            idx = kind.by_member.params[:n, p]
+        cts = _per_example_param_cts(plan, prim, kind, lam, batch, examples, (None,) * len(kind.param_groups))
+        for p, (g, ct) in enumerate(zip(kind.param_groups, cts)):  # ct: [members, examples, ...]
+            idx = kind.by_member.params[:kind.size, p]
             out[g] = jax.vmap(lambda o, c, idx=idx: _scatter_add(o, idx, c), in_axes=(0, 1))(out[g], ct)
     return out
 
@@ -703,42 +710,21 @@ def param_adjoint_squares(plan: Plan, prim: Primal, lam: list[Any], batch: int, 
         for p, g in enumerate(kind.param_groups):
             for row in kind.by_member.params[:kind.size, p]:
                 uses[(g, int(row))] = uses.get((g, int(row)), 0) + 1
-    exclusive = {g for g in range(len(plan.param_groups))
-                 if all(n <= 1 for (gg, _), n in uses.items() if gg == g)}
+    exclusive = {g for g in range(len(plan.param_groups)) if all(n <= 1 for (gg, _), n in uses.items() if gg == g)}
     out = [g.zeros(plan.unrolled, tangent=True) for g in plan.param_groups]
     shared = {g: jax.tree.map(lambda z: jnp.zeros((batch, *z.shape), z.dtype), plan.param_groups[g].zeros(
         plan.unrolled, tangent=True)) for g in range(len(plan.param_groups)) if g not in exclusive}
     square_sum = lambda ct: jax.tree.map(lambda c: jnp.einsum("b,b...->...", weights.astype(c.dtype), c * c), ct)
     for kind in plan.kinds:
-        n = kind.size
         if lam[kind.out_group] is None or not kind.param_groups:
             continue
-        lam_k = read_rows(lam[kind.out_group], kind.by_member.out[:n])
-        theta, inputs = _arguments(plan, kind, prim, np.arange(n))
-        out_group = plan.state_groups[kind.out_group]
-        param_groups = [plan.param_groups[g] for g in kind.param_groups]
-        leaves, tree = jax.tree.flatten(inputs)
-        rows = jax.tree.leaves(tuple(plan.state_groups[g].row_avals() for g in kind.read_groups))
-        batched = [bool(a.ndim) and a.shape[0] == batch for a in rows]
-        squared = tuple(g in exclusive for g in kind.param_groups)
-
-        def member(theta, leaves, lam_i, kind=kind, out_group=out_group, param_groups=param_groups, tree=tree,
-                   batched=batched, squared=squared):
-            def example(leaves_b, lam_b):
-                one = tree.unflatten([x[None] if b else x for x, b in zip(leaves_b, batched)])
-                _, vjp = jax.vjp(lambda th: kind.fn(th, *one), theta)
-                cts = vjp(out_group.full_tangent(jax.tree.map(lambda x: x[None], lam_b)))[0]
-                return tuple(g.tangent(ct) for g, ct in zip(param_groups, cts))
-
-            cts = jax.vmap(example, in_axes=([0 if b else None for b in batched], 0))(leaves, lam_i)
-            return tuple(square_sum(ct) if sq else ct for ct, sq in zip(cts, squared))
-
-        cts = jax.vmap(member)(theta, leaves, lam_k)
+        reduce = tuple(square_sum if g in exclusive else None for g in kind.param_groups)
+        cts = _per_example_param_cts(plan, prim, kind, lam, batch, None, reduce)
         for p, (g, ct) in enumerate(zip(kind.param_groups, cts)):
-            idx = kind.by_member.params[:n, p]
-            if g in exclusive:  # [n, ...]: squared sums already
+            idx = kind.by_member.params[:kind.size, p]
+            if g in exclusive:  # [members, ...]: squared sums already
                 out[g] = _scatter_add(out[g], idx, ct)
-            else:  # [n, batch, ...]: per example, summed over the layers first
+            else:  # [members, batch, ...]: per example, summed over the layers first
                 shared[g] = jax.vmap(lambda o, c, idx=idx: _scatter_add(o, idx, c), in_axes=(0, 1))(shared[g], ct)
     for g, acc in shared.items():
         out[g] = jax.tree.map(jnp.add, out[g], square_sum(acc))
