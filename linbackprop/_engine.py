@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from ._outer import square_sums
 from ._plan import Group, Kind, Plan, RowList, Writes, as_dtype, vjp_layout
 from ._stacking import index_row, update_row, zeros_of
 
@@ -662,6 +663,10 @@ def _per_example_param_cts(plan: Plan, prim: Primal, kind: Kind, lam: list[Any],
         leaves = [jnp.take(x, examples, axis=1) if b else x for x, b in zip(leaves, batched)]
         lam_k = jax.tree.map(lambda x: jnp.take(x, examples, axis=1), lam_k)
 
+    if any(r is not None for r in reduce):
+        return jax.vmap(lambda th, ls, lm: _square_summed_member(kind, out_group, param_groups, tree, batched, reduce,
+                                                                 th, ls, lm))(theta, leaves, lam_k)
+
     def member(theta, leaves, lam_i):
         def example(leaves_b, lam_b):
             one = tree.unflatten([x[None] if b else x for x, b in zip(leaves_b, batched)])
@@ -673,6 +678,35 @@ def _per_example_param_cts(plan: Plan, prim: Primal, kind: Kind, lam: list[Any],
         return tuple(ct if r is None else r(ct) for ct, r in zip(cts, reduce))
 
     return jax.vmap(member)(theta, leaves, lam_k)
+
+
+def _square_summed_member(kind: Kind, out_group: Group, param_groups: list[Group], tree: Any, batched: list[bool],
+                          reduce: tuple, theta: tuple, leaves: list, lam: Any) -> tuple:
+    """One member's per-slot cotangents over the examples: Σ_b w_b ct_b² for the slots with a
+    ``reduce`` (its weights, as matrix products where the cotangent is an outer product:
+    :func:`square_sums`), [examples, ...] for the others."""
+    th_leaves, th_tree = jax.tree.flatten(theta)
+    lam_leaves, lam_tree = jax.tree.flatten(lam)
+    nt, nx = len(th_leaves), len(leaves)
+
+    def per_example(*flat):
+        one = tree.unflatten([x[None] if b else x for x, b in zip(flat[nt:nt + nx], batched)])
+        _, vjp = jax.vjp(lambda t: kind.fn(t, *one), th_tree.unflatten(flat[:nt]))
+        lam_one = jax.tree.map(lambda x: x[None], lam_tree.unflatten(flat[nt + nx:]))
+        cts = vjp(out_group.full_tangent(lam_one))[0]
+        return jax.tree.leaves(tuple(g.tangent(ct) for g, ct in zip(param_groups, cts)))
+
+    slots = [jax.tree.structure(g.row_avals(tangent=True)) for g in param_groups]
+    squared = [r is not None for r, s in zip(reduce, slots) for _ in range(s.num_leaves)]
+    weights = next(r.weights for r in reduce if r is not None)
+    example = [*th_leaves, *(x[0] if b else x for x, b in zip(leaves, batched)), *(x[0] for x in lam_leaves)]
+    axes = [None] * nt + [0 if b else None for b in batched] + [0] * len(lam_leaves)
+    flat = square_sums(per_example, example, [*th_leaves, *leaves, *lam_leaves], axes, weights, squared)
+    out, at = [], 0
+    for s in slots:
+        out.append(s.unflatten(flat[at:at + s.num_leaves]))
+        at += s.num_leaves
+    return tuple(out)
 
 
 def param_adjoint_per_example(plan: Plan, prim: Primal, lam: list[Any], batch: int,
@@ -699,6 +733,16 @@ def param_adjoint_per_example(plan: Plan, prim: Primal, lam: list[Any], batch: i
     return out
 
 
+class _SquareSum:
+    """Σ_b w_b x_b², leaf by leaf, over the leading axis (the examples)."""
+
+    def __init__(self, weights: jax.Array):
+        self.weights = weights
+
+    def __call__(self, tree: Any) -> Any:
+        return jax.tree.map(lambda c: jnp.einsum("b,b...->...", self.weights.astype(c.dtype), c * c), tree)
+
+
 def param_adjoint_squares(plan: Plan, prim: Primal, lam: list[Any], batch: int, weights: jax.Array) -> list[Any]:
     """Σ_b w_b (ℳ Λ restricted to example b)², elementwise, in the parameter layout (no batch
     axis): what the GGN diagonal sums. Where a row of a block is used by one layer only, its
@@ -714,7 +758,7 @@ def param_adjoint_squares(plan: Plan, prim: Primal, lam: list[Any], batch: int, 
     out = [g.zeros(plan.unrolled, tangent=True) for g in plan.param_groups]
     shared = {g: jax.tree.map(lambda z: jnp.zeros((batch, *z.shape), z.dtype), plan.param_groups[g].zeros(
         plan.unrolled, tangent=True)) for g in range(len(plan.param_groups)) if g not in exclusive}
-    square_sum = lambda ct: jax.tree.map(lambda c: jnp.einsum("b,b...->...", weights.astype(c.dtype), c * c), ct)
+    square_sum = _SquareSum(weights)
     for kind in plan.kinds:
         if lam[kind.out_group] is None or not kind.param_groups:
             continue

@@ -309,3 +309,35 @@ def test_gauss_newton_under_vmap_over_an_ensemble():
         dense = reference_ggn(losses, p, inputs)
         np.testing.assert_allclose(ravel_pytree(jax.tree.map(lambda a, n=n: a[n], ours))[0],
                                    dense @ ravel_pytree(v)[0], rtol=1e-8, atol=1e-10)
+
+
+def test_diag_ggn_of_dense_layers_forms_no_per_example_parameters():
+    """Dense layers' per-example cotangents are outer products: their squares are summed as matrix
+    products (a²)ᵀ(δ²), so the compiled diagonal keeps no [batch, parameters] buffer."""
+    n, w, b = 8, 32, 64
+    rng = np.random.default_rng(0)
+    layers = [lbp.Layer(i, lambda th, u: u + jnp.tanh(u @ th[0] + th[1]), (i - 1,),
+                        (lbp.Row("W", i - 1), lbp.Row("c", i - 1))) for i in range(1, n + 1)]
+    net = lbp.Network([*layers, lbp.Layer("y", lambda th, u: u @ th[0], (n,), ("H",))], [0], "y")
+    p = {"W": jnp.asarray(rng.standard_normal((n, w, w)) / w), "c": jnp.zeros((n, w)),
+         "H": jnp.asarray(rng.standard_normal((w, 2)))}
+    x = jnp.asarray(rng.standard_normal((b, w)))
+    loss = lambda p, x: 0.5 * jnp.sum(jnp.tanh(net(p, x)) ** 2)
+    compiled = jax.jit(lbp.diag_ggn(loss)).lower(p, x).compile()
+    assert compiled.memory_analysis().temp_size_in_bytes < b * p["W"].nbytes / 2  # one [b, W] buffer: b * nbytes
+    flat, unravel = ravel_pytree(p)
+    jac = jax.jacfwd(lambda v: net(unravel(v), x).ravel())(flat)
+    out = net(p, x).ravel()
+    h = jax.hessian(lambda o: 0.5 * jnp.sum(jnp.tanh(o) ** 2))(out)
+    np.testing.assert_allclose(ravel_pytree(compiled(p, x))[0], np.einsum("oi,op,pi->i", jac, h, jac), rtol=1e-8,
+                               atol=1e-12)
+
+
+def test_diag_ggn_where_a_block_is_used_twice_in_a_layer():
+    """u ↦ tanh(u W) W: the cotangent of W is no single outer product; the general path."""
+    rng = np.random.default_rng(1)
+    net = lbp.Network([lbp.Layer("y", lambda th, u: jnp.tanh(u @ th[0]) @ th[0], ("x",), ("W",))], ["x"], "y")
+    p, x = {"W": jnp.asarray(rng.standard_normal((3, 3)))}, jnp.asarray(rng.standard_normal((4, 3)))
+    losses = lambda p, x: jnp.sum(jnp.sin(net(p, x)), axis=1)
+    ours = lbp.diag_ggn(lambda p, x: jnp.sum(losses(p, x)))(p, x)
+    np.testing.assert_allclose(ravel_pytree(ours)[0], np.diag(reference_ggn(losses, p, (x,))), rtol=1e-8, atol=1e-10)
