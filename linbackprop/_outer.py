@@ -77,6 +77,17 @@ def square_sums(per_example: Callable[..., list], example_args: list, batched_ar
     """For ``per_example(*args) -> list of cotangent leaves`` (one example): per leaf, Σ_b w_b
     (leaf_b)² where ``squared``, else the per-example leaves [B, ...]; ``batched_args`` vmapped
     with ``in_axes``, ``example_args`` shaped like one example's."""
+    try:
+        return _square_sums(per_example, example_args, batched_args, in_axes, weights, squared)
+    except (AttributeError, TypeError, KeyError, ValueError, NotImplementedError):
+        # JAX's jaxpr internals changed: every cotangent formed per example, then squared.
+        leaves = jax.vmap(per_example, in_axes=in_axes)(*batched_args)
+        return [jnp.einsum("b,b...->...", weights.astype(x.dtype), x * x) if sq else x
+                for x, sq in zip(leaves, squared)]
+
+
+def _square_sums(per_example: Callable[..., list], example_args: list, batched_args: list, in_axes: list,
+                 weights: jax.Array, squared: list[bool]) -> list:
     closed = jax.make_jaxpr(per_example)(*example_args)
     jaxpr = closed.jaxpr
     sources = [_outer_source(jaxpr, v) if sq else None for v, sq in zip(jaxpr.outvars, squared)]
