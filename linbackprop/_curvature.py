@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import Literal
+from jax.flatten_util import ravel_pytree
 
 from ._engine import back_substitution, param_adjoint_per_example, param_adjoint_squares
 from ._graph import Network, Stack
@@ -121,11 +122,11 @@ class GaussNewton(LinearOperator):
         return self
 
     def todense(self) -> jax.Array:
-        """The dense matrix over the arguments flattened in order (``jax.flatten_util``); tiny nets."""
+        """The dense matrix over the arguments flattened in order (``ravel_pytree``); tiny networks."""
         treedef, leaves = self._example
         zeros = jax.tree.unflatten(treedef, [jnp.zeros(s, d) for s, d in leaves])
-        flat, unravel = jax.flatten_util.ravel_pytree(zeros)
-        columns = jax.vmap(lambda e: jax.flatten_util.ravel_pytree(self.mv(unravel(e)))[0])(jnp.eye(flat.size,
+        flat, unravel = ravel_pytree(zeros)
+        columns = jax.vmap(lambda e: ravel_pytree(self.mv(unravel(e)))[0])(jnp.eye(flat.size,
                                                                                                    dtype=flat.dtype))
         return columns.T
 
@@ -384,10 +385,6 @@ def _per_example_losses(split: _Split, outs: tuple, diff: tuple) -> jax.Array:
         raise ValueError(f"Per-example gradients need fun to return one loss per example, shape (B,); it returned "
                          f"shape {jnp.shape(losses)}.")
     return losses
-
-
-def _leading(tree: Any, n: int) -> Any:
-    return jax.tree.map(lambda x: x[:n], tree)
 
 
 def per_example_grads(fun: Callable, argnums: int | Sequence[int] = 0, *, engine: str = "auto") -> Callable:
