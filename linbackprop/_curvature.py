@@ -126,9 +126,8 @@ class GaussNewton(LinearOperator):
         treedef, leaves = self._example
         zeros = jax.tree.unflatten(treedef, [jnp.zeros(s, d) for s, d in leaves])
         flat, unravel = ravel_pytree(zeros)
-        columns = jax.vmap(lambda e: ravel_pytree(self.mv(unravel(e)))[0])(jnp.eye(flat.size,
-                                                                                                   dtype=flat.dtype))
-        return columns.T
+        basis = jnp.eye(flat.size, dtype=flat.dtype)
+        return jax.vmap(lambda e: ravel_pytree(self.mv(unravel(e)))[0])(basis).T  # G symmetric: rows = columns
 
     @property
     def pattern(self) -> np.ndarray:
