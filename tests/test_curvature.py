@@ -341,3 +341,17 @@ def test_diag_ggn_where_a_block_is_used_twice_in_a_layer():
     losses = lambda p, x: jnp.sum(jnp.sin(net(p, x)), axis=1)
     ours = lbp.diag_ggn(lambda p, x: jnp.sum(losses(p, x)))(p, x)
     np.testing.assert_allclose(ravel_pytree(ours)[0], np.diag(reference_ggn(losses, p, (x,))), rtol=1e-8, atol=1e-10)
+
+
+def test_monte_carlo_ggn_diagonal_estimates_the_exact_one():
+    """softmax cross-entropy (H positive semi-definite): the mean over many samples approaches the
+    exact diagonal; one sample is a different, noisy value."""
+    losses, params, inputs = CASES["transformer"]
+    loss = lambda p, ids: jnp.sum(losses(p, ids))
+    exact = ravel_pytree(lbp.diag_ggn(loss)(params, *inputs))[0]
+    estimate = ravel_pytree(jax.jit(lbp.diag_ggn(loss, samples=300, key=jax.random.key(0)))(params, *inputs))[0]
+    assert float(jnp.linalg.norm(estimate - exact) / jnp.linalg.norm(exact)) < 0.15
+    one = ravel_pytree(lbp.diag_ggn(loss, samples=1, key=jax.random.key(1))(params, *inputs))[0]
+    assert not np.allclose(one, exact, rtol=1e-3)
+    with pytest.raises(ValueError, match="PRNG key"):
+        lbp.diag_ggn(loss, samples=2)(params, *inputs)
