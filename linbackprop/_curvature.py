@@ -245,43 +245,53 @@ class _Calls:
                           for net, (_, outs) in zip(self.nets, self.stored))
         _check_inputs_independent(split)
 
-    def per_example(self, g_outs: tuple, batch: int, examples: Any = None) -> tuple:
-        """J* g split by example: per differentiated argument, a pytree with a leading axis of the
-        examples (all, or those indexed by ``examples``); ``g_outs``: cotangents of the calls' outputs."""
-        theta_cts = []
-        n = batch if examples is None else len(examples)
-        for plan, net, (prim, _), g, theta in zip(self.plans, self.nets, self.stored, g_outs, self.thetas):
+    def adjoints(self, g_outs: tuple, batch: int) -> list[list[Any]]:
+        """Λ of each call: one back substitution ℒ*Λ = E* g for all examples at once; ``g_outs``:
+        cotangents of the calls' outputs (checks the per-example assumption on the way)."""
+        lams = []
+        for plan, net, (prim, _), g in zip(self.plans, self.nets, self.stored, g_outs):
             _check_per_example(plan, batch)
-            lam = back_substitution(plan, prim, self._rhs(plan, net, g))
+            lams.append(back_substitution(plan, prim, self._rhs(plan, net, g)))
+        return lams
+
+    def per_example(self, lams: list, batch: int, examples: Any = None) -> tuple:
+        """J* g split by example from the calls' adjoints Λ (:meth:`adjoints`): per differentiated
+        argument, a pytree with a leading axis of the examples (all, or those indexed by ``examples``)."""
+        n = batch if examples is None else len(examples)
+        theta_cts = []
+        for plan, (prim, _), theta, lam in zip(self.plans, self.stored, self.thetas, lams):
+            unpack = self._unpack(plan, theta)
             bufs = param_adjoint_per_example(plan, prim, lam, batch, examples)
-            unpack = jax.linear_transpose(lambda th, plan=plan: plan.pack_params(th, tangent=True),
-                                          jax.eval_shape(lambda th=theta: th))
             theta_cts.append(jax.vmap(lambda b, unpack=unpack: unpack(b)[0])(bufs))
         if not theta_cts:  # no network uses a parameter
             return tuple(jax.tree.map(lambda x: jnp.zeros((n, *np.shape(x)), jnp.result_type(x)), d)
                          for d in self.diff)
         return jax.vmap(lambda cts: self.vjp(cts))(theta_cts)
 
-
-    def squares(self, g_outs: tuple, batch: int, weights: jax.Array) -> tuple | None:
-        """Σ_b w_b (J_b* g)², elementwise, per differentiated argument — where each argument leaf
-        is one parameter block of one call, as it is (then squares commute with the map from the
-        arguments to the blocks); else None."""
-        used = [n for call in self.placement for n in call]
-        if any(n is None for n in used) or len(set(used)) != len(used):
+    def squares(self, lams: list, batch: int, weights: jax.Array) -> tuple | None:
+        """Σ_b w_b (J_b* g)², elementwise, per differentiated argument, from the calls' adjoints Λ —
+        where each argument leaf is one parameter block of one call, as it is (then squares commute
+        with the map from the arguments to the blocks); else None."""
+        if not self.placed:
             return None
         leaves, treedef = jax.tree.flatten(self.diff)
         result = [jnp.zeros(np.shape(x), jnp.result_type(x)) for x in leaves]
-        for plan, net, (prim, _), g, theta, place in zip(self.plans, self.nets, self.stored, g_outs, self.thetas,
-                                                         self.placement):
-            _check_per_example(plan, batch)
-            lam = back_substitution(plan, prim, self._rhs(plan, net, g))
+        for plan, (prim, _), theta, place, lam in zip(self.plans, self.stored, self.thetas, self.placement, lams):
             bufs = param_adjoint_squares(plan, prim, lam, batch, weights)
-            unpack = jax.linear_transpose(lambda th, plan=plan: plan.pack_params(th, tangent=True),
-                                          jax.eval_shape(lambda th=theta: th))
-            for n, sq in zip(place, jax.tree.leaves(unpack(bufs)[0])):
+            for n, sq in zip(place, jax.tree.leaves(self._unpack(plan, theta)(bufs)[0])):
                 result[n] = result[n] + sq.astype(result[n].dtype)
         return tuple(jax.tree.unflatten(treedef, result))
+
+    @property
+    def placed(self) -> bool:
+        """Whether each argument leaf is one parameter block of one call, as it is."""
+        used = [n for call in self.placement for n in call]
+        return None not in used and len(set(used)) == len(used)
+
+    @staticmethod
+    def _unpack(plan: Plan, theta: dict) -> Callable:
+        """Parameter-layout buffers back to a call's blocks {name: block} (the transpose of packing)."""
+        return jax.linear_transpose(lambda th: plan.pack_params(th, tangent=True), jax.eval_shape(lambda: theta))
 
     @staticmethod
     def _rhs(plan: Plan, net: Network, g: Any) -> list[Any]:
@@ -378,6 +388,17 @@ def _check_per_example(plan: Plan, batch: int) -> None:
     done.add(batch)
 
 
+def _per_example_setup(fun: Callable, args: tuple, nums: tuple[int, ...], engine: str) -> tuple:
+    """For per-example losses ``fun``: the split, the calls' forward pass, the losses as a function
+    of (outputs, *arguments), the batch size and the calls' adjoints Λ (one back substitution each)."""
+    split = _Split(fun, args, nums, False)
+    calls = _Calls(split, engine)
+    losses = lambda outs, *d: _per_example_losses(split, outs, d)
+    batch = jnp.shape(losses(calls.outs, *split.diff))[0]
+    g_outs = jax.grad(lambda o: jnp.sum(losses(o, *split.diff)))(calls.outs)
+    return split, calls, losses, batch, calls.adjoints(g_outs, batch)
+
+
 def _per_example_losses(split: _Split, outs: tuple, diff: tuple) -> jax.Array:
     losses = split.loss(outs, *diff)[0]
     if jnp.ndim(losses) != 1:
@@ -410,12 +431,8 @@ def per_example_grads(fun: Callable, argnums: int | Sequence[int] = 0, *, engine
     nums, single = _normalise(argnums)
 
     def run(*args: Any) -> Any:
-        split = _Split(fun, args, nums, False)
-        calls = _Calls(split, engine)
-        losses = lambda outs, *d: _per_example_losses(split, outs, d)
-        batch = jnp.shape(losses(calls.outs, *split.diff))[0]
-        g_outs = jax.grad(lambda o: jnp.sum(losses(o, *split.diff)))(calls.outs)
-        through_networks = calls.per_example(g_outs, batch)
+        split, calls, losses, batch, lams = _per_example_setup(fun, args, nums, engine)
+        through_networks = calls.per_example(lams, batch)
         direct = jax.jacrev(lambda *d: losses(calls.outs, *d), argnums=tuple(range(len(nums))))(*split.diff)
         grads = tuple(_add(a, b) for a, b in zip(direct, through_networks))
         return grads[0] if single else grads
@@ -440,17 +457,13 @@ def per_example_grad_norms(fun: Callable, argnums: int | Sequence[int] = 0, *, e
     nums, _ = _normalise(argnums)
 
     def run(*args: Any) -> jax.Array:
-        split = _Split(fun, args, nums, False)
-        calls = _Calls(split, engine)
-        losses = lambda outs, *d: _per_example_losses(split, outs, d)
-        batch = jnp.shape(losses(calls.outs, *split.diff))[0]
-        g_outs = jax.grad(lambda o: jnp.sum(losses(o, *split.diff)))(calls.outs)
+        split, calls, losses, batch, lams = _per_example_setup(fun, args, nums, engine)
         size = min(chunk, batch)
         starts = np.arange(0, batch, size)
 
         def norms(start):
             examples = jnp.minimum(start + jnp.arange(size), batch - 1)
-            through = calls.per_example(g_outs, batch, examples)
+            through = calls.per_example(lams, batch, examples)
             direct = jax.vmap(lambda b: jax.grad(lambda *d: losses(calls.outs, *d)[b], argnums=tuple(range(len(nums))))(
                 *split.diff))(examples)
             total = _add(direct, through)
@@ -510,19 +523,18 @@ def diag_ggn(fun: Callable, argnums: int | Sequence[int] = 0, *, engine: str = "
         h = jnp.moveaxis(columns, 0, 2)  # [B, i, j]
         lam, vecs = jnp.linalg.eigh((h + jnp.swapaxes(h, 1, 2)) / 2)
 
-        def squares(k):  # Σ_b λ_bk (J_b* s_bk)², or None
-            return calls.squares(unflatten(vecs[:, :, k]), batch, lam[:, k])
-
-        def per_example(k):
-            per_example = calls.per_example(unflatten(vecs[:, :, k]), batch)
-            return jax.tree.map(lambda g: jnp.einsum("b,b...->...", lam[:, k].astype(g.dtype), g * g), per_example)
+        def squared(s, weights):  # Σ_b w_b (J_b* s_b)², s: [B, C]
+            lams = calls.adjoints(unflatten(s), batch)
+            if calls.placed:
+                return calls.squares(lams, batch, weights)
+            per_example = calls.per_example(lams, batch)
+            return jax.tree.map(lambda g: jnp.einsum("b,b...->...", weights.astype(g.dtype), g * g), per_example)
 
         # One output coordinate after another (lax.map): as one vmapped solve over the C coordinates
         # the diagonal took 1.4× longer (12 residual layers, width 128, batch 256, C = 10: the
         # batched substitution's buffers outgrow the caches).
-        fast = jax.eval_shape(squares, 0) is not None
         if samples is None:
-            terms = jax.lax.map(squares if fast else per_example, jnp.arange(coords))
+            terms = jax.lax.map(lambda k: squared(vecs[:, :, k], lam[:, k]), jnp.arange(coords))
             diag = jax.tree.map(lambda t: jnp.sum(t, axis=0), terms)
             return diag[0] if single else diag
         if key is None:
@@ -530,15 +542,8 @@ def diag_ggn(fun: Callable, argnums: int | Sequence[int] = 0, *, engine: str = "
         root = vecs * jnp.sqrt(jnp.maximum(lam, 0.0))[:, None, :]  # H_b⁺ = root rootᵀ
         ones = jnp.ones((batch,), flat_outs.dtype)
 
-        def sample(k):
-            s = jnp.einsum("bij,bj->bi", root, jax.random.normal(k, (batch, coords), flat_outs.dtype))
-            got = calls.squares(unflatten(s), batch, ones)
-            if got is None:
-                per = calls.per_example(unflatten(s), batch)
-                got = jax.tree.map(lambda g: jnp.sum(g * g, axis=0), per)
-            return got
-
-        terms = jax.lax.map(sample, jax.random.split(key, samples))
+        sample = lambda k: jnp.einsum("bij,bj->bi", root, jax.random.normal(k, (batch, coords), flat_outs.dtype))
+        terms = jax.lax.map(lambda k: squared(sample(k), ones), jax.random.split(key, samples))
         diag = jax.tree.map(lambda t: jnp.mean(t, axis=0), terms)
         return diag[0] if single else diag
 
