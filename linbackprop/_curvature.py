@@ -168,9 +168,9 @@ def gauss_newton(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool 
     λ‖θ‖²) are in ``value`` and ``grad`` but not in G: H is the Hessian w.r.t. the outputs with
     the arguments held fixed; add their curvature yourself (2λ I for that weight decay).
     ``G.T`` is ``G``; ``G.todense()`` for tiny networks. ``remat``, ``checkpoints`` and ``engine``
-    as in :func:`grad_by_solve`; ``param_products="auto"`` forms ℳ* h and ℳΛ after the loops
-    (batched per kind), as the stored linearisation serves many products (in the loop with
-    ``remat=True``).
+    as in :func:`grad_by_solve`, with the same rule for ``param_products="auto"``: ℳ* h and ℳΛ
+    batched after the loops where steps are latency-bound, formed in the loops (from the same
+    linearisation of each layer as the substitutions) where they are compute-bound or with remat.
 
     Example:
         >>> import jax.numpy as jnp, linbackprop as lbp
@@ -181,11 +181,6 @@ def gauss_newton(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool 
         [[1.0, 0.0], [0.0, 1.0]]
     """
     nums, single = _normalise(argnums)
-    # "auto": ℳ* h and ℳΛ batched after the loops, as the stored linearisation serves many products
-    # (the in-loop form, chosen for one compute-bound gradient to save memory, measured 1.2× slower
-    # per product on a 128×128×64 chain); in the loop with remat, which would re-linearise otherwise.
-    if param_products == "auto":
-        param_products = "in_loop" if remat else "after"
     settings = dict(remat=remat, checkpoints=checkpoints, param_products=param_products, engine=engine)
 
     def run(*args: Any) -> tuple[Any, Any, GaussNewton]:

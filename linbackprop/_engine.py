@@ -267,17 +267,22 @@ class LayerMaps:
         """(∂Φ_i/∂θ_{S_i})* Λ_i, one cotangent per parameter slot of the layer."""
         return tuple(g.tangent(ct) for ct, g in zip(self._cotangents(lam)[0], self.params))
 
-    def state_forward(self, z_reads: tuple) -> Any:
-        """Σ_j ∂Φ_i/∂U_j Z_j, the transpose of :meth:`state_adjoint`."""
+    def state_forward(self, z_reads: tuple, h: tuple | None = None) -> Any:
+        """Σ_j ∂Φ_i/∂U_j Z_j, the transpose of :meth:`state_adjoint`; with ``h`` (one tangent per
+        parameter slot) plus ∂Φ_i/∂θ h, both from one transposed VJP."""
         keep = [r for r, (z, d) in enumerate(zip(z_reads, self.diff_reads)) if d and z is not None]
-        if not keep:
+        if not keep and h is None:
             return _zeros_like_aval(self.out.row_avals(tangent=True))
 
         def adjoint(lam):
-            cts = self._cotangents(lam)[1:]
-            return tuple(self.reads[r].tangent(cts[r]) for r in keep)
+            cts = self._cotangents(lam)
+            reads = tuple(self.reads[r].tangent(cts[1 + r]) for r in keep)
+            if h is None:
+                return reads
+            return reads, tuple(g.tangent(ct) for ct, g in zip(cts[0], self.params))
 
-        return self._transpose(adjoint, tuple(z_reads[r] for r in keep))
+        z = tuple(z_reads[r] for r in keep)
+        return self._transpose(adjoint, z if h is None else (z, h))
 
     def param_forward(self, h: tuple) -> Any:
         """∂Φ_i/∂θ h_{S_i}, the transpose of :meth:`param_adjoint`."""
@@ -507,8 +512,10 @@ def forward(plan: Plan, params: list[Any], states: list[Any], residuals: bool = 
     return (prim, tans) if tangents is not None else prim
 
 
-def forward_substitution(plan: Plan, prim: Primal, rhs: list[Any]) -> list[Any]:
-    """Z with ℒ Z = rhs: Z_i = rhs_i + Σ_j ∂Φ_i/∂U_j Z_j, first layer to last."""
+def forward_substitution(plan: Plan, prim: Primal, rhs: list[Any], h: list[Any] | None = None) -> list[Any]:
+    """Z with ℒ Z = rhs: Z_i = rhs_i + Σ_j ∂Φ_i/∂U_j Z_j, first layer to last. With ``h``
+    (parameter-layout tangents), ℒ Z = rhs + ℳ* h: ∂Φ_i/∂θ h is formed in the loop, from the same
+    linearisation of each layer (the transpose of ℳΛ accumulated in the back substitution)."""
     writes = plan.writes("forward_sub")
 
     def body(step, z):
@@ -522,7 +529,11 @@ def forward_substitution(plan: Plan, prim: Primal, rhs: list[Any]) -> list[Any]:
             slots = _at(kind.by_member.reads, pos)
             reads = tuple(read_row(zz[g], slots[r], written=True) if zz[g] is not None else None
                           for r, g in enumerate(kind.read_groups))
-            return [layer_maps(plan, kind, prim, k, pos).state_forward(reads)]
+            hs = None
+            if h is not None and kind.param_groups:
+                pslots = _at(kind.by_member.params, pos)
+                hs = tuple(read_row(h[g], pslots[..., p]) for p, g in enumerate(kind.param_groups))
+            return [layer_maps(plan, kind, prim, k, pos).state_forward(reads, hs)]
 
         bufs = {"state": list(z)}
         _write(bufs, writes, i, _step(plan, step, writes, branch, z), add=True)

@@ -78,7 +78,7 @@ def _solve_fn(system: System, transposed: bool) -> Callable[[Primal, Any], Any]:
             lam, grads = back_substitution(plan, prim, g[1], grads=g[0])
             return grads, lam
         return solve_t
-    return lambda prim, b: (b[0], forward_substitution(plan, prim, param_forward(plan, prim, b[0], b[1])))
+    return lambda prim, b: (b[0], forward_substitution(plan, prim, b[1], h=b[0]))
 
 
 def _matvec_fn(system: System, transposed: bool) -> Callable[[Primal, Any], Any]:

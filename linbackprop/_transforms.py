@@ -44,7 +44,7 @@ from ._engine import (
 from ._graph import Network, Stack, set_call
 from ._plan import Plan, differentiable_dtype, leaf_aval, plan_for
 from ._solve import solve
-from ._stacking import mesh_of, zeros_of
+from ._stacking import explicit_sharding, mesh_of, zeros_of
 
 
 class _ThreadLocalMode(threading.local):
@@ -242,11 +242,13 @@ def params_in_loop(param_products: str, remat: bool, plan: Plan) -> bool:
 
 
 def solve_joint(plan: Plan, prim: Primal, h: list[Any], rhs: list[Any]) -> list[Any]:
-    """Z with ℒ Z = rhs + ℳ* h, as one solve over (h, Z) whose transpose forms ℳΛ in the loop.
+    """Z with ℒ Z = rhs + ℳ* h, as one solve over (h, Z) that forms ℳ* h in the loop, and whose
+    transpose forms ℳΛ in the loop.
 
-    The joint matrix [[I, 0], [−ℳ*, ℒ]] is unit lower triangular too; its transpose
-    [[I, −ℳ], [0, ℒ*]] is solved by the back substitution for Λ with ℳΛ accumulated step by step
-    from the same linearisation of each layer (the in-loop alternative to the batched ℳ).
+    The joint matrix [[I, 0], [−ℳ*, ℒ]] is unit lower triangular too: the forward substitution
+    adds ∂Φ_i/∂θ h at step i, and its transpose [[I, −ℳ], [0, ℒ*]] is solved by the back
+    substitution for Λ with ℳΛ accumulated step by step, both from the same linearisation of each
+    layer (the in-loop alternative to the batched ℳ* and ℳ).
     """
     return solve(plan, prim, (h, rhs), joint=True)[1]
 
@@ -315,6 +317,22 @@ def _input_tangents(plan: Plan, dinputs: tuple) -> list[Any]:
     return [None if g in plan.input_only_groups and g not in moving else b for g, b in enumerate(bufs)]
 
 
+def _zeros_made_with(anchor: jax.Array, bufs: list[Any]) -> list[Any]:
+    """The buffers' zeros computed from ``anchor`` (a tangent), though not from its values.
+
+    Under ``jax.linearize`` (a Gauss–Newton operator) zeros made from constants are computed with
+    the primal and stored in the linear function, which then reads, and copies to write into, a
+    [depth, batch, width] buffer of zeros for every product; zeros made from a tangent are made
+    inside it, where XLA folds them away. Explicitly sharded buffers keep their sharded zeros."""
+    def one(z):
+        if explicit_sharding(z) is not None:
+            return z
+        empty = jnp.ravel(anchor)[:0].astype(z.dtype)
+        return jax.lax.pad(empty, jnp.zeros((), z.dtype), [(z.size, 0, 0)]).reshape(z.shape)
+
+    return [b if b is None else jax.tree.map(one, b) for b in bufs]
+
+
 def _moves_params(net: Network, dtheta: dict) -> bool:
     return not all(_is_zero(dtheta[p]) for p in net.param_names)
 
@@ -339,6 +357,10 @@ def _jvp_by_linear_solve(plan: Plan, theta: dict, inputs: tuple, dtheta: dict, d
     in_loop = (moves_params and params_in_loop(_PARAM_PRODUCTS.value, _REMAT.value, plan)
                and all(g.differentiable for g in plan.param_groups))
     rhs = _input_tangents(plan, dinputs)
+    if moves_params:  # the groups without input tangents start from zeros made in the linear program
+        given = {plan.state_loc[name][0] for name, dx in zip(net.inputs, dinputs) if not _is_zero(dx)}
+        made = _zeros_made_with(_anchor(dtheta, dinputs), rhs)
+        rhs = [b if g in given else z for g, (b, z) in enumerate(zip(rhs, made))]
     if moves_params and not in_loop:
         rhs = param_forward(plan, prim, plan.pack_params(_instantiate(dtheta), tangent=True), rhs)
     # Parts of rhs built from symbolic zeros alone are constants: the solve's transpose gives
