@@ -1,13 +1,14 @@
 """Benchmarks: grad_by_solve against jax.grad, side by side in one process.
 
-    python benchmarks/run.py [--repeats 15] [--write-readme] [--quick]
+    python benchmarks/run.py [--repeats 15] [--write-docs] [--quick] [--rows {all,gradients,curvature}]
 
 Every timing row runs jit(grad_by_solve) and its reference jit(jax.grad) interleaved (medians of
 ``--repeats`` runs each) and prints the ratio: absolute times are not comparable across runs on a
 noisy machine. Compile times are lower + compile of a freshly built network (the compile-and-scaling
 rows: medians of three builds). Peak memory is temp + argument + output bytes
-from ``compiled.memory_analysis()``. With ``--write-readme`` the tables replace those between the
-markers in README.md.
+from ``compiled.memory_analysis()``. With ``--write-docs`` the tables replace those between the
+markers in docs/performance.md (gradients) and docs/guides/curvature.md (curvature), and the
+headline rows those in README.md.
 """
 
 from __future__ import annotations
@@ -411,7 +412,8 @@ def tables(timing: list[dict], compile_: list[tuple[str, str, str]]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=15)
-    parser.add_argument("--write-readme", action="store_true")
+    parser.add_argument("--write-docs", action="store_true",
+                        help="write the tables into docs/performance.md, docs/guides/curvature.md and README.md")
     parser.add_argument("--quick", action="store_true", help="smaller compile-scaling rows (a smoke test)")
     parser.add_argument("--rows", choices=["all", "gradients", "curvature"], default="all",
                         help="which tables to measure (and write)")
@@ -422,8 +424,8 @@ def main() -> None:
         text = "\n".join(["| curvature | measured | target |", "|---|---|---|",
                           *(f"| {a} | {b} | {c} |" for a, b, c in curvature)])
         print(text)
-        if args.write_readme:
-            _write_readme("curvature table", text)
+        if args.write_docs:
+            _write_between(ROOT / "docs" / "guides" / "curvature.md", "curvature table", text, args.rows)
         if args.rows == "curvature":
             return
     scan = "jit(jax.grad), lax.scan over stacked weights"
@@ -468,18 +470,37 @@ def main() -> None:
     ]
     text = tables(timing, compile_rows(args.quick))
     print(text)
-    if args.write_readme:
-        _write_readme("benchmark table", text)
+    if args.write_docs:
+        _write_between(ROOT / "docs" / "performance.md", "benchmark table", text, args.rows)
+        _write_between(ROOT / "README.md", "headline rows", headline(timing), args.rows)
 
 
-def _write_readme(marker: str, text: str) -> None:
-    """Replace what README.md holds between ``<!-- marker -->`` and ``<!-- /marker -->``."""
-    readme = ROOT / "README.md"
-    block = (f"<!-- {marker} -->\n`python benchmarks/run.py --write-readme` on "
+# The README's rows: one per regime (compute-bound, latency-bound, several kinds, a sequence, a transformer).
+HEADLINE = ("deep chain 128×128×64 (depth×width×batch)", "deep narrow chain 512×32×8", "deep narrow DAG",
+            "RNN, 2048 steps", "character-level GPT")
+
+
+def headline(timing: list[dict]) -> str:
+    lines = ["| network | time / `jax.grad` over `lax.scan` | peak memory ratio | compile s (solve / ref) |",
+             "|---|---|---|---|"]
+    for r in timing:
+        if r["network"].startswith(HEADLINE):
+            short = r["network"].split(" (", 1)[0].split(":", 1)[0]
+            lines.append(f"| {short} | **{r['ratio']:.2f}** | {r['peak']:.2f} | "
+                         f"{r['compile'][0]:.2f} / {r['compile'][1]:.2f} |")
+    return "\n".join(lines)
+
+
+def _write_between(path: Path, marker: str, text: str, rows: str) -> None:
+    """Replace what ``path`` holds between ``<!-- marker -->`` and ``<!-- /marker -->``."""
+    flag = "" if rows == "all" else f" --rows {rows}"
+    block = (f"<!-- {marker} -->\n`python benchmarks/run.py --write-docs{flag}` on "
              f"{jax.devices()[0].platform.upper()} (float32), jax {jax.__version__}:\n\n{text}\n"
              f"<!-- /{marker} -->")
-    content = re.sub(f"<!-- {marker} -->.*<!-- /{marker} -->", lambda _: block, readme.read_text(), flags=re.S)
-    readme.write_text(content)
+    content, found = re.subn(f"<!-- {marker} -->.*<!-- /{marker} -->", lambda _: block, path.read_text(), flags=re.S)
+    if not found:
+        raise SystemExit(f"{path} has no <!-- {marker} --> ... <!-- /{marker} --> markers")
+    path.write_text(content)
 
 
 if __name__ == "__main__":

@@ -87,7 +87,7 @@ class GaussNewton(LinearOperator):
     ``G.T`` is ``G``. A pytree (its leaves are the stored residuals), so it can cross ``jax.jit``.
     Made by :func:`gauss_newton`.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp, linbackprop as lbp
         >>> net = lbp.Network([lbp.Layer("y", lambda th, x: 2.0 * x @ th[0], ("x",), ("w",))], ["x"], "y")
         >>> _, _, G = lbp.gauss_newton(lambda p, x: 0.5 * jnp.sum(net(p, x) ** 2))({"w": jnp.ones(2)}, jnp.eye(2))
@@ -172,7 +172,7 @@ def gauss_newton(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool 
     batched after the loops where steps are latency-bound, formed in the loops (from the same
     linearisation of each layer as the substitutions) where they are compute-bound or with remat.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp, linbackprop as lbp
         >>> net = lbp.Network([lbp.Layer("y", lambda th, x: x @ th[0], ("x",), ("W",))], ["x"], "y")
         >>> loss = lambda p, x: 0.5 * jnp.sum(net(p, x) ** 2)
@@ -415,12 +415,12 @@ def per_example_grads(fun: Callable, argnums: int | Sequence[int] = 0, *, engine
     statistics, attention across the batch) raise a ``ValueError``; networks whose inputs depend
     on the differentiated arguments raise ``NotImplementedError``.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp, linbackprop as lbp
         >>> net = lbp.Network([lbp.Layer("y", lambda th, x: x @ th[0], ("x",), ("w",))], ["x"], "y")
         >>> losses = lambda p, x: net(p, x)[:, 0] ** 2 / 2
         >>> g = lbp.per_example_grads(losses)({"w": jnp.ones((2, 1))}, jnp.array([[1.0, 0.0], [0.0, 2.0]]))
-        >>> g["w"][:, :, 0].tolist()      # example b: (x_b·w) x_b
+        >>> g["w"].squeeze(-1).tolist()    # example b: (x_b·w) x_b
         [[1.0, 0.0], [0.0, 4.0]]
     """
     nums, single = _normalise(argnums)
@@ -442,7 +442,7 @@ def per_example_grad_norms(fun: Callable, argnums: int | Sequence[int] = 0, *, e
     per-example gradients at once: after the one back substitution, ℳ runs on ``chunk`` examples at
     a time (``lax.map``), keeping only their norms. For DP-SGD clipping.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp, linbackprop as lbp
         >>> net = lbp.Network([lbp.Layer("y", lambda th, x: x @ th[0], ("x",), ("w",))], ["x"], "y")
         >>> losses = lambda p, x: net(p, x)[:, 0] ** 2 / 2
@@ -494,7 +494,7 @@ def diag_ggn(fun: Callable, argnums: int | Sequence[int] = 0, *, engine: str = "
     softmax cross-entropy): diag G ≈ (1/M) Σ_m Σ_b (J_b* s_bm)². Cheaper than the exact
     diagonal when the outputs have many coordinates (a language model's vocabulary).
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp, linbackprop as lbp
         >>> net = lbp.Network([lbp.Layer("y", lambda th, x: x @ th[0], ("x",), ("W",))], ["x"], "y")
         >>> loss = lambda p, x: 0.5 * jnp.sum(net(p, x) ** 2)

@@ -24,7 +24,7 @@ __all__ = ["GraphError", "Layer", "Network", "Row", "Stack"]
 class GraphError(ValueError):
     """An invalid network graph, raised at :class:`Network` construction.
 
-    Example:
+    Examples:
         >>> import linbackprop as lbp
         >>> lbp.Network([lbp.Layer("a", lambda th, u: u, ("a",))], inputs=["x"], outputs="a")
         Traceback (most recent call last):
@@ -46,7 +46,7 @@ class Row(NamedTuple):
     leading axis like ``lax.scan``'s ``xs`` (a sequence: one input array instead of T inputs).
     A stacked input is read by rows only; its cotangent comes back stacked.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp, linbackprop as lbp
         >>> step = lambda th, u: u + jnp.tanh(u @ th[0])
         >>> net = lbp.Network([lbp.Layer(i, step, (i - 1,), (lbp.Row("W", i - 1),)) for i in (1, 2, 3)],
@@ -71,7 +71,7 @@ class Stack:
     mixing Stacks and single names. Under the solve the cotangent of a stacked output goes into
     the back substitution's rows directly (no T separate arrays).
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp, linbackprop as lbp
         >>> net = lbp.Network([lbp.Layer(t, lambda th, h: jnp.tanh(h * th[0]), (t - 1,), ("a",)) for t in (1, 2, 3)],
         ...                   inputs=[0], outputs=[lbp.Stack([1, 2, 3]), 3])
@@ -133,7 +133,7 @@ class Layer:
             shared by several layers, or appear twice in one layer. ``Row(name, i)`` names row i
             of a stacked block.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp, linbackprop as lbp
         >>> dense = lbp.Layer("h", lambda th, x: jnp.tanh(x @ th[0] + th[1]),
         ...                   reads=("x",), params=("W", "b"))
@@ -227,7 +227,7 @@ class Network:
 
     A network is immutable and hashable: close over it or pass it as a static argument.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp, linbackprop as lbp
         >>> dense = lambda th, x: jnp.tanh(x @ th[0] + th[1])
         >>> net = lbp.Network([lbp.Layer("h", dense, ("x",), ("W1", "b1")),

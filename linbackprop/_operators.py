@@ -34,7 +34,7 @@ class LinearOperator(abc.ABC):
     - ``todense()``: the dense matrix (tiny networks), inputs and outputs flattened in C order;
     - ``pattern``: a bool array, True where a block is stored; ``block(i, j)``: one block.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp, linbackprop as lbp
         >>> net = lbp.Network([lbp.Layer(1, lambda th, x: x @ th[0], (0,), ("W",)),
         ...                    lbp.Layer(2, lambda th, u: 2.0 * u, (1,))], inputs=[0], outputs=2)
@@ -86,7 +86,7 @@ class Block(LinearOperator):
     ``block.mv(x)`` applies the block, ``block.T.mv(y)`` its adjoint: for ℒ block (i, j),
     −∂Φ_i/∂U_j and its transpose; for ℳ block (k, i), Λ_i ↦ (∂Φ_i/∂θ_k)* Λ_i and ∂Φ_i/∂θ_k.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp, linbackprop as lbp
         >>> net = lbp.Network([lbp.Layer(1, lambda th, x: x @ th[0], (0,), ("W",)),
         ...                    lbp.Layer(2, lambda th, u: 2.0 * u, (1,))], inputs=[0], outputs=2)
@@ -195,7 +195,7 @@ class StateOperator(_Operator):
     Block (i, j) is −∂Φ_i/∂U_j, stored only where layer i reads layer j: the pattern below the
     diagonal is the DAG.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp, linbackprop as lbp
         >>> step = lambda th, u: jnp.tanh(u @ th[0])
         >>> net = lbp.Network([lbp.Layer(i, step, (i - 1,), (("W", i),)) for i in (1, 2, 3)], [0], 3)
@@ -268,7 +268,7 @@ class ParamOperator(_Operator):
 
     ℳ Λ sums, for every block θ_k, (∂Φ_i/∂θ_k)* Λ_i over the layers i that use θ_k.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp, linbackprop as lbp
         >>> scale = lambda th, u: u * th[0]
         >>> net = lbp.Network([lbp.Layer(1, scale, (0,), ("a",)), lbp.Layer(2, scale, (1,), ("a",))], [0], 2)
@@ -370,7 +370,7 @@ class Linearization:
     ``L`` and ``M`` act on dicts; ``L.T.solve(g)`` is the back substitution of the adjoint
     equation, so ``lin.M.mv(lin.L.T.solve(grad_U))`` is the gradient ℳ (ℒ*)⁻¹ ∇_Uℓ.
 
-    Example:
+    Examples:
         >>> import jax, jax.numpy as jnp, linbackprop as lbp
         >>> scale = lambda th, u: jnp.sin(u * th[0])
         >>> net = lbp.Network([lbp.Layer(1, scale, (0,), ("a",)), lbp.Layer(2, scale, (1,), ("b",))], [0], 2)
@@ -420,7 +420,7 @@ class Linearization:
 def linearize(net: Network, params: Mapping, *inputs: Any) -> Linearization:
     """Linearise ``net`` at ``params`` and ``inputs``: ``lin.states``, ``lin.L``, ``lin.M``.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp, linbackprop as lbp
         >>> dense = lambda th, x: jnp.tanh(x @ th[0])
         >>> net = lbp.Network([lbp.Layer(1, dense, (0,), ("W1",)), lbp.Layer(2, dense, (1,), ("W2",))],

@@ -39,7 +39,7 @@ def spy(op: Any, ax: Any = None, dense: bool = True, title: str | None = None) -
     lines separate the blocks (states and parameter blocks flattened in C order); otherwise one
     square per stored block of ``op.pattern``. Returns the matplotlib axes.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp, linbackprop as lbp
         >>> net = lbp.Network([lbp.Layer(1, lambda th, x: jnp.tanh(x @ th[0]), (0,), ("W",))], [0], 1)
         >>> ax = lbp.spy(lbp.linearize(net, {"W": jnp.eye(2)}, jnp.ones((3, 2))).L)  # doctest: +SKIP
@@ -107,7 +107,7 @@ def plot_network(net: Network, ax: Any = None, title: str | None = None) -> Any:
     the nodes, and a dashed purple arc below for each block shared across kinds (tied
     embeddings). Returns the axes.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp, linbackprop as lbp
         >>> net = lbp.Network([lbp.Layer("h", lambda th, x: x, ("x",)),
         ...                    lbp.Layer("y", lambda th, h, x: h + x, ("h", "x"))], ["x"], "y")

@@ -109,7 +109,7 @@ def solving() -> bool:
     """True inside grad_by_solve / value_and_grad_by_solve / jvp_by_solve, where a Network call
     is differentiated by the solve (elsewhere it is plain JAX code).
 
-    Example:
+    Examples:
         >>> import linbackprop as lbp
         >>> seen = []
         >>> _ = lbp.grad_by_solve(lambda x: seen.append(lbp.solving()) or x * x)(1.0)
@@ -498,7 +498,7 @@ def grad_by_solve(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool
     once per kind of layer), ``"unrolled"`` as straight-line code; ``"auto"`` (default) loops when
     kinds repeat (at least 16 layers and 4 per kind on average), else unrolls.
 
-    Example:
+    Examples:
         >>> import jax, jax.numpy as jnp, linbackprop as lbp
         >>> net = lbp.Network([lbp.Layer("y", lambda th, x: jnp.tanh(x @ th[0]), ("x",), ("W",))],
         ...                   inputs=["x"], outputs="y")
@@ -518,7 +518,7 @@ def value_and_grad_by_solve(fun: Callable, argnums: int | Sequence[int] = 0, has
     """Drop-in for ``jax.value_and_grad``, differentiating Network calls by the solve
     (``remat``, ``checkpoints``, ``param_products`` and ``engine`` as in :func:`grad_by_solve`).
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp, linbackprop as lbp
         >>> net = lbp.Network([lbp.Layer("y", lambda th, x: x * th[0], ("x",), ("a",))], ["x"], "y")
         >>> value, grads = lbp.value_and_grad_by_solve(lambda p: net(p, 2.0))({"a": 3.0})
@@ -539,7 +539,7 @@ def jvp_by_solve(fun: Callable, primals: Sequence[Any], tangents: Sequence[Any],
     differentiates that loop with JAX's rules; for gradients use :func:`grad_by_solve`, whose
     forward rule stays a transposable linear solve.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp, linbackprop as lbp
         >>> net = lbp.Network([lbp.Layer("y", lambda th, x: x * th[0], ("x",), ("a",))], ["x"], "y")
         >>> y, dy = lbp.jvp_by_solve(lambda p: net(p, 2.0), ({"a": 3.0},), ({"a": 1.0},))
