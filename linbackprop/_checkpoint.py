@@ -228,6 +228,19 @@ def checkpointed_call(net: Network, theta: dict, inputs: tuple, checkpoints: int
     return result[0] if net.single_output else tuple(result)
 
 
+def rows_cut(net: Network, checkpoints: int) -> dict[tuple[str, Hashable], int]:
+    """Per stacked input or block (``("input" | "block", name)``): how many of its rows the
+    segments that run on their own read — cut out as pieces (copies; a block's gradient is
+    concatenated back from pieces). Scans slice their rows in place."""
+    out: dict[tuple[str, Hashable], int] = {}
+    for unit in _units(split(net, checkpoints)):
+        if len(unit) == 1:
+            for kind, table in (("input", unit[0].row_inputs), ("block", unit[0].row_blocks)):
+                for name, _, span in table:
+                    out[(kind, name)] = out.get((kind, name), 0) + span
+    return out
+
+
 def _units(segments: tuple[Segment, ...]) -> list[tuple[Segment, ...]]:
     """Segments grouped into what runs as one: a run of translates (a scan), or one segment."""
     units, s = [], 0

@@ -1,3 +1,15 @@
 import jax
+import pytest
 
 jax.config.update("jax_enable_x64", True)
+
+
+@pytest.fixture(scope="module")
+def always_checkpoint():
+    """``checkpoints=k`` as asked, even where the memory rule would run the call without (the
+    small networks of tests of the segments themselves keep no less by checkpointing)."""
+    from linbackprop import _transforms
+
+    saved, _transforms.CHECKPOINT_SAVING = _transforms.CHECKPOINT_SAVING, float("inf")
+    yield
+    _transforms.CHECKPOINT_SAVING = saved

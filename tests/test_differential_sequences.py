@@ -18,6 +18,8 @@ from hypothesis import strategies as st
 
 import linbackprop as lbp
 
+pytestmark = pytest.mark.usefixtures("always_checkpoint")  # the segments are under test
+
 B, W = 2, 3  # batch and width of every state leaf
 
 

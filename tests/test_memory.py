@@ -6,6 +6,7 @@ import weakref
 
 import jax
 import jax.numpy as jnp
+import pytest
 
 import linbackprop as lbp
 from linbackprop import _plan, _transforms
@@ -36,3 +37,60 @@ def test_networks_built_in_a_loop_are_released():
     live = sum(isinstance(o, Model) for o in gc.get_objects())
     assert live <= _plan.make_plan.cache_info().maxsize  # at most what the plan cache keeps
     assert jax.tree.leaves(g)
+
+
+# -- checkpoints never cost memory ---------------------------------------------------------------
+
+
+def _rnn(steps: int, every: bool):
+    cell = lambda th, h, x: jnp.tanh(h @ th[0] + x @ th[1] + th[2])
+    layers = [lbp.Layer(t, cell, (t - 1, lbp.Row("xs", t - 1)), ("A", "B", "c")) for t in range(1, steps + 1)]
+    net = lbp.Network(layers, [0, "xs"], lbp.Stack(range(1, steps + 1)) if every else steps)
+    k = jax.random.split(jax.random.key(0), 3)
+    params = {"A": 0.1 * jax.random.normal(k[0], (32, 32)), "B": 0.1 * jax.random.normal(k[1], (32, 32)),
+              "c": jnp.zeros(32)}
+    return lambda p, h0, xs: jnp.sum(net(p, h0, xs) ** 2), (params, jnp.ones((8, 32)), jnp.ones((steps, 8, 32)))
+
+
+def _chain(depth: int, width: int, batch: int):
+    step = lambda th, u: u + jnp.tanh(u @ th[0] + th[1])
+    net = lbp.Network([lbp.Layer(i, step, (i - 1,), (lbp.Row("W", i - 1), lbp.Row("b", i - 1)))
+                       for i in range(1, depth + 1)], [0], depth)
+    params = {"W": 0.1 * jax.random.normal(jax.random.key(1), (depth, width, width)), "b": jnp.zeros((depth, width))}
+    return lambda p, x: jnp.sum(net(p, x) ** 2), (params, jnp.ones((batch, width)))
+
+
+def _skips(depth: int):
+    """Two kinds alternating, each layer also reading the state four layers back."""
+    a = lambda th, u, s: jnp.tanh(u @ th[0]) + s
+    b = lambda th, u, s: u * jax.nn.sigmoid(s @ th[0])
+    layers = [lbp.Layer(i, a if i % 2 else b, (i - 1, max(i - 4, 0)), (lbp.Row("A" if i % 2 else "B", i // 2),))
+              for i in range(1, depth + 1)]
+    net = lbp.Network(layers, [0], depth)
+    params = {"A": 0.2 * jnp.ones((depth // 2 + 1, 16, 16)), "B": 0.2 * jnp.ones((depth // 2 + 1, 16, 16))}
+    return lambda p, x: jnp.sum(net(p, x) ** 2), (params, jnp.ones((4, 16)))
+
+
+def _temps(loss, args, **settings) -> int:
+    return jax.jit(lbp.grad_by_solve(loss, **settings)).lower(*args).compile().memory_analysis().temp_size_in_bytes
+
+
+@pytest.mark.parametrize("name", ["rnn, every state an output (Stack)", "rnn, last state", "chain", "short chain",
+                                  "two kinds with skips"])
+def test_checkpoints_never_raise_temporaries(name):
+    """``checkpoints=k`` keeps at most what the same call keeps without, for every k (where
+    checkpointing would keep more — every state an output, one checkpoint, weights larger than
+    the states — the call runs without it), with and without remat."""
+    loss, args = {"rnn, every state an output (Stack)": lambda: _rnn(256, True),
+                  "rnn, last state": lambda: _rnn(256, False), "chain": lambda: _chain(64, 64, 32),
+                  "short chain": lambda: _chain(24, 32, 4), "two kinds with skips": lambda: _skips(40)}[name]()
+    for remat in (False, True):
+        plain = _temps(loss, args, remat=remat)
+        for k in (1, 2, 3, 5, 15):
+            assert _temps(loss, args, remat=remat, checkpoints=k) <= plain, (remat, k)
+
+
+def test_checkpoints_still_save_memory_where_they_can():
+    """The rule above does not simply turn checkpointing off: a long RNN keeps a fraction."""
+    loss, args = _rnn(256, False)
+    assert _temps(loss, args, checkpoints=15) < 0.3 * _temps(loss, args)

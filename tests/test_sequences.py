@@ -11,6 +11,8 @@ import pytest
 import linbackprop as lbp
 from linbackprop._checkpoint import _units, split
 
+pytestmark = pytest.mark.usefixtures("always_checkpoint")  # the segments are under test
+
 T, B, W, D = 24, 3, 4, 5
 
 
