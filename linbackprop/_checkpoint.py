@@ -14,9 +14,9 @@ pass more than without checkpoints. Evenly spaced segments cost at most 2× the 
 evaluations for O(√N) memory; a binomial schedule (Griewank's revolve) would reach O(log N)
 memory at O(log N) recomputations and is not implemented.
 
-Segments that are translates of each other — same functions, rows of stacked blocks and inputs
-shifted by the same amount, reads reaching back at most one segment (an RNN, a chain of
-``Row``-stacked blocks) — become one network and run as a ``lax.scan``: the program does not
+Segments that are translates of each other — same functions, reads reaching back at most one
+segment, rows of stacked blocks and inputs anywhere (an RNN, a chain of ``Row``-stacked
+blocks) — become one network and run as a ``lax.scan``: the program does not
 grow with the number of segments. The scan slices its rows of stacked blocks and inputs in its
 body from the whole arrays (no copy of most rows when segments do not tile them), and stacks
 only the outputs wanted beyond the next segment: a state only the next segment reads travels in
@@ -58,17 +58,16 @@ class Segment:
     before_names: tuple[Hashable, ...] = ()  # the network's names for the ("before", d) inputs
     far: tuple[int, ...] = ()  # outputs (positions in returns) wanted beyond the next segment
 
-    def shift_from(self, other: Segment, length: int) -> int | None:
-        """How many rows further this segment reads every stacked input and block than ``other``,
-        when it is ``other`` moved by ``length`` layers (reading at most one segment back): then
-        both are one computation with shifted rows. None where it is not."""
-        if self.net != other.net or max(self.before, default=0) > length:
-            return None
-        shifts = {base - b for (_, base, _), (_, b, _) in zip(self.row_inputs + self.row_blocks,
-                                                               other.row_inputs + other.row_blocks)}
-        if len(shifts) > 1 or any(s < 0 for s in shifts):
-            return None
-        return shifts.pop() if shifts else 0
+    def translates(self, other: Segment, length: int) -> bool:
+        """Whether this segment is ``other``'s computation on other rows of the stacked inputs and
+        blocks (any rows: a scan step slices them at a table's offsets), reading at most one
+        segment (``length`` layers) back: then both are steps of one scan."""
+        return self.net == other.net and max(self.before, default=0) <= length
+
+    @property
+    def bases(self) -> tuple[int, ...]:
+        """The first row this segment reads of each stacked input and block, in table order."""
+        return tuple(base for _, base, _ in self.row_inputs + self.row_blocks)
 
 
 def segment_length(layers: int, checkpoints: int) -> int:
@@ -76,11 +75,34 @@ def segment_length(layers: int, checkpoints: int) -> int:
     return -(-layers // (checkpoints + 1))
 
 
+# Periods of repeating layer patterns tried when evenly spaced segments are not translates.
+LONGEST_PERIOD = 16
+
+
 @functools.lru_cache(maxsize=32)
 def split(net: Network, checkpoints: int) -> tuple[Segment, ...]:
-    """The segments of ``net`` for ``checkpoints`` kept states (see the module docstring)."""
+    """The segments of ``net`` for ``checkpoints`` kept states (see the module docstring). Where
+    ⌈N/(k+1)⌉-layer segments are not translates of each other — layers repeating with a period
+    that does not divide that length (two kinds alternating, three kinds with skips) — segments
+    of the next multiple of the period (at most twice as long, so at most k states kept) are,
+    if any: one scan, a program that does not grow with k."""
+    length = segment_length(len(net.layers), checkpoints)
+    segments = _split(net, length)
+    if len(_units(segments)) <= 3:  # one scan, and a first and a last segment of their own
+        return segments
+    for period in range(2, LONGEST_PERIOD + 1):
+        longer = period * -(-length // period)
+        if longer == length or longer > 2 * length:
+            continue
+        candidate = _split(net, longer)
+        if len(_units(candidate)) <= 3:
+            return candidate
+    return segments
+
+
+def _split(net: Network, length: int) -> tuple[Segment, ...]:
+    """``net`` cut into segments of ``length`` layers."""
     layers = net.layers
-    length = segment_length(len(layers), checkpoints)
     position = {layer.name: i for i, layer in enumerate(layers)}
     last_read = {}
     for i, layer in enumerate(layers):
@@ -92,13 +114,13 @@ def split(net: Network, checkpoints: int) -> tuple[Segment, ...]:
     for start in range(0, len(layers), length):
         stop = min(start + length, len(layers))
         segments.append(_segment(net, layers[start:stop], start, stop, position, last_read, outputs))
-    if len(segments) > 2 and segments[1].shift_from(segments[0], length) is None:
+    if len(segments) > 2 and not segments[1].translates(segments[0], length):
         # The first segment reads network inputs where the next reads the states before it (a
         # chain's input, an RNN's h0): read as those, it joins the scan of its translates.
         as_before = _inputs_in_place_of_states(net, segments[0], segments[1])
         if as_before:
             first = _segment(net, layers[:length], 0, length, position, last_read, outputs, as_before)
-            if segments[1].shift_from(first, length) is not None:
+            if segments[1].translates(first, length):
                 segments[0] = first
     return tuple(segments)
 
@@ -246,10 +268,8 @@ def _units(segments: tuple[Segment, ...]) -> list[tuple[Segment, ...]]:
     units, s = [], 0
     while s < len(segments):
         stop = s + 1
-        shift = segments[s + 1].shift_from(segments[s], len(segments[s].net.layers)) if s + 1 < len(segments) else None
-        while (stop < len(segments) and shift is not None
-               and segments[stop].shift_from(segments[stop - 1], len(segments[s].net.layers)) == shift):
-            stop += 1  # one scan needs one shift: rows move alike from segment to segment
+        while stop < len(segments) and segments[stop].translates(segments[s], len(segments[s].net.layers)):
+            stop += 1
         units.append(segments[s:stop])
         s = stop
     return units
@@ -357,34 +377,35 @@ def _scan(run: tuple[Segment, ...], theta: dict, given: dict, before: tuple,
     """Segments that translate one another as one ``lax.scan`` over the first one's network,
     checkpointed: it carries the states the next segment reads (outputs ``carried``) and stacks
     outputs ``kept``; its rows of stacked inputs and blocks are scanned over where the run takes
-    all rows in order (a reshape), else sliced in the body. Returns (last carry, stacked)."""
+    all rows in order (a reshape), else sliced in the body at each segment's first row (a table
+    scanned over: rows may move by any amount from segment to segment). Returns (last carry,
+    stacked)."""
     first, n = run[0], len(run)
-    length = run[1].start - first.start
     ranges = first.row_inputs + first.row_blocks
-    shift = run[1].shift_from(first, length)
+    bases = np.array([sg.bases for sg in run], np.int32).reshape(n, len(ranges))  # [segment, source]
     sources = [given[x] for x, _, _ in first.row_inputs] + [theta[b] for b, _, _ in first.row_blocks]
 
-    def scanned(source: Any, base: int, span: int) -> Any:
+    def scanned(source: Any, r: int, span: int) -> Any:
         rows = jax.tree.leaves(source)[0].shape[0]
-        if span != shift or base != 0 or n * span != rows:
+        if not np.array_equal(bases[:, r], span * np.arange(n)) or n * span != rows:
             return None  # not the whole source in order: sliced inside the body, not copied
         return jax.tree.map(lambda a: a.reshape(n, span, *a.shape[1:]), source)
 
-    xs = [scanned(src, base, span) for src, (_, base, span) in zip(sources, ranges)]
+    xs = [scanned(src, r, span) for r, (src, (_, _, span)) in enumerate(zip(sources, ranges))]
     stacked = {b for b, _, _ in first.row_blocks}
     plain = {p: theta[p] for p in first.net.param_names if p not in stacked}
     whole = tuple(given[x] for x in first.whole)
 
     def body(carry: tuple, step: tuple) -> tuple:
-        s, rows = step
-        rows = [r if r is not None else jax.tree.map(lambda a, b=b, span=span: lax.dynamic_slice_in_dim(
-            a, b + s * shift, span), src) for r, src, (_, b, span) in zip(rows, sources, ranges)]
+        base, rows = step
+        rows = [r if r is not None else jax.tree.map(lambda a, b=base[i], span=span: lax.dynamic_slice_in_dim(
+            a, b, span), src) for i, (r, src, (_, _, span)) in enumerate(zip(rows, sources, ranges))]
         k = len(first.row_inputs)
         blocks = {blk: r for (blk, _, _), r in zip(first.row_blocks, rows[k:])}
         outs = tuple(call(first.net, {**plain, **blocks}, (*carry, *whole, *rows[:k])))
         return tuple(outs[i] for i in carried), tuple(outs[i] for i in kept)
 
-    return lax.scan(jax.checkpoint(body, prevent_cse=False), before, (jnp.arange(n), xs))
+    return lax.scan(jax.checkpoint(body, prevent_cse=False), before, (jnp.asarray(bases), xs))
 
 
 def _gather(item: Hashable | Stack, value: Callable[[Hashable], Any], runs: list[_Scanned]) -> Any:

@@ -158,7 +158,8 @@ def test_bad_sequences_are_named():
 
 
 def test_checkpoints_with_unevenly_spaced_rows():
-    """Segments that look alike but whose Row indices move by different amounts are not one scan."""
+    """Segments alike whose Row indices move by different amounts are one scan all the same
+    (each step slices its rows at a table's offsets)."""
     index = [i if i < 8 else i + 2 for i in range(16)]  # rows 0..7, then 10..17
     net = lbp.Network([lbp.Layer(i + 1, residual, (i,), (lbp.Row("W", index[i]), lbp.Row("b", index[i])))
                        for i in range(16)], [0], 16)
@@ -167,6 +168,33 @@ def test_checkpoints_with_unevenly_spaced_rows():
     x = jax.random.normal(k[2], (B, W))
     loss = lambda p, x: jnp.sum(jnp.sin(net(p, x)))
     close(lbp.grad_by_solve(loss, checkpoints=3)(p, x), jax.grad(loss)(p, x))
+    assert [len(unit) for unit in _units(split(net, 3))] == [4]
+
+
+def _periodic_dag(depth: int) -> lbp.Network:
+    """Kinds repeating with period 3 (two residual layers, then a skip reaching 7 layers back)."""
+    return lbp.Network([lbp.Layer(i, skip, (i - 1, max(i - 7, 0)), (lbp.Row("W", i - 1), "S")) if i % 3 == 0 else
+                        lbp.Layer(i, residual, (i - 1,), (lbp.Row("W", i - 1), lbp.Row("b", i - 1)))
+                        for i in range(1, depth + 1)], [0], depth)
+
+
+def test_program_does_not_grow_with_checkpoints_when_the_period_does_not_divide_the_segments():
+    """60 layers repeating with period 3: ⌈60/(k+1)⌉-layer segments are not translates for most k;
+    segments of the next multiple of the period are, so the program is one scan (and a first
+    and a last segment) whatever k: its size does not grow with k."""
+    net = _periodic_dag(60)
+    k = jax.random.split(jax.random.PRNGKey(3), 4)
+    p = {"W": jax.random.normal(k[0], (60, W, W)) / 3, "b": jax.random.normal(k[1], (60, W)),
+         "S": jax.random.normal(k[2], (W, W)) / 3}
+    x = jax.random.normal(k[3], (B, W))
+    loss = lambda p, x: jnp.sum(jnp.cos(net(p, x)))
+    sizes = []
+    for checkpoints in (3, 5, 7, 11, 19):
+        assert len(_units(split(net, checkpoints))) <= 3, checkpoints
+        assert len(split(net, checkpoints)) <= checkpoints + 1  # at most k states kept
+        sizes.append(_size(jax.make_jaxpr(lbp.grad_by_solve(loss, checkpoints=checkpoints))(p, x).jaxpr))
+    assert max(sizes[1:]) <= sizes[0], sizes
+    close(lbp.grad_by_solve(loss, checkpoints=11)(p, x), jax.grad(loss)(p, x))
 
 
 @pytest.mark.parametrize("checkpoints", [7, 9])  # 61 layers: segments of 8 and of 7, neither tiling the rows
