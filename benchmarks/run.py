@@ -460,6 +460,18 @@ def main() -> None:
         timing_row("same, `checkpoints=45`", "jit(jax.grad), equinox's checkpointed scan "
                    "(`eqx.internal.scan(kind=\"checkpointed\", checkpoints=45)`, binomial schedule)",
                    rnn(2048, 64, 16, equinox_checkpoints=45), r, grad=lambda f: lbp.grad_by_solve(f, checkpoints=45)),
+        timing_row("same, `checkpoints=45, schedule=\"nested\"` (three levels of 13 segments)",
+                   "jit(jax.grad), equinox's checkpointed scan (45 checkpoints)",
+                   rnn(2048, 64, 16, equinox_checkpoints=45), r,
+                   grad=lambda f: lbp.grad_by_solve(f, checkpoints=45, schedule="nested")),
+        timing_row("RNN, 16384 steps, width 64, batch 16, `checkpoints=45` (evenly spaced)",
+                   "jit(jax.grad), equinox's checkpointed scan (45 checkpoints)",
+                   rnn(16384, 64, 16, equinox_checkpoints=45), max(3, r // 3),
+                   grad=lambda f: lbp.grad_by_solve(f, checkpoints=45)),
+        timing_row("same, `checkpoints=45, schedule=\"nested\"` (four levels of 12 segments)",
+                   "jit(jax.grad), equinox's checkpointed scan (45 checkpoints)",
+                   rnn(16384, 64, 16, equinox_checkpoints=45), max(3, r // 3),
+                   grad=lambda f: lbp.grad_by_solve(f, checkpoints=45, schedule="nested")),
         timing_row("deep chain 128×128×64, `Row` blocks, `checkpoints=12`", scan, chain(128, 128, 64), r,
                    grad=lambda f: lbp.grad_by_solve(f, checkpoints=12)),
         timing_row("character-level GPT (examples/transformer_lm.py): 12 blocks = 26 layers of four kinds, width "

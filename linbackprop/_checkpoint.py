@@ -37,7 +37,9 @@ from jax import lax
 
 from ._graph import Layer, Network, Row, Stack, stack_states
 
-Call = Callable[[Network, dict, tuple], Any]
+# ``call(net, theta, inputs, offsets)`` runs one network; ``offsets`` maps names of stacked inputs
+# given whole (larger than the network reads) to the row where the network's row 0 is.
+Call = Callable[[Network, dict, tuple, dict], Any]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -218,13 +220,18 @@ class _Scanned:
         return None
 
 
-def checkpointed_call(net: Network, theta: dict, inputs: tuple, checkpoints: int, call: Call) -> Any:
+def checkpointed_call(net: Network, theta: dict, inputs: tuple, checkpoints: int, call: Call,
+                      offsets: dict[Hashable, Any] | None = None) -> Any:
     """``net(theta, *inputs)`` segment by segment, every segment but the last under
-    ``jax.checkpoint``; translated segments as one ``lax.scan``. ``call`` runs one network."""
+    ``jax.checkpoint``; translated segments as one ``lax.scan``. ``call`` runs one network (it may
+    be a checkpointed call again: the nested schedule). ``offsets``: stacked inputs given whole,
+    read from that row on; segments hand them on whole too, with their own offsets (a slice per
+    level would copy a level's rows)."""
     segments = split(net, checkpoints)
     given = dict(zip(net.inputs, inputs))
+    offsets = offsets or {}
     units = _typed_units(net, _units(segments), theta, given)
-    cut = _Cuts(units, theta, given)
+    cut = _Cuts(units, theta, {x: v for x, v in given.items() if x not in offsets})
     values: dict[Hashable, Any] = dict(given)
     runs: list[_Scanned] = []
 
@@ -240,11 +247,12 @@ def checkpointed_call(net: Network, theta: dict, inputs: tuple, checkpoints: int
             carried = [first.returns.index(len(first.net.layers) - d) for d in first.before]
             kept = tuple(sorted(set(range(len(first.returns))).difference(carried).union(
                 *(sg.far for sg in unit[:-1]))))
-            last, ys = _scan(unit, theta, given, before, carried, kept, call)
+            last, ys = _scan(unit, theta, given, before, carried, kept, call, offsets)
             grid = [[net.layers[sg.start + j].name for j in sg.returns] for sg in unit]
             runs.append(_Scanned(ys, kept, last, carried, grid))
         else:
-            outs = _run(unit[0], cut.pieces(n), theta, given, before, checkpoint=n < len(units) - 1, call=call)
+            outs = _run(unit[0], cut.pieces(n), theta, given, before, checkpoint=n < len(units) - 1, call=call,
+                        offsets=offsets)
             values.update((net.layers[unit[0].start + j].name, out) for j, out in zip(unit[0].returns, outs))
     result = [_gather(item, value, runs) for item in net.output_spec]
     return result[0] if net.single_output else tuple(result)
@@ -334,7 +342,8 @@ class _Cuts:
         for n, (seg, *more) in enumerate(units):
             for kind, table in (("input", seg.row_inputs), ("block", seg.row_blocks)):
                 for name, base, span in table if not more else ():
-                    ranges.setdefault((kind, name), []).append((n, base, base + span))
+                    if kind == "block" or name in given:  # (inputs with offsets are handed on whole)
+                        ranges.setdefault((kind, name), []).append((n, base, base + span))
         self._pieces: dict[int, dict[tuple[str, Hashable], Any]] = {n: {} for n in range(len(units))}
         for (kind, name), parts in ranges.items():
             source = given[name] if kind == "input" else theta[name]
@@ -358,36 +367,41 @@ class _Cuts:
 
 
 def _run(seg: Segment, pieces: dict, theta: dict, given: dict, before: tuple, checkpoint: bool,
-         call: Call) -> tuple:
+         call: Call, offsets: dict[Hashable, Any]) -> tuple:
     """One segment called on its own (under ``jax.checkpoint`` unless it is the last)."""
-    rows = tuple(pieces[("input", x)] for x, _, _ in seg.row_inputs)
+    rows = tuple(given[x] if x in offsets else pieces[("input", x)] for x, _, _ in seg.row_inputs)
+    starts = tuple(offsets[x] + base if x in offsets else 0 for x, base, _ in seg.row_inputs)
     blocks = {b: pieces[("block", b)] for b, _, _ in seg.row_blocks}
 
-    def run(theta_seg: dict, before: tuple, whole: tuple, rows: tuple) -> tuple:
-        return tuple(call(seg.net, theta_seg, (*before, *whole, *rows)))
+    def run(theta_seg: dict, before: tuple, whole: tuple, rows: tuple, starts: tuple) -> tuple:
+        at = {("input", x): start for (x, _, _), start in zip(seg.row_inputs, starts)}
+        return tuple(call(seg.net, theta_seg, (*before, *whole, *rows), at))
 
     if checkpoint:
         run = jax.checkpoint(run)
     theta_seg = {p: blocks[p] if p in blocks else theta[p] for p in seg.net.param_names}
-    return run(theta_seg, before, tuple(given[x] for x in seg.whole), rows)
+    return run(theta_seg, before, tuple(given[x] for x in seg.whole), rows, starts)
 
 
 def _scan(run: tuple[Segment, ...], theta: dict, given: dict, before: tuple,
-          carried: list[int], kept: tuple[int, ...], call: Call) -> tuple[tuple, tuple]:
+          carried: list[int], kept: tuple[int, ...], call: Call, offsets: dict[Hashable, Any]) -> tuple[tuple, tuple]:
     """Segments that translate one another as one ``lax.scan`` over the first one's network,
     checkpointed: it carries the states the next segment reads (outputs ``carried``) and stacks
-    outputs ``kept``; its rows of stacked inputs and blocks are scanned over where the run takes
-    all rows in order (a reshape), else sliced in the body at each segment's first row (a table
-    scanned over: rows may move by any amount from segment to segment). Returns (last carry,
-    stacked)."""
+    outputs ``kept``. Its rows of stacked blocks are scanned over where the run takes all rows in
+    order (a reshape), else sliced in the body at each segment's first row (a table scanned over:
+    rows may move by any amount from segment to segment); stacked inputs likewise, except that
+    inputs sliced in the body go to ``call`` whole with the row to start from (``offsets``), so a
+    nested checkpointed call slices only its leaves' rows. Returns (last carry, stacked)."""
     first, n = run[0], len(run)
     ranges = first.row_inputs + first.row_blocks
+    k = len(first.row_inputs)
     bases = np.array([sg.bases for sg in run], np.int32).reshape(n, len(ranges))  # [segment, source]
     sources = [given[x] for x, _, _ in first.row_inputs] + [theta[b] for b, _, _ in first.row_blocks]
 
     def scanned(source: Any, r: int, span: int) -> Any:
         rows = jax.tree.leaves(source)[0].shape[0]
-        if not np.array_equal(bases[:, r], span * np.arange(n)) or n * span != rows:
+        if (r < k and first.row_inputs[r][0] in offsets) or not np.array_equal(bases[:, r], span * np.arange(n)) \
+                or n * span != rows:
             return None  # not the whole source in order: sliced inside the body, not copied
         return jax.tree.map(lambda a: a.reshape(n, span, *a.shape[1:]), source)
 
@@ -398,14 +412,30 @@ def _scan(run: tuple[Segment, ...], theta: dict, given: dict, before: tuple,
 
     def body(carry: tuple, step: tuple) -> tuple:
         base, rows = step
-        rows = [r if r is not None else jax.tree.map(lambda a, b=base[i], span=span: lax.dynamic_slice_in_dim(
-            a, b, span), src) for i, (r, src, (_, _, span)) in enumerate(zip(rows, sources, ranges))]
-        k = len(first.row_inputs)
-        blocks = {blk: r for (blk, _, _), r in zip(first.row_blocks, rows[k:])}
-        outs = tuple(call(first.net, {**plain, **blocks}, (*carry, *whole, *rows[:k])))
+        inputs, at = [], {}
+        for r, (x, _, _) in enumerate(first.row_inputs):
+            if rows[r] is not None:
+                inputs.append(rows[r])
+            else:  # whole, from its row: a nested call slices only its leaves' rows
+                inputs.append(sources[r])
+                at[("input", x)] = offsets.get(x, 0) + base[r]
+        blocks = {blk: row if row is not None else jax.tree.map(
+            lambda a, b=base[k + i], span=span: lax.dynamic_slice_in_dim(a, b, span), sources[k + i])
+            for i, ((blk, _, span), row) in enumerate(zip(first.row_blocks, rows[k:]))}
+        outs = tuple(call(first.net, {**plain, **blocks}, (*carry, *whole, *inputs), at))
         return tuple(outs[i] for i in carried), tuple(outs[i] for i in kept)
 
     return lax.scan(jax.checkpoint(body, prevent_cse=False), before, (jnp.asarray(bases), xs))
+
+
+def row_spans(net: Network) -> dict[Hashable, int]:
+    """Per stacked input of ``net``: how many rows it reads (its largest ``Row`` index + 1)."""
+    spans: dict[Hashable, int] = {}
+    for layer in net.layers:
+        for r in layer.reads:
+            if isinstance(r, Row):
+                spans[r.block] = max(spans.get(r.block, 0), r.index + 1)
+    return spans
 
 
 def _gather(item: Hashable | Stack, value: Callable[[Hashable], Any], runs: list[_Scanned]) -> Any:

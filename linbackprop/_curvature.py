@@ -147,8 +147,8 @@ _gauss_newton_mv = jax.jit(lambda G, v: G.apply(v))
 
 
 def gauss_newton(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool = False, *,
-                 remat: bool = False, checkpoints: int | None = None, param_products: str = "auto",
-                 engine: str = "auto") -> Callable:
+                 remat: bool = False, checkpoints: int | None = None, schedule: str = "even",
+                 param_products: str = "auto", engine: str = "auto") -> Callable:
     """``(value, grad, G)`` of ``fun`` at its arguments: value and gradient as
     :func:`value_and_grad_by_solve`, and the generalised Gauss–Newton matrix
 
@@ -167,7 +167,7 @@ def gauss_newton(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool 
     information matrix. Terms of ``fun`` that use the arguments directly (a weight decay
     λ‖θ‖²) are in ``value`` and ``grad`` but not in G: H is the Hessian w.r.t. the outputs with
     the arguments held fixed; add their curvature yourself (2λ I for that weight decay).
-    ``G.T`` is ``G``; ``G.todense()`` for tiny networks. ``remat``, ``checkpoints`` and ``engine``
+    ``G.T`` is ``G``; ``G.todense()`` for tiny networks. ``remat``, ``checkpoints``, ``schedule`` and ``engine``
     as in :func:`grad_by_solve`, with the same rule for ``param_products="auto"``: ℳ* h and ℳΛ
     batched after the loops where steps are latency-bound, formed in the loops (from the same
     linearisation of each layer as the substitutions) where they are compute-bound or with remat.
@@ -181,7 +181,8 @@ def gauss_newton(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool 
         [[1.0, 0.0], [0.0, 1.0]]
     """
     nums, single = _normalise(argnums)
-    settings = dict(remat=remat, checkpoints=checkpoints, param_products=param_products, engine=engine)
+    settings = dict(remat=remat, checkpoints=checkpoints, schedule=schedule, param_products=param_products,
+                    engine=engine)
 
     def run(*args: Any) -> tuple[Any, Any, GaussNewton]:
         split = _Split(fun, args, nums, has_aux)

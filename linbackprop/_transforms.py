@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.custom_derivatives import SymbolicZero
 
-from ._checkpoint import checkpointed_call, rows_cut, split
+from ._checkpoint import checkpointed_call, row_spans, rows_cut, segment_length, split
 from ._engine import (
     Primal,
     forward,
@@ -101,6 +101,9 @@ _ENGINE = _mode("linbackprop_engine", "linbackprop: how the substitutions run.",
 _FORWARD_ONLY = _mode("linbackprop_forward_only",
                       "linbackprop: jvp_by_solve, whose tangents are not transposed: one fused forward sweep.")
 _CHECKPOINTS = _mode("linbackprop_checkpoints", "linbackprop: states kept by checkpointed calls (0: all).", int)
+SCHEDULES = ("even", "nested")
+_SCHEDULE = _mode("linbackprop_checkpoint_schedule", "linbackprop: how checkpointed calls place their states.",
+                  SCHEDULES)
 PARAM_PRODUCTS = ("auto", "after", "in_loop")
 _PARAM_PRODUCTS = _mode("linbackprop_param_products", "linbackprop: where ℳΛ is formed.", PARAM_PRODUCTS)
 
@@ -157,12 +160,55 @@ def network_call(net: Network, params: Any, inputs: tuple[Any, ...]) -> Any:
         return net.pick_outputs(dict(zip(net.inputs, inputs)))
     theta = {p: theta[p] for p in live.param_names}
     k = _CHECKPOINTS.value
-    if k and not _FORWARD_ONLY.value and k < len(live.layers) - 1 and checkpoints_keep_less(live, theta, inputs, k):
-        with mesh_of((theta, inputs)):
-            return checkpointed_call(live, theta, tuple(inputs), _CHECKPOINTS.value, _jitted_call_by_solve)
+    if k and not _FORWARD_ONLY.value and k < len(live.layers) - 1:
+        levels = nested_levels(len(live.layers), k) if _SCHEDULE.value == "nested" else (k,)
+        if checkpoints_keep_less(live, theta, inputs, levels):
+            with mesh_of((theta, inputs)):
+                # Nested: stacked inputs go down whole, each level adding its offset (a cut per
+                # segment would copy the rows of every level).
+                whole = {x: 0 for x in live.stacked_inputs} if len(levels) > 1 else {}
+                return checkpointed_call(live, theta, tuple(inputs), levels[0], _checkpointed(levels[1:]), whole)
     with mesh_of((theta, inputs)):
         outs = _jitted_call_by_solve(live, theta, tuple(inputs))
     return outs[0] if net.single_output else outs
+
+
+def nested_levels(layers: int, checkpoints: int) -> tuple[int, ...]:
+    """The checkpoints of each level of the nested schedule for ``layers`` layers and
+    ``checkpoints`` states in all: the fewest levels d whose evenly spaced segments, m = ⌈N^(1/d)⌉
+    per level, fit the budget (d (m − 1) ≤ k), the budget left over going to the top level (it
+    shortens every segment below). Each level recomputes every layer once more: d + 1 forward
+    evaluations in all, at most k states kept (the binomial schedule's trade-off, Griewank's
+    revolve, up to a constant: memory like k, recomputations growing like log N)."""
+    for d in range(1, max(layers.bit_length(), 1) + 1):
+        m = -(-layers ** (1 / d) // 1)
+        m = int(m) + (int(m) ** d < layers)  # ⌈N^(1/d)⌉, safe from rounding
+        if d * (m - 1) <= checkpoints:
+            return (checkpoints - (d - 1) * (m - 1), *[m - 1] * (d - 1))
+    return (1,) * checkpoints  # fewer states than levels: halve k times
+
+
+def _checkpointed(levels: tuple[int, ...]) -> Callable[[Network, dict, tuple, dict], tuple]:
+    """A network call checkpointed with ``levels[0]`` states, each of its segments called the same
+    way with the levels below (the nested schedule; one level: evenly spaced). Stacked inputs
+    come whole with the row to start from (``offsets``); the solve at the leaves slices them."""
+    if not levels:
+        def leaf(net: Network, theta: dict, inputs: tuple, offsets: dict) -> tuple:
+            if offsets:
+                spans = row_spans(net)
+                inputs = tuple(jax.tree.map(lambda a, x=x: jax.lax.dynamic_slice_in_dim(a, offsets[x], spans[x]), v)
+                               if x in offsets else v for x, v in zip(net.inputs, inputs))
+            return _jitted_call_by_solve(net, theta, inputs)
+
+        return leaf
+    inner = _checkpointed(levels[1:])
+
+    def call(net: Network, theta: dict, inputs: tuple, offsets: dict) -> tuple:
+        if levels[0] >= len(net.layers) - 1:  # too short to cut: the level below
+            return tuple(inner(net, theta, inputs, offsets))
+        return tuple(checkpointed_call(net, theta, inputs, levels[0], inner, offsets))
+
+    return call
 
 
 def _nbytes(tree: Any) -> int:
@@ -176,18 +222,19 @@ def _nbytes(tree: Any) -> int:
 CHECKPOINT_SAVING = 0.5
 
 
-def checkpoints_keep_less(net: Network, theta: dict, inputs: tuple, checkpoints: int) -> bool:
-    """Whether ``checkpoints=k`` is predicted to keep at most ``CHECKPOINT_SAVING`` of what the
-    same call keeps without (:func:`checkpoint_memory_ratio`)."""
-    return checkpoint_memory_ratio(net, theta, inputs, checkpoints) <= CHECKPOINT_SAVING
+def checkpoints_keep_less(net: Network, theta: dict, inputs: tuple, levels: tuple[int, ...]) -> bool:
+    """Whether checkpointing with ``levels`` is predicted to keep at most ``CHECKPOINT_SAVING``
+    of what the same call keeps without (:func:`checkpoint_memory_ratio`)."""
+    return checkpoint_memory_ratio(net, theta, inputs, levels) <= CHECKPOINT_SAVING
 
 
-def checkpoint_memory_ratio(net: Network, theta: dict, inputs: tuple, checkpoints: int) -> float:
-    """What ``checkpoints=k`` is predicted to keep, as a fraction of the same call without (by the
-    shapes alone). Without: every state, every stored residual and Λ. With: the states segments
-    return (outputs, and states later segments read), twice (kept, then stacked or concatenated
-    into the outputs), twice a segment's share of the above (its recomputation and its back
-    substitution), and the rows of stacked blocks and inputs cut out for segments that run on
+def checkpoint_memory_ratio(net: Network, theta: dict, inputs: tuple, levels: tuple[int, ...]) -> float:
+    """What checkpointing with ``levels`` (states per level, :func:`nested_levels`) is predicted
+    to keep, as a fraction of the same call without (by the shapes alone). Without: every state,
+    every stored residual and Λ. With: the states the top level's segments return (outputs, and
+    states later segments read), twice (kept, then stacked or concatenated into the outputs),
+    twice the states each level below keeps, twice a leaf segment's share of the above (its
+    recomputation and its back substitution), and the rows of stacked blocks and inputs cut out for segments that run on
     their own, with their gradients. Where every state is an output (a ``Stack`` of them), or with one
     checkpoint (two halves), checkpointing keeps no less; the call then runs without it."""
     plan = plan_for(net, theta, inputs, _ENGINE.value)
@@ -195,15 +242,18 @@ def checkpoint_memory_ratio(net: Network, theta: dict, inputs: tuple, checkpoint
     residuals = 0 if _REMAT.value else sum(_nbytes(a) * (n + 1) for a, n in zip(plan.res_avals, plan.res_rows))
     layers = [layer.name for layer in net.layers]
     plain = 2 * sum(state[name] for name in layers) + residuals
-    segments = split(net, checkpoints)
+    segments = split(net, levels[0])
     kept = sum(state[layers[sg.start + j]] for sg in segments for j in sg.returns)
-    longest = max(len(sg.net.layers) for sg in segments)
+    leaf, below = max(len(sg.net.layers) for sg in segments), 0
+    for k in levels[1:]:
+        if k < leaf - 1:
+            leaf, below = segment_length(leaf, k), below + 2 * k * sum(state[name] for name in layers) / len(layers)
     given = dict(zip(net.inputs, inputs))
     cut = 0
-    for (kind, name), rows in rows_cut(net, checkpoints).items():
+    for (kind, name), rows in rows_cut(net, levels[0]).items():
         source = theta[name] if kind == "block" else given[name]
         cut += 2 * _nbytes(source) * rows // max(jax.tree.leaves(source)[0].shape[0], 1)
-    return (2 * kept + 2 * longest * plain / len(layers) + cut) / plain
+    return (2 * kept + below + 2 * leaf * plain / len(layers) + cut) / plain
 
 
 def outputs_of(plan: Plan, bufs: list[Any]) -> tuple[Any, ...]:
@@ -485,17 +535,20 @@ def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
         raise ValueError(f"{name} must be one of {choices}, got {value!r}.")
 
 
-def solve_mode(fun: Callable, *, remat: bool = False, checkpoints: int | None = None,
+def solve_mode(fun: Callable, *, remat: bool = False, checkpoints: int | None = None, schedule: str = "even",
                param_products: str = "auto", engine: str = "auto") -> Callable:
     """``fun`` run with Network calls differentiated by the solve (any JAX transform of it, e.g.
     ``jax.linearize``, then uses the solve's rules), with these settings (see grad_by_solve)."""
-    return _in_solve_mode(fun, fun, remat, param_products, engine, checkpoints)
+    return _in_solve_mode(fun, fun, remat, param_products, engine, checkpoints, schedule)
 
 
 def _in_solve_mode(transformed: Callable, fun: Callable, remat: bool, param_products: str,
-                   engine: str, checkpoints: int | None = None) -> Callable:
+                   engine: str, checkpoints: int | None = None, schedule: str = "even") -> Callable:
     _check_choice("param_products", param_products, PARAM_PRODUCTS)
     _check_choice("engine", engine, ENGINES)
+    _check_choice("schedule", schedule, SCHEDULES)
+    if schedule != "even" and checkpoints is None:
+        raise ValueError(f"schedule={schedule!r} places checkpoints: give their number, checkpoints=k.")
     if checkpoints is not None and (not isinstance(checkpoints, int) or isinstance(checkpoints, bool)
                                     or checkpoints < 1):
         raise ValueError(f"checkpoints must be a positive int (the number of states kept) or None, "
@@ -504,15 +557,15 @@ def _in_solve_mode(transformed: Callable, fun: Callable, remat: bool, param_prod
     @functools.wraps(fun)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         with (_SOLVE_MODE(True), _FORWARD_ONLY(False), _REMAT(bool(remat)), _PARAM_PRODUCTS(param_products),
-              _ENGINE(engine), _CHECKPOINTS(checkpoints or 0)):
+              _ENGINE(engine), _CHECKPOINTS(checkpoints or 0), _SCHEDULE(schedule)):
             return transformed(*args, **kwargs)
 
     return wrapped
 
 
 def grad_by_solve(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool = False, *,
-                  remat: bool = False, checkpoints: int | None = None, param_products: str = "auto",
-                  engine: str = "auto", **grad_kwargs: Any) -> Callable:
+                  remat: bool = False, checkpoints: int | None = None, schedule: str = "even",
+                  param_products: str = "auto", engine: str = "auto", **grad_kwargs: Any) -> Callable:
     """Drop-in for ``jax.grad``: every Network call in ``fun`` is differentiated by the solve.
 
     For a loss J(θ) = ℓ(U(θ), θ) the gradient is ∇_θJ = ℳ Λ + ∇_θℓ, where Λ solves the adjoint
@@ -527,7 +580,12 @@ def grad_by_solve(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool
     segments meet, besides inputs and outputs); in reverse mode each segment's states are
     recomputed just before its back substitution. Memory O(k + N/k) states (k ≈ √N: O(√N)),
     time at most one forward pass more. Segments that repeat (an RNN, ``Row``-stacked blocks) run
-    as one ``lax.scan``, so the program does not grow with k. Checkpointing never costs memory:
+    as one ``lax.scan``, so the program does not grow with k. ``schedule="nested"`` spends the k
+    states on levels of segments within segments instead (:func:`nested_levels`: the fewest
+    levels d whose ⌈N^(1/d)⌉ segments per level fit k): at most k states kept plus a segment of a
+    layer or so, each layer evaluated d + 1 times — memory like k and recomputations growing like
+    log N, the trade-off of the binomial (revolve) schedule; the default ``"even"`` is faster
+    where its O(k + N/k) fits. Checkpointing never costs memory:
     where it is not predicted (from the shapes) to keep at most half of what the call keeps
     without — every state an output, one checkpoint, stacked weights larger than the states —
     the call runs without it.
@@ -554,14 +612,14 @@ def grad_by_solve(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool
         True
     """
     return _in_solve_mode(jax.grad(fun, argnums=argnums, has_aux=has_aux, **grad_kwargs), fun, remat,
-                          param_products, engine, checkpoints)
+                          param_products, engine, checkpoints, schedule)
 
 
 def value_and_grad_by_solve(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool = False, *,
-                            remat: bool = False, checkpoints: int | None = None, param_products: str = "auto",
-                            engine: str = "auto", **grad_kwargs: Any) -> Callable:
+                            remat: bool = False, checkpoints: int | None = None, schedule: str = "even",
+                            param_products: str = "auto", engine: str = "auto", **grad_kwargs: Any) -> Callable:
     """Drop-in for ``jax.value_and_grad``, differentiating Network calls by the solve
-    (``remat``, ``checkpoints``, ``param_products`` and ``engine`` as in :func:`grad_by_solve`).
+    (``remat``, ``checkpoints``, ``schedule``, ``param_products`` and ``engine`` as in :func:`grad_by_solve`).
 
     Examples:
         >>> import jax.numpy as jnp, linbackprop as lbp
@@ -571,7 +629,7 @@ def value_and_grad_by_solve(fun: Callable, argnums: int | Sequence[int] = 0, has
         (6.0, 2.0)
     """
     return _in_solve_mode(jax.value_and_grad(fun, argnums=argnums, has_aux=has_aux, **grad_kwargs), fun, remat,
-                          param_products, engine, checkpoints)
+                          param_products, engine, checkpoints, schedule)
 
 
 def jvp_by_solve(fun: Callable, primals: Sequence[Any], tangents: Sequence[Any], has_aux: bool = False, *,

@@ -94,3 +94,16 @@ def test_checkpoints_still_save_memory_where_they_can():
     """The rule above does not simply turn checkpointing off: a long RNN keeps a fraction."""
     loss, args = _rnn(256, False)
     assert _temps(loss, args, checkpoints=15) < 0.3 * _temps(loss, args)
+
+
+def test_nested_schedule_memory_grows_slowly_with_the_sequence():
+    """schedule="nested" with a fixed budget: temporaries grow by levels (like log T), evenly
+    spaced segments like T/k; at T = 2048 the nested schedule keeps less."""
+    nested, even = {}, {}
+    for steps in (256, 2048):
+        loss, args = _rnn(steps, False)
+        nested[steps] = _temps(loss, args, checkpoints=15, schedule="nested")
+        even[steps] = _temps(loss, args, checkpoints=15)
+    assert nested[2048] < 2 * nested[256]  # T × 8
+    assert even[2048] > 4 * even[256]
+    assert nested[2048] < 0.5 * even[2048]

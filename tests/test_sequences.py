@@ -10,6 +10,7 @@ import pytest
 
 import linbackprop as lbp
 from linbackprop._checkpoint import _units, split
+from linbackprop._transforms import nested_levels
 
 pytestmark = pytest.mark.usefixtures("always_checkpoint")  # the segments are under test
 
@@ -243,3 +244,42 @@ def test_blocks_of_the_operators_of_a_network_reading_rows_of_an_input():
     close(lin.L.block(3, 2).todense(), -jac.reshape(B * W, B * W))
     jac_a = jax.jacobian(lambda a: cell((a, p["B"], p["c"]), lin.states[2], jax.tree.map(lambda x: x[2], xs)))(p["A"])
     close(lin.M.T.block(3, "A").todense(), jac_a.reshape(B * W, W * W))
+
+
+@pytest.mark.parametrize(("steps", "checkpoints", "outputs"), [(64, 9, "last"), (64, 5, "mixed"), (100, 3, "every")])
+def test_nested_schedule_matches_jax_grad(steps, checkpoints, outputs):
+    """schedule="nested": segments within segments (stacked inputs handed down whole with offsets),
+    pytree xs read by Row, Stack outputs, argnums over parameters, h0 and xs."""
+    net = rnn(steps, outputs)
+    loss = loss_of(net)
+    args = data(steps, seed=4)
+    assert len(nested_levels(steps, checkpoints)) > 1
+    expected = jax.grad(loss, argnums=(0, 1, 2))(*args)
+    close(lbp.grad_by_solve(loss, argnums=(0, 1, 2), checkpoints=checkpoints, schedule="nested")(*args), expected)
+    close(jax.jit(lbp.grad_by_solve(loss, checkpoints=checkpoints, schedule="nested"))(*args), expected[0])
+
+
+def test_nested_schedule_on_a_chain_with_row_blocks_and_skips():
+    net = _periodic_dag(60)
+    k = jax.random.split(jax.random.PRNGKey(5), 4)
+    p = {"W": jax.random.normal(k[0], (60, W, W)) / 3, "b": jax.random.normal(k[1], (60, W)),
+         "S": jax.random.normal(k[2], (W, W)) / 3}
+    x = jax.random.normal(k[3], (B, W))
+    loss = lambda p, x: jnp.sum(jnp.cos(net(p, x)))
+    close(lbp.grad_by_solve(loss, argnums=(0, 1), checkpoints=8, schedule="nested")(p, x),
+          jax.grad(loss, argnums=(0, 1))(p, x))
+
+
+def test_nested_levels_fit_the_budget():
+    for layers, checkpoints in [(2048, 45), (16384, 45), (100, 3), (64, 9), (10, 1)]:
+        levels = nested_levels(layers, checkpoints)
+        assert sum(levels) <= checkpoints and all(k >= 1 for k in levels)
+        cover = 1
+        for k in levels:
+            cover *= k + 1
+        assert cover >= layers or levels == (1,) * checkpoints, (layers, checkpoints, levels)
+    assert nested_levels(2048, 45) == (21, 12, 12)  # three levels of 13 segments (the top takes the rest)
+    with pytest.raises(ValueError, match="give their number, checkpoints=k"):
+        lbp.grad_by_solve(lambda x: x, schedule="nested")
+    with pytest.raises(ValueError, match="schedule must be one of"):
+        lbp.grad_by_solve(lambda x: x, checkpoints=3, schedule="binomial")
