@@ -161,7 +161,12 @@ def network_call(net: Network, params: Any, inputs: tuple[Any, ...]) -> Any:
     theta = {p: theta[p] for p in live.param_names}
     k = _CHECKPOINTS.value
     if k and not _FORWARD_ONLY.value and k < len(live.layers) - 1:
-        levels = nested_levels(len(live.layers), k) if _SCHEDULE.value == "nested" else (k,)
+        levels = (k,)
+        if _SCHEDULE.value == "nested":
+            plan = plan_for(live, theta, inputs, _ENGINE.value)
+            state = sum(_nbytes(plan.state_groups[g].row_avals()) for g, _ in plan.state_loc.values())
+            level_cost = 3 * _nbytes(theta) / max(state / len(plan.state_loc), 1)
+            levels = nested_levels(len(live.layers), k, level_cost)
         if checkpoints_keep_less(live, theta, inputs, levels):
             with mesh_of((theta, inputs)):
                 # Nested: stacked inputs go down whole, each level adding its offset (a cut per
@@ -173,19 +178,26 @@ def network_call(net: Network, params: Any, inputs: tuple[Any, ...]) -> Any:
     return outs[0] if net.single_output else outs
 
 
-def nested_levels(layers: int, checkpoints: int) -> tuple[int, ...]:
+def nested_levels(layers: int, checkpoints: int, level_cost: float = 0.0) -> tuple[int, ...]:
     """The checkpoints of each level of the nested schedule for ``layers`` layers and
-    ``checkpoints`` states in all: the fewest levels d whose evenly spaced segments, m = ⌈N^(1/d)⌉
-    per level, fit the budget (d (m − 1) ≤ k), the budget left over going to the top level (it
-    shortens every segment below). Each level recomputes every layer once more: d + 1 forward
-    evaluations in all, at most k states kept (the binomial schedule's trade-off, Griewank's
-    revolve, up to a constant: memory like k, recomputations growing like log N)."""
-    for d in range(1, max(layers.bit_length(), 1) + 1):
-        m = -(-layers ** (1 / d) // 1)
-        m = int(m) + (int(m) ** d < layers)  # ⌈N^(1/d)⌉, safe from rounding
-        if d * (m - 1) <= checkpoints:
-            return (checkpoints - (d - 1) * (m - 1), *[m - 1] * (d - 1))
-    return (1,) * checkpoints  # fewer states than levels: halve k times
+    ``checkpoints`` states in all: d levels of k/d states each (the remainder to the top level,
+    where it shortens every segment below), d chosen to keep least — k states, the leaf
+    segments' ≈ 3 per layer (states, Λ, residuals) and ``level_cost`` states per level (each
+    level's scan accumulates the parameters' cotangents: measured ≈ 3× the parameters), fewer
+    levels on a tie. Each level recomputes every layer once more: d + 1 forward evaluations —
+    memory like k and recomputations growing like log N, the binomial (revolve) schedule's
+    trade-off."""
+    best, best_cost = (checkpoints,), float("inf")
+    for d in range(1, min(checkpoints, 16) + 1):
+        per = checkpoints // d
+        levels = (checkpoints - per * (d - 1), *[per] * (d - 1))
+        leaf = layers
+        for k in levels:
+            leaf = -(-leaf // (k + 1))
+        cost = checkpoints + 3 * leaf + d * level_cost
+        if cost < best_cost:
+            best, best_cost = levels, cost
+    return best
 
 
 def _checkpointed(levels: tuple[int, ...]) -> Callable[[Network, dict, tuple, dict], tuple]:
@@ -581,9 +593,9 @@ def grad_by_solve(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool
     recomputed just before its back substitution. Memory O(k + N/k) states (k ≈ √N: O(√N)),
     time at most one forward pass more. Segments that repeat (an RNN, ``Row``-stacked blocks) run
     as one ``lax.scan``, so the program does not grow with k. ``schedule="nested"`` spends the k
-    states on levels of segments within segments instead (:func:`nested_levels`: the fewest
-    levels d whose ⌈N^(1/d)⌉ segments per level fit k): at most k states kept plus a segment of a
-    layer or so, each layer evaluated d + 1 times — memory like k and recomputations growing like
+    states on levels of segments within segments instead (d levels of k/d states, d chosen by
+    :func:`nested_levels` from the shapes to keep least): at most k states kept plus a short
+    leaf segment, each layer evaluated d + 1 times — memory like k and recomputations growing like
     log N, the trade-off of the binomial (revolve) schedule; the default ``"even"`` is faster
     where its O(k + N/k) fits. Checkpointing never costs memory:
     where it is not predicted (from the shapes) to keep at most half of what the call keeps

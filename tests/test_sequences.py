@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import linbackprop as lbp
+from linbackprop import _transforms
 from linbackprop._checkpoint import _units, split
 from linbackprop._transforms import nested_levels
 
@@ -246,20 +247,34 @@ def test_blocks_of_the_operators_of_a_network_reading_rows_of_an_input():
     close(lin.M.T.block(3, "A").todense(), jac_a.reshape(B * W, W * W))
 
 
+@pytest.fixture
+def levels_by_layers_alone(monkeypatch):
+    """Nested levels chosen without the cost of a level (these tiny parameters would make one
+    level cheapest): every test below runs two or three levels."""
+    chosen = []
+
+    def levels(layers, checkpoints, level_cost=0.0):
+        chosen.append(nested_levels(layers, checkpoints))
+        return chosen[-1]
+
+    monkeypatch.setattr(_transforms, "nested_levels", levels)
+    return chosen
+
+
 @pytest.mark.parametrize(("steps", "checkpoints", "outputs"), [(64, 9, "last"), (64, 5, "mixed"), (100, 3, "every")])
-def test_nested_schedule_matches_jax_grad(steps, checkpoints, outputs):
+def test_nested_schedule_matches_jax_grad(steps, checkpoints, outputs, levels_by_layers_alone):
     """schedule="nested": segments within segments (stacked inputs handed down whole with offsets),
     pytree xs read by Row, Stack outputs, argnums over parameters, h0 and xs."""
     net = rnn(steps, outputs)
     loss = loss_of(net)
     args = data(steps, seed=4)
-    assert len(nested_levels(steps, checkpoints)) > 1
     expected = jax.grad(loss, argnums=(0, 1, 2))(*args)
     close(lbp.grad_by_solve(loss, argnums=(0, 1, 2), checkpoints=checkpoints, schedule="nested")(*args), expected)
     close(jax.jit(lbp.grad_by_solve(loss, checkpoints=checkpoints, schedule="nested"))(*args), expected[0])
+    assert levels_by_layers_alone and all(len(levels) > 1 for levels in levels_by_layers_alone)
 
 
-def test_nested_schedule_on_a_chain_with_row_blocks_and_skips():
+def test_nested_schedule_on_a_chain_with_row_blocks_and_skips(levels_by_layers_alone):
     net = _periodic_dag(60)
     k = jax.random.split(jax.random.PRNGKey(5), 4)
     p = {"W": jax.random.normal(k[0], (60, W, W)) / 3, "b": jax.random.normal(k[1], (60, W)),
@@ -268,17 +283,17 @@ def test_nested_schedule_on_a_chain_with_row_blocks_and_skips():
     loss = lambda p, x: jnp.sum(jnp.cos(net(p, x)))
     close(lbp.grad_by_solve(loss, argnums=(0, 1), checkpoints=8, schedule="nested")(p, x),
           jax.grad(loss, argnums=(0, 1))(p, x))
+    assert levels_by_layers_alone[-1] == (3, 3) or len(levels_by_layers_alone[-1]) > 1
 
 
 def test_nested_levels_fit_the_budget():
     for layers, checkpoints in [(2048, 45), (16384, 45), (100, 3), (64, 9), (10, 1)]:
-        levels = nested_levels(layers, checkpoints)
-        assert sum(levels) <= checkpoints and all(k >= 1 for k in levels)
-        cover = 1
-        for k in levels:
-            cover *= k + 1
-        assert cover >= layers or levels == (1,) * checkpoints, (layers, checkpoints, levels)
-    assert nested_levels(2048, 45) == (21, 12, 12)  # three levels of 13 segments (the top takes the rest)
+        for cost in (0.0, 25.0, 1e4):
+            levels = nested_levels(layers, checkpoints, cost)
+            assert sum(levels) == checkpoints and all(k >= 1 for k in levels)
+    assert nested_levels(2048, 45, 25.0) == (23, 22)  # two levels of 23-24 segments, leaves of 4 layers
+    assert nested_levels(16384, 45, 25.0) == (15, 15, 15)  # a longer sequence: one more level
+    assert nested_levels(2048, 45, 1e4) == (45,)  # levels dearer than states: evenly spaced
     with pytest.raises(ValueError, match="give their number, checkpoints=k"):
         lbp.grad_by_solve(lambda x: x, schedule="nested")
     with pytest.raises(ValueError, match="schedule must be one of"):
