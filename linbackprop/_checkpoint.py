@@ -11,8 +11,9 @@ segment's rows, its right-hand side the cotangents of the states it hands on).
 Memory: the kept states plus one segment's states, residuals and Λ — O(k + N/k) states, least
 at k ≈ √N. Time: every layer runs forward twice (the last segment once): at most one forward
 pass more than without checkpoints. Evenly spaced segments cost at most 2× the forward
-evaluations for O(√N) memory; a binomial schedule (Griewank's revolve) would reach O(log N)
-memory at O(log N) recomputations and is not implemented.
+evaluations for O(√N) memory. ``call`` may itself be a checkpointed call (the nested schedule
+of ``_transforms``: levels of evenly spaced segments, memory like k, recomputations like
+log N, as Griewank's binomial schedule); stacked inputs then go down whole with offsets.
 
 Segments that are translates of each other — same functions, reads reaching back at most one
 segment, rows of stacked blocks and inputs anywhere (an RNN, a chain of ``Row``-stacked
