@@ -11,10 +11,13 @@ import pytest
 pytestmark = pytest.mark.slow  # .ci/run's second interpreter skips these
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "data_parallel.py"
+# 8 simulated devices are 8 threads on this machine's cores, shared with the other test worker:
+# XLA CPU aborts a collective whose threads do not all arrive within 40 s (seen under load).
+EIGHT_DEVICES = "--xla_force_host_platform_device_count=8 --xla_cpu_collective_call_terminate_timeout_seconds=900"
 
 
 def test_data_parallel_gradients_on_eight_devices():
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, "XLA_FLAGS": EIGHT_DEVICES, "JAX_PLATFORMS": "cpu"}
     done = subprocess.run([sys.executable, str(EXAMPLE)], capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "8 devices, batch 32, Auto axes" in done.stdout and "8 devices, batch 32, Explicit axes" in done.stdout
@@ -82,7 +85,7 @@ for name, (net, params) in cases.items():
 def test_explicit_sharding_data_tensor_and_fully_sharded_parallel():
     """Explicit mesh axes (jax.make_mesh's default): the same values as on one device, and the
     gradients sharded as jax.grad shards them."""
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, "XLA_FLAGS": EIGHT_DEVICES, "JAX_PLATFORMS": "cpu"}
     done = subprocess.run([sys.executable, "-c", EXPLICIT], capture_output=True, text=True, timeout=600, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     for name in ("tensor-parallel", "tensor-parallel, one array per block", "fsdp", "data-parallel"):
@@ -121,7 +124,7 @@ for name, (net, params) in cases.items():
 def test_explicitly_sharded_batch_without_set_mesh():
     """Batch on NamedSharding(mesh, P("data")), parameters replicated, no ``jax.set_mesh``: jitted
     gradients as jax.grad's, with its shardings (the ℳΛ products contract over the sharded batch)."""
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, "XLA_FLAGS": EIGHT_DEVICES, "JAX_PLATFORMS": "cpu"}
     done = subprocess.run([sys.executable, "-c", WITHOUT_SET_MESH], capture_output=True, text=True, timeout=600,
                           env=env)
     assert done.returncode == 0, done.stderr[-3000:]
