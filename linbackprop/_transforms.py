@@ -163,9 +163,8 @@ def network_call(net: Network, params: Any, inputs: tuple[Any, ...]) -> Any:
     if k and not _FORWARD_ONLY.value and k < len(live.layers) - 1:
         levels = (k,)
         if _SCHEDULE.value == "nested":
-            plan = plan_for(live, theta, inputs, _ENGINE.value)
-            state = sum(_nbytes(plan.state_groups[g].row_avals()) for g, _ in plan.state_loc.values())
-            level_cost = 3 * _nbytes(theta) / max(state / len(plan.state_loc), 1)
+            state = _state_bytes(plan_for(live, theta, inputs, _ENGINE.value))
+            level_cost = 3 * _nbytes(theta) / max(sum(state.values()) / len(state), 1)
             levels = nested_levels(len(live.layers), k, level_cost)
         if checkpoints_keep_less(live, theta, inputs, levels):
             with mesh_of((theta, inputs)):
@@ -227,6 +226,11 @@ def _nbytes(tree: Any) -> int:
     return sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for a in jax.tree.leaves(tree))
 
 
+def _state_bytes(plan: Plan) -> dict[Hashable, int]:
+    """Bytes of one row of each state (by name)."""
+    return {name: _nbytes(plan.state_groups[g].row_avals()) for name, (g, _) in plan.state_loc.items()}
+
+
 # A checkpointed call runs only where it is predicted to keep at most this fraction of the plain
 # call's memory. The estimate is rough — XLA's buffer assignment decides; against
 # memory_analysis() it was within 0.6–1.4× on chains, RNNs, a GPT and a three-kind DAG, up to 2.3×
@@ -250,7 +254,7 @@ def checkpoint_memory_ratio(net: Network, theta: dict, inputs: tuple, levels: tu
     their own, with their gradients. Where every state is an output (a ``Stack`` of them), or with one
     checkpoint (two halves), checkpointing keeps no less; the call then runs without it."""
     plan = plan_for(net, theta, inputs, _ENGINE.value)
-    state = {name: _nbytes(plan.state_groups[g].row_avals()) for name, (g, _) in plan.state_loc.items()}
+    state = _state_bytes(plan)
     residuals = 0 if _REMAT.value else sum(_nbytes(a) * (n + 1) for a, n in zip(plan.res_avals, plan.res_rows))
     layers = [layer.name for layer in net.layers]
     plain = 2 * sum(state[name] for name in layers) + residuals
@@ -421,8 +425,9 @@ def _input_tangents(plan: Plan, dinputs: tuple) -> list[Any]:
     return [None if g in plan.input_only_groups and g not in moving else b for g, b in enumerate(bufs)]
 
 
-def _zeros_made_with(anchor: jax.Array, bufs: list[Any]) -> list[Any]:
-    """The buffers' zeros computed from ``anchor`` (a tangent), though not from its values.
+def _zeros_made_with(anchor: jax.Array, bufs: list[Any], keep: set[int]) -> list[Any]:
+    """The buffers (but those in ``keep``) as zeros computed from ``anchor`` (a tangent), though
+    not from its values.
 
     Under ``jax.linearize`` (a Gauss–Newton operator) zeros made from constants are computed with
     the primal and stored in the linear function, which then reads, and copies to write into, a
@@ -434,7 +439,7 @@ def _zeros_made_with(anchor: jax.Array, bufs: list[Any]) -> list[Any]:
         empty = jnp.ravel(anchor)[:0].astype(z.dtype)
         return jax.lax.pad(empty, jnp.zeros((), z.dtype), [(z.size, 0, 0)]).reshape(z.shape)
 
-    return [b if b is None else jax.tree.map(one, b) for b in bufs]
+    return [b if b is None or g in keep else jax.tree.map(one, b) for g, b in enumerate(bufs)]
 
 
 def _moves_params(net: Network, dtheta: dict) -> bool:
@@ -463,8 +468,7 @@ def _jvp_by_linear_solve(plan: Plan, theta: dict, inputs: tuple, dtheta: dict, d
     rhs = _input_tangents(plan, dinputs)
     if moves_params:  # the groups without input tangents start from zeros made in the linear program
         given = {plan.state_loc[name][0] for name, dx in zip(net.inputs, dinputs) if not _is_zero(dx)}
-        made = _zeros_made_with(_anchor(dtheta, dinputs), rhs)
-        rhs = [b if g in given else z for g, (b, z) in enumerate(zip(rhs, made))]
+        rhs = _zeros_made_with(_anchor(dtheta, dinputs), rhs, keep=given)
     if moves_params and not in_loop:
         rhs = param_forward(plan, prim, plan.pack_params(_instantiate(dtheta), tangent=True), rhs)
     # Parts of rhs built from symbolic zeros alone are constants: the solve's transpose gives

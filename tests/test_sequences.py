@@ -180,16 +180,20 @@ def _periodic_dag(depth: int) -> lbp.Network:
                         for i in range(1, depth + 1)], [0], depth)
 
 
+def _periodic_problem(depth: int, seed: int) -> tuple:
+    """``_periodic_dag(depth)`` with random parameters and input, and a loss of its output."""
+    net = _periodic_dag(depth)
+    k = jax.random.split(jax.random.PRNGKey(seed), 4)
+    p = {"W": jax.random.normal(k[0], (depth, W, W)) / 3, "b": jax.random.normal(k[1], (depth, W)),
+         "S": jax.random.normal(k[2], (W, W)) / 3}
+    return net, lambda p, x: jnp.sum(jnp.cos(net(p, x))), p, jax.random.normal(k[3], (B, W))
+
+
 def test_program_does_not_grow_with_checkpoints_when_the_period_does_not_divide_the_segments():
     """60 layers repeating with period 3: ⌈60/(k+1)⌉-layer segments are not translates for most k;
     segments of the next multiple of the period are, so the program is one scan (and a first
     and a last segment) whatever k: its size does not grow with k."""
-    net = _periodic_dag(60)
-    k = jax.random.split(jax.random.PRNGKey(3), 4)
-    p = {"W": jax.random.normal(k[0], (60, W, W)) / 3, "b": jax.random.normal(k[1], (60, W)),
-         "S": jax.random.normal(k[2], (W, W)) / 3}
-    x = jax.random.normal(k[3], (B, W))
-    loss = lambda p, x: jnp.sum(jnp.cos(net(p, x)))
+    net, loss, p, x = _periodic_problem(60, seed=3)
     sizes = []
     for checkpoints in (3, 5, 7, 11, 19):
         assert len(_units(split(net, checkpoints))) <= 3, checkpoints
@@ -275,12 +279,7 @@ def test_nested_schedule_matches_jax_grad(steps, checkpoints, outputs, levels_by
 
 
 def test_nested_schedule_on_a_chain_with_row_blocks_and_skips(levels_by_layers_alone):
-    net = _periodic_dag(36)
-    k = jax.random.split(jax.random.PRNGKey(5), 4)
-    p = {"W": jax.random.normal(k[0], (36, W, W)) / 3, "b": jax.random.normal(k[1], (36, W)),
-         "S": jax.random.normal(k[2], (W, W)) / 3}
-    x = jax.random.normal(k[3], (B, W))
-    loss = lambda p, x: jnp.sum(jnp.cos(net(p, x)))
+    _, loss, p, x = _periodic_problem(36, seed=5)
     close(jax.jit(lbp.grad_by_solve(loss, argnums=(0, 1), checkpoints=6, schedule="nested"))(p, x),
           jax.grad(loss, argnums=(0, 1))(p, x))
     assert len(levels_by_layers_alone[-1]) > 1
