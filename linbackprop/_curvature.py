@@ -25,9 +25,10 @@ import numpy as np
 from jax.extend.core import Literal
 from jax.flatten_util import ravel_pytree
 
-from ._engine import back_substitution, param_adjoint_per_example, param_adjoint_squares
+from ._engine import ParamSquares, back_substitution, param_adjoint_per_example
 from ._graph import Network, Stack
 from ._operators import LinearOperator
+from ._outer import weighted_square_sum
 from ._plan import Plan, differentiable_dtype
 from ._transforms import calls_intercepted, output_tangents, outputs_of, prepare, solve_mode
 
@@ -264,19 +265,27 @@ class _Calls:
                          for d in self.diff)
         return jax.vmap(lambda cts: self.vjp(cts))(theta_cts)
 
-    def squares(self, lams: list, batch: int, weights: jax.Array) -> tuple | None:
-        """Σ_b w_b (J_b* g)², elementwise, per differentiated argument, from the calls' adjoints Λ —
-        where each argument leaf is one parameter block of one call, as it is (then squares commute
-        with the map from the arguments to the blocks); else None."""
-        if not self.placed:
-            return None
-        leaves, treedef = jax.tree.flatten(self.diff)
-        result = [jnp.zeros(np.shape(x), jnp.result_type(x)) for x in leaves]
-        for plan, (prim, _), theta, place, lam in zip(self.plans, self.stored, self.thetas, self.placement, lams):
-            bufs = param_adjoint_squares(plan, prim, lam, batch, weights)
-            for n, sq in zip(place, jax.tree.leaves(self._unpack(plan, theta)(bufs)[0])):
-                result[n] = result[n] + sq.astype(result[n].dtype)
-        return tuple(jax.tree.unflatten(treedef, result))
+    def squares(self, batch: int) -> tuple[Callable, Callable]:
+        """Σ_k Σ_b w_kb (J_b* g_k)², elementwise, per differentiated argument, in two parts:
+        ``parts(lams, weights)`` for one k (from the calls' adjoints Λ_k), added up over k by the
+        caller, and ``total(parts)`` once (outer products' λ-free factors and matrix products are
+        formed there, once: :class:`ParamSquares`). Only where each argument leaf is one parameter
+        block of one call, as it is (:attr:`placed`: squares then commute with the map from the
+        arguments to the blocks)."""
+        maps = [ParamSquares(plan, prim, batch) for plan, (prim, _) in zip(self.plans, self.stored)]
+
+        def parts(lams: list, weights: jax.Array) -> list:
+            return [m.parts(lam, weights) for m, lam in zip(maps, lams)]
+
+        def total(parts: list) -> tuple:
+            leaves, treedef = jax.tree.flatten(self.diff)
+            result = [jnp.zeros(np.shape(x), jnp.result_type(x)) for x in leaves]
+            for m, part, plan, theta, place in zip(maps, parts, self.plans, self.thetas, self.placement):
+                for n, sq in zip(place, jax.tree.leaves(self._unpack(plan, theta)(m.total(part))[0])):
+                    result[n] = result[n] + sq.astype(result[n].dtype)
+            return tuple(jax.tree.unflatten(treedef, result))
+
+        return parts, total
 
     @property
     def placed(self) -> bool:
@@ -486,8 +495,9 @@ def diag_ggn(fun: Callable, argnums: int | Sequence[int] = 0, *, engine: str = "
     where J_b* s is ℳ on example b's rows of Λ = ℒ⁻* E* s: one back substitution for all examples
     per k (C in all, one after another: measured faster than one vmapped solve), then ℳ per
     example. Where a layer's per-example parameter cotangent is an outer product (dense layers:
-    W̄_b = a_bᵀ δ_b), Σ_b λ_bk W̄_b² is one matrix product (a²)ᵀ(λδ²), as BackPACK computes it;
-    other cotangents are formed per example and squared. About C + 2 gradients for dense layers.
+    W̄_bk = a_bᵀ δ_bk), Σ_k Σ_b λ_bk W̄_bk² is one matrix product (a²)ᵀ(Σ_k λ_k δ_k²) after the
+    C substitutions (BackPACK forms one per k); other cotangents are formed per example and
+    squared. About C/3 + 2 gradients for dense layers (C back substitutions and one forward pass).
     Layers that mix examples raise a ``ValueError``.
 
     The estimate draws z ~ N(0, I) per example and sample and back-substitutes s = H_b^{1/2} z
@@ -519,19 +529,23 @@ def diag_ggn(fun: Callable, argnums: int | Sequence[int] = 0, *, engine: str = "
         h = jnp.moveaxis(columns, 0, 2)  # [B, i, j]
         lam, vecs = jnp.linalg.eigh((h + jnp.swapaxes(h, 1, 2)) / 2)
 
-        def squared(s, weights):  # Σ_b w_b (J_b* s_b)², s: [B, C]
-            lams = calls.adjoints(unflatten(s), batch)
-            if calls.placed:
-                return calls.squares(lams, batch, weights)
-            per_example = calls.per_example(lams, batch)
-            return jax.tree.map(lambda g: jnp.einsum("b,b...->...", weights.astype(g.dtype), g * g), per_example)
+        if calls.placed:
+            parts, total = calls.squares(batch)
+            share = lambda s, weights: parts(calls.adjoints(unflatten(s), batch), weights)
+        else:  # arguments mapped to the blocks: per-example gradients, squared
+            total = lambda acc: acc
+            share = lambda s, weights: jax.tree.map(lambda g: weighted_square_sum(g, weights),
+                                                    calls.per_example(calls.adjoints(unflatten(s), batch), batch))
 
-        # One output coordinate after another (lax.map): as one vmapped solve over the C coordinates
-        # the diagonal took 1.4× longer (12 residual layers, width 128, batch 256, C = 10: the
-        # batched substitution's buffers outgrow the caches).
+        def summed(one: Callable, ks: jax.Array) -> Any:  # Σ_k one(k), one output coordinate (or sample) at a time
+            init = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), jax.eval_shape(one, ks[0]))
+            return jax.lax.scan(lambda acc, k: (jax.tree.map(jnp.add, acc, one(k)), None), init, ks)[0]
+
+        # One output coordinate after another: as one vmapped solve over the C coordinates the
+        # diagonal took 1.4× longer (12 residual layers, width 128, batch 256, C = 10: the batched
+        # substitution's buffers outgrow the caches).
         if samples is None:
-            terms = jax.lax.map(lambda k: squared(vecs[:, :, k], lam[:, k]), jnp.arange(coords))
-            diag = jax.tree.map(lambda t: jnp.sum(t, axis=0), terms)
+            diag = total(summed(lambda k: share(vecs[:, :, k], lam[:, k]), jnp.arange(coords)))
             return diag[0] if single else diag
         if key is None:
             raise ValueError("diag_ggn(samples=M) needs a PRNG key: diag_ggn(fun, samples=M, key=jax.random.key(0)).")
@@ -539,8 +553,8 @@ def diag_ggn(fun: Callable, argnums: int | Sequence[int] = 0, *, engine: str = "
         ones = jnp.ones((batch,), flat_outs.dtype)
 
         sample = lambda k: jnp.einsum("bij,bj->bi", root, jax.random.normal(k, (batch, coords), flat_outs.dtype))
-        terms = jax.lax.map(lambda k: squared(sample(k), ones), jax.random.split(key, samples))
-        diag = jax.tree.map(lambda t: jnp.mean(t, axis=0), terms)
+        diag = total(summed(lambda k: share(sample(k), ones), jax.random.split(key, samples)))
+        diag = jax.tree.map(lambda d: d / samples, diag)
         return diag[0] if single else diag
 
     return run

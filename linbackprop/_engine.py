@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ._outer import square_sums
+from ._outer import SquareSums, weighted_square_sum
 from ._plan import Group, Kind, Plan, RowList, Writes, as_dtype, vjp_layout
 from ._stacking import index_row, update_row, zeros_of
 
@@ -657,11 +657,9 @@ def param_adjoint(plan: Plan, prim: Primal, lam: list[Any]) -> list[Any]:
     return out
 
 
-def _per_example_param_cts(plan: Plan, prim: Primal, kind: Kind, lam: list[Any], batch: int, examples: Any,
-                           reduce: tuple[Callable | None, ...]) -> tuple:
+def _per_example_param_cts(plan: Plan, prim: Primal, kind: Kind, lam: list[Any], batch: int, examples: Any) -> tuple:
     """Per parameter slot of ``kind``: [members, examples, ...] cotangents (∂Φ_i/∂θ)* Λ_i[b], each
-    the layer's VJP on example b alone; a slot with a ``reduce`` gets it applied over the
-    examples instead, as the cotangents are formed ([members, ...])."""
+    the layer's VJP on example b alone."""
     n = kind.size
     lam_k = read_rows(lam[kind.out_group], kind.by_member.out[:n])
     theta, inputs = _arguments(plan, kind, prim, np.arange(n))
@@ -674,50 +672,22 @@ def _per_example_param_cts(plan: Plan, prim: Primal, kind: Kind, lam: list[Any],
         leaves = [jnp.take(x, examples, axis=1) if b else x for x, b in zip(leaves, batched)]
         lam_k = jax.tree.map(lambda x: jnp.take(x, examples, axis=1), lam_k)
 
-    if any(r is not None for r in reduce):
-        return jax.vmap(lambda th, ls, lm: _square_summed_member(kind, out_group, param_groups, tree, batched, reduce,
-                                                                 th, ls, lm))(theta, leaves, lam_k)
-
-    def member(theta, leaves, lam_i):
-        def example(leaves_b, lam_b):
-            one = tree.unflatten([x[None] if b else x for x, b in zip(leaves_b, batched)])
-            _, vjp = jax.vjp(lambda th: kind.fn(th, *one), theta)
-            cts = vjp(out_group.full_tangent(jax.tree.map(lambda x: x[None], lam_b)))[0]
-            return tuple(g.tangent(ct) for g, ct in zip(param_groups, cts))
-
-        cts = jax.vmap(example, in_axes=([0 if b else None for b in batched], 0))(leaves, lam_i)
-        return tuple(ct if r is None else r(ct) for ct, r in zip(cts, reduce))
-
+    example = _example_vjp(kind, out_group, param_groups, tree, batched)
+    member = lambda theta, leaves, lam_i: jax.vmap(example, in_axes=(None, [0 if b else None for b in batched], 0))(
+        theta, leaves, lam_i)
     return jax.vmap(member)(theta, leaves, lam_k)
 
 
-def _square_summed_member(kind: Kind, out_group: Group, param_groups: list[Group], tree: Any, batched: list[bool],
-                          reduce: tuple, theta: tuple, leaves: list, lam: Any) -> tuple:
-    """One member's per-slot cotangents over the examples: Σ_b w_b ct_b² for the slots with a
-    ``reduce`` (its weights, as matrix products where the cotangent is an outer product:
-    :func:`square_sums`), [examples, ...] for the others."""
-    th_leaves, th_tree = jax.tree.flatten(theta)
-    lam_leaves, lam_tree = jax.tree.flatten(lam)
-    nt, nx = len(th_leaves), len(leaves)
+def _example_vjp(kind: Kind, out_group: Group, param_groups: list[Group], tree: Any, batched: list[bool]) -> Callable:
+    """(θ, one example's input leaves, its Λ row) ↦ the member's parameter cotangents per slot:
+    the layer's VJP on that example alone (``batched`` inputs get their batch axis back)."""
+    def example(theta, leaves_b, lam_b):
+        one = tree.unflatten([x[None] if b else x for x, b in zip(leaves_b, batched)])
+        _, vjp = jax.vjp(lambda th: kind.fn(th, *one), theta)
+        cts = vjp(out_group.full_tangent(jax.tree.map(lambda x: x[None], lam_b)))[0]
+        return tuple(g.tangent(ct) for g, ct in zip(param_groups, cts))
 
-    def per_example(*flat):
-        one = tree.unflatten([x[None] if b else x for x, b in zip(flat[nt:nt + nx], batched)])
-        _, vjp = jax.vjp(lambda t: kind.fn(t, *one), th_tree.unflatten(flat[:nt]))
-        lam_one = jax.tree.map(lambda x: x[None], lam_tree.unflatten(flat[nt + nx:]))
-        cts = vjp(out_group.full_tangent(lam_one))[0]
-        return jax.tree.leaves(tuple(g.tangent(ct) for g, ct in zip(param_groups, cts)))
-
-    slots = [jax.tree.structure(g.row_avals(tangent=True)) for g in param_groups]
-    squared = [r is not None for r, s in zip(reduce, slots) for _ in range(s.num_leaves)]
-    weights = next(r.weights for r in reduce if r is not None)
-    example = [*th_leaves, *(x[0] if b else x for x, b in zip(leaves, batched)), *(x[0] for x in lam_leaves)]
-    axes = [None] * nt + [0 if b else None for b in batched] + [0] * len(lam_leaves)
-    flat = square_sums(per_example, example, [*th_leaves, *leaves, *lam_leaves], axes, weights, squared)
-    out, at = [], 0
-    for s in slots:
-        out.append(s.unflatten(flat[at:at + s.num_leaves]))
-        at += s.num_leaves
-    return tuple(out)
+    return example
 
 
 def param_adjoint_per_example(plan: Plan, prim: Primal, lam: list[Any], batch: int,
@@ -737,50 +707,114 @@ def param_adjoint_per_example(plan: Plan, prim: Primal, lam: list[Any], batch: i
     for kind in plan.kinds:
         if lam[kind.out_group] is None or not kind.param_groups:
             continue
-        cts = _per_example_param_cts(plan, prim, kind, lam, batch, examples, (None,) * len(kind.param_groups))
+        cts = _per_example_param_cts(plan, prim, kind, lam, batch, examples)
         for p, (g, ct) in enumerate(zip(kind.param_groups, cts)):  # ct: [members, examples, ...]
             idx = kind.by_member.params[:kind.size, p]
             out[g] = jax.vmap(lambda o, c, idx=idx: _scatter_add(o, idx, c), in_axes=(0, 1))(out[g], ct)
     return out
 
 
-class _SquareSum:
-    """Σ_b w_b x_b², leaf by leaf, over the leading axis (the examples)."""
+class ParamSquares:
+    """Σ_k Σ_b w_kb (ℳ Λ_k restricted to example b)², elementwise, in the parameter layout (no
+    batch axis): what the GGN diagonal sums over its adjoints Λ_k. :meth:`parts` takes one (Λ_k,
+    w_k); the caller adds the parts up over k and calls :meth:`total` once.
 
-    def __init__(self, weights: jax.Array):
-        self.weights = weights
+    Where a row of a block is used by one layer only, its per-example cotangents are squared and
+    summed over the examples as they are formed (no [batch, parameters] buffer), and an outer
+    product a_bᵀ δ_kb keeps Σ_k w_k δ_k² in its part: (a²)ᵀ(·) is one matrix product at the end
+    (:class:`SquareSums`). Rows used by several layers (shared blocks) first add the layers'
+    contributions per example, then square, per k."""
 
-    def __call__(self, tree: Any) -> Any:
-        return jax.tree.map(lambda c: jnp.einsum("b,b...->...", self.weights.astype(c.dtype), c * c), tree)
+    def __init__(self, plan: Plan, prim: Primal, batch: int):
+        self.plan, self.prim, self.batch = plan, prim, batch
+        uses: dict[tuple[int, int], int] = {}
+        for kind in plan.kinds:
+            for p, g in enumerate(kind.param_groups):
+                for row in kind.by_member.params[:kind.size, p]:
+                    uses[(g, int(row))] = uses.get((g, int(row)), 0) + 1
+        self.exclusive = {g for g in range(len(plan.param_groups))
+                          if all(n <= 1 for (gg, _), n in uses.items() if gg == g)}
+        self.kinds = [k for k in plan.kinds if k.param_groups and plan.state_groups[k.out_group].differentiable]
+        self.members = [self._members(kind) for kind in self.kinds]
+
+    def _members(self, kind: Kind) -> tuple:
+        """The kind's θ and input leaves (members stacked), which of them are per example, and
+        the :class:`SquareSums` of one member's per-example VJP."""
+        plan, n = self.plan, kind.size
+        theta, inputs = _arguments(plan, kind, self.prim, np.arange(n))
+        out_group = plan.state_groups[kind.out_group]
+        param_groups = [plan.param_groups[g] for g in kind.param_groups]
+        leaves, tree = jax.tree.flatten(inputs)
+        rows = jax.tree.leaves(tuple(plan.state_groups[g].row_avals() for g in kind.read_groups))
+        batched = [bool(r.ndim) and r.shape[0] == self.batch for r in rows]
+        th_leaves, th_tree = jax.tree.flatten(theta)
+        lam_tree = jax.tree.structure(out_group.row_avals(tangent=True))
+        lam_avals = jax.tree.leaves(out_group.row_avals(tangent=True))
+        nt, nx = len(th_leaves), len(leaves)
+
+        example_vjp = _example_vjp(kind, out_group, param_groups, tree, batched)
+        per_example = lambda *flat: jax.tree.leaves(example_vjp(
+            th_tree.unflatten(flat[:nt]), list(flat[nt:nt + nx]), lam_tree.unflatten(flat[nt + nx:])))
+
+        squared = [g in self.exclusive for g, grp in zip(kind.param_groups, param_groups)
+                   for _ in range(jax.tree.structure(grp.row_avals(tangent=True)).num_leaves)]
+        one = lambda x, lead: jax.ShapeDtypeStruct(x.shape[lead:], x.dtype)
+        example = [one(x, 1) for x in th_leaves] + [one(x, 2 if b else 1) for x, b in zip(leaves, batched)]
+        example += [one(a, 1) for a in lam_avals]
+        sums = SquareSums(per_example, example, squared, [False] * (nt + nx) + [True] * len(lam_avals))
+        axes = [None] * nt + [0 if b else None for b in batched]
+        lam_zeros = [jnp.zeros(a.shape[1:], a.dtype) for a in lam_avals]  # what the λ-free factors ignore
+        return th_leaves, leaves, axes, sums, lam_zeros
+
+    def parts(self, lam: list[Any], weights: jax.Array) -> tuple[list, list]:
+        """One adjoint's share: per kind, its members' :meth:`SquareSums.parts` of the leaves of
+        unshared rows (None for shared ones); per shared group, its squares (complete)."""
+        plan = self.plan
+        shared = {g: jax.tree.map(lambda z: jnp.zeros((self.batch, *z.shape), z.dtype),
+                                  plan.param_groups[g].zeros(plan.unrolled, tangent=True))
+                  for g in range(len(plan.param_groups)) if g not in self.exclusive}
+        kinds = []
+        for kind, (th, xs, axes, sums, _) in zip(self.kinds, self.members):
+            lam_k = jax.tree.leaves(read_rows(lam[kind.out_group], kind.by_member.out[:kind.size]))
+            parts = jax.vmap(lambda th, xs, lm, sums=sums, axes=axes: sums.parts(
+                [*th, *xs, *lm], [*axes, *[0] * len(lm)], weights))(th, xs, lam_k)
+            kept, at = [], 0
+            for p, g in enumerate(kind.param_groups):
+                tree = jax.tree.structure(plan.param_groups[g].row_avals(tangent=True))
+                leaves, at = parts[at:at + tree.num_leaves], at + tree.num_leaves
+                if g in self.exclusive:
+                    kept.extend(leaves)
+                    continue
+                kept.extend([None] * tree.num_leaves)  # [members, batch, ...]: summed over layers, then squared
+                ct = tree.unflatten(leaves)
+                idx = kind.by_member.params[:kind.size, p]
+                shared[g] = jax.vmap(lambda o, c, idx=idx: _scatter_add(o, idx, c), in_axes=(0, 1))(shared[g], ct)
+            kinds.append(kept)
+        squares = {g: jax.tree.map(lambda x: weighted_square_sum(x, weights), acc) for g, acc in shared.items()}
+        return kinds, [squares.get(g) for g in range(len(plan.param_groups))]
+
+    def total(self, parts: tuple[list, list]) -> list[Any]:
+        """The parameter-layout squares from parts summed over the adjoints."""
+        plan = self.plan
+        kinds, squares = parts
+        out = [g.zeros(plan.unrolled, tangent=True) if sq is None else sq
+               for g, sq in zip(plan.param_groups, squares)]
+        for kind, (th, xs, axes, sums, zeros), kept in zip(self.kinds, self.members, kinds):
+            done = jax.vmap(lambda th, xs, part, sums=sums, axes=axes: sums.total(
+                part, [*th, *xs, *zeros], [*axes, *[None] * len(zeros)]))(th, xs, kept)
+            at = 0
+            for p, g in enumerate(kind.param_groups):
+                grp = plan.param_groups[g]
+                tree = jax.tree.structure(grp.row_avals(tangent=True))
+                if g in self.exclusive:
+                    ct = tree.unflatten(done[at:at + tree.num_leaves])
+                    out[g] = _scatter_add(out[g], kind.by_member.params[:kind.size, p], ct)
+                at += tree.num_leaves
+        return out
 
 
 def param_adjoint_squares(plan: Plan, prim: Primal, lam: list[Any], batch: int, weights: jax.Array) -> list[Any]:
-    """Σ_b w_b (ℳ Λ restricted to example b)², elementwise, in the parameter layout (no batch
-    axis): what the GGN diagonal sums. Where a row of a block is used by one layer only, its
-    per-example cotangents are squared and summed over the examples as they are formed (XLA fuses
-    them: no [batch, parameters] buffer); rows used by several layers (shared blocks) first add
-    the layers' contributions per example, then square."""
-    uses: dict[tuple[int, int], int] = {}
-    for kind in plan.kinds:
-        for p, g in enumerate(kind.param_groups):
-            for row in kind.by_member.params[:kind.size, p]:
-                uses[(g, int(row))] = uses.get((g, int(row)), 0) + 1
-    exclusive = {g for g in range(len(plan.param_groups)) if all(n <= 1 for (gg, _), n in uses.items() if gg == g)}
-    out = [g.zeros(plan.unrolled, tangent=True) for g in plan.param_groups]
-    shared = {g: jax.tree.map(lambda z: jnp.zeros((batch, *z.shape), z.dtype), plan.param_groups[g].zeros(
-        plan.unrolled, tangent=True)) for g in range(len(plan.param_groups)) if g not in exclusive}
-    square_sum = _SquareSum(weights)
-    for kind in plan.kinds:
-        if lam[kind.out_group] is None or not kind.param_groups:
-            continue
-        reduce = tuple(square_sum if g in exclusive else None for g in kind.param_groups)
-        cts = _per_example_param_cts(plan, prim, kind, lam, batch, None, reduce)
-        for p, (g, ct) in enumerate(zip(kind.param_groups, cts)):
-            idx = kind.by_member.params[:kind.size, p]
-            if g in exclusive:  # [members, ...]: squared sums already
-                out[g] = _scatter_add(out[g], idx, ct)
-            else:  # [members, batch, ...]: per example, summed over the layers first
-                shared[g] = jax.vmap(lambda o, c, idx=idx: _scatter_add(o, idx, c), in_axes=(0, 1))(shared[g], ct)
-    for g, acc in shared.items():
-        out[g] = jax.tree.map(jnp.add, out[g], square_sum(acc))
-    return out
+    """Σ_b w_b (ℳ Λ restricted to example b)², elementwise, in the parameter layout: one adjoint's
+    :class:`ParamSquares`."""
+    squares = ParamSquares(plan, prim, batch)
+    return squares.total(squares.parts(lam, weights))

@@ -5,10 +5,12 @@ A dense layer's parameter cotangent for one example is an outer product, W̄_b =
 
     Σ_b w_b W̄_b²  =  (a²)ᵀ (w δ²)          (elementwise squares; one matrix product over b)
 
-instead of forming every W̄_b. ``square_sums`` finds such cotangents in the jaxpr of a layer's
+instead of forming every W̄_b. ``SquareSums`` finds such cotangents in the jaxpr of a layer's
 per-example VJP (through layout operations after the product: transposes, reshapes, casts) and
 evaluates the VJP only up to their operands, vmapped over the examples; other cotangents are
-formed per example, squared and summed (XLA fuses that).
+formed per example, squared and summed (XLA fuses that). Over several adjoints (the GGN
+diagonal's output coordinates k) the λ-free factor a and the product are formed once:
+Σ_k Σ_b w_kb W̄_kb² = (a²)ᵀ (Σ_k w_k δ_k²).
 """
 
 from __future__ import annotations
@@ -72,44 +74,82 @@ def _evaluate(jaxpr: Any, consts: list, args: list, wanted: list) -> list:
     return [read(v) for v in wanted]
 
 
-def square_sums(per_example: Callable[..., list], example_args: list, batched_args: list, in_axes: list,
-                weights: jax.Array, squared: list[bool]) -> list:
-    """For ``per_example(*args) -> list of cotangent leaves`` (one example): per leaf, Σ_b w_b
-    (leaf_b)² where ``squared``, else the per-example leaves [B, ...]; ``batched_args`` vmapped
-    with ``in_axes``, ``example_args`` shaped like one example's."""
-    try:
-        return _square_sums(per_example, example_args, batched_args, in_axes, weights, squared)
-    except (AttributeError, TypeError, KeyError, ValueError, NotImplementedError):
-        # JAX's jaxpr internals changed: every cotangent formed per example, then squared.
-        leaves = jax.vmap(per_example, in_axes=in_axes)(*batched_args)
-        return [jnp.einsum("b,b...->...", weights.astype(x.dtype), x * x) if sq else x
-                for x, sq in zip(leaves, squared)]
+class SquareSums:
+    """Σ_b w_b (leaf_b)² of the cotangent leaves ``per_example(*args)`` returns for one example, in
+    two phases so that sums over several adjoints and weightings (the GGN diagonal's Σ_k) form
+    each outer product's λ-free factor and its matrix product once:
+
+        Σ_k Σ_b w_kb (a_bᵀ δ_kb)²  =  (a²)ᵀ (Σ_k w_k δ_k²)
+
+    :meth:`parts` evaluates, per (adjoint, weights), what varies with them — Σ_b w_b leaf² for
+    leaves formed per example, w δ² [B, ...] for outer products, the per-example leaves [B, ...]
+    where not ``squared`` — parts add up over k, and :meth:`total` finishes once. ``varying``
+    marks the arguments the adjoint is (the cotangent is linear in them)."""
+
+    def __init__(self, per_example: Callable[..., list], example_args: list, squared: list[bool],
+                 varying: list[bool]):
+        self.per_example, self.squared = per_example, squared
+        try:
+            closed = jax.make_jaxpr(per_example)(*example_args)
+            jaxpr = closed.jaxpr
+            moving = {v for v, m in zip(jaxpr.invars, varying) if m}
+            for eqn in jaxpr.eqns:
+                if any(not isinstance(v, Literal) and v in moving for v in eqn.invars):
+                    moving.update(eqn.outvars)
+            self.sources = []
+            for var, sq in zip(jaxpr.outvars, squared):
+                src = _outer_source(jaxpr, var) if sq else None
+                sides = None if src is None else [not isinstance(v, Literal) and v in moving for v in src[0].invars]
+                self.sources.append(None if src is None or sum(sides) != 1 else (*src, sides.index(True)))
+            self.closed: Any = closed
+            wanted = [v for v, src in zip(jaxpr.outvars, self.sources) if src is None]
+            wanted += [u for src in self.sources if src is not None for u in src[0].invars]
+            jax.eval_shape(lambda a: _evaluate(jaxpr, closed.consts, a, wanted), list(example_args))  # evaluable
+        except (AttributeError, TypeError, KeyError, ValueError, NotImplementedError):
+            self.closed = None  # JAX's jaxpr internals changed: every cotangent formed per example
+
+    def _values(self, batched_args: list, in_axes: list, wanted: list) -> list:
+        closed = self.closed
+        return jax.vmap(lambda a: _evaluate(closed.jaxpr, closed.consts, a, wanted), in_axes=(in_axes,))(
+            list(batched_args))
+
+    def parts(self, batched_args: list, in_axes: list, weights: jax.Array) -> list:
+        if self.closed is None:
+            leaves = jax.vmap(self.per_example, in_axes=in_axes)(*batched_args)
+            return [weighted_square_sum(x, weights) if sq else x for x, sq in zip(leaves, self.squared)]
+        outvars = self.closed.jaxpr.outvars
+        wanted = [v if src is None else src[0].invars[src[2]] for v, src in zip(outvars, self.sources)]
+        values = self._values(batched_args, in_axes, wanted)
+        out = []
+        for value, src, sq in zip(values, self.sources, self.squared):
+            if src is not None:  # w δ²: the varying factor of the outer product
+                out.append(weights.reshape((-1,) + (1,) * (value.ndim - 1)).astype(value.dtype) * value * value)
+            else:
+                out.append(weighted_square_sum(value, weights) if sq else value)
+        return out
+
+    def total(self, parts: list, batched_args: list, in_axes: list) -> list:
+        if self.closed is None or all(src is None for src in self.sources):
+            return parts
+        fixed = [src[0].invars[1 - src[2]] for src in self.sources if src is not None]
+        found = iter(self._values(batched_args, in_axes, fixed))
+        out = []
+        for part, src in zip(parts, self.sources):
+            if src is None:
+                out.append(part)
+                continue
+            eqn, path, side = src
+            x = next(found)
+            operands = [x * x, part] if side == 1 else [part, x * x]
+            (lc, rc), _ = eqn.params["dimension_numbers"]
+            contract = ((0, *(c + 1 for c in lc)), (0, *(c + 1 for c in rc)))
+            value = lax.dot_general(*operands, (contract, ((), ())), precision=eqn.params.get("precision"),
+                                    preferred_element_type=eqn.params.get("preferred_element_type"))
+            for op in path:
+                value = _bind(op, [value])
+            out.append(value)
+        return out
 
 
-def _square_sums(per_example: Callable[..., list], example_args: list, batched_args: list, in_axes: list,
-                 weights: jax.Array, squared: list[bool]) -> list:
-    closed = jax.make_jaxpr(per_example)(*example_args)
-    jaxpr = closed.jaxpr
-    sources = [_outer_source(jaxpr, v) if sq else None for v, sq in zip(jaxpr.outvars, squared)]
-    wanted = [v for v, src, sq in zip(jaxpr.outvars, sources, squared) if src is None]
-    wanted += [v for src in sources if src is not None for v in src[0].invars]
-    values = jax.vmap(lambda a: _evaluate(jaxpr, closed.consts, a, wanted), in_axes=(in_axes,))(list(batched_args))
-    found = dict(zip(wanted, values))
-    out = []
-    for var, src, sq in zip(jaxpr.outvars, sources, squared):
-        if src is None:
-            leaf = found[var]
-            out.append(jnp.einsum("b,b...->...", weights.astype(leaf.dtype), leaf * leaf) if sq else leaf)
-            continue
-        eqn, path = src
-        x, y = (found[v] for v in eqn.invars)
-        (lc, rc), _ = eqn.params["dimension_numbers"]
-        w = weights.reshape((-1,) + (1,) * (y.ndim - 1)).astype(y.dtype)
-        contract = ((0, *(c + 1 for c in lc)), (0, *(c + 1 for c in rc)))
-        value = lax.dot_general(x * x, w * y * y, (contract, ((), ())),
-                                precision=eqn.params.get("precision"),
-                                preferred_element_type=eqn.params.get("preferred_element_type"))
-        for op in path:
-            value = _bind(op, [value])
-        out.append(value)
-    return out
+def weighted_square_sum(x: jax.Array, weights: jax.Array) -> jax.Array:
+    return jnp.einsum("b,b...->...", weights.astype(x.dtype), x * x)

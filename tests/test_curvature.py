@@ -333,6 +333,18 @@ def test_diag_ggn_of_dense_layers_forms_no_per_example_parameters():
                                atol=1e-12)
 
 
+def test_diag_ggn_where_the_weight_is_the_left_factor():
+    """y = tanh(W uᵀ)ᵀ: the outer product's adjoint factor is the left operand of its product."""
+    rng = np.random.default_rng(2)
+    layer = lambda th, u: jnp.tanh(jnp.einsum("ij,bj->bi", th[0], u) + th[1])
+    net = lbp.Network([lbp.Layer(i, layer, (i - 1,), (lbp.Row("W", i - 1), "c")) for i in (1, 2)], [0], 2)
+    p = {"W": jnp.asarray(rng.standard_normal((2, 3, 3))), "c": jnp.asarray(rng.standard_normal(3))}
+    x = jnp.asarray(rng.standard_normal((5, 3)))
+    losses = lambda p, x: jax.nn.logsumexp(net(p, x), axis=1) - net(p, x)[:, 0]
+    ours = jax.jit(lbp.diag_ggn(lambda p, x: jnp.sum(losses(p, x))))(p, x)
+    np.testing.assert_allclose(ravel_pytree(ours)[0], np.diag(reference_ggn(losses, p, (x,))), rtol=1e-8, atol=1e-10)
+
+
 def test_diag_ggn_where_a_block_is_used_twice_in_a_layer():
     """u ↦ tanh(u W) W: the cotangent of W is no single outer product; the general path."""
     rng = np.random.default_rng(1)
