@@ -460,7 +460,7 @@ def main() -> None:
         timing_row("same, `checkpoints=45`", "jit(jax.grad), equinox's checkpointed scan "
                    "(`eqx.internal.scan(kind=\"checkpointed\", checkpoints=45)`, binomial schedule)",
                    rnn(2048, 64, 16, equinox_checkpoints=45), r, grad=lambda f: lbp.grad_by_solve(f, checkpoints=45)),
-        timing_row("same, `checkpoints=45, schedule=\"nested\"` (levels chosen from the shapes: two, of 23 and 22)",
+        timing_row("same, `checkpoints=45, schedule=\"nested\"` (levels chosen from the shapes: three of 7)",
                    "jit(jax.grad), equinox's checkpointed scan (45 checkpoints)",
                    rnn(2048, 64, 16, equinox_checkpoints=45), r,
                    grad=lambda f: lbp.grad_by_solve(f, checkpoints=45, schedule="nested")),
@@ -468,7 +468,7 @@ def main() -> None:
                    "jit(jax.grad), equinox's checkpointed scan (45 checkpoints)",
                    rnn(16384, 64, 16, equinox_checkpoints=45), max(3, r // 3),
                    grad=lambda f: lbp.grad_by_solve(f, checkpoints=45)),
-        timing_row("same, `checkpoints=45, schedule=\"nested\"` (three levels of 15)",
+        timing_row("same, `checkpoints=45, schedule=\"nested\"` (four levels of 7)",
                    "jit(jax.grad), equinox's checkpointed scan (45 checkpoints)",
                    rnn(16384, 64, 16, equinox_checkpoints=45), max(3, r // 3),
                    grad=lambda f: lbp.grad_by_solve(f, checkpoints=45, schedule="nested")),

@@ -164,7 +164,7 @@ def network_call(net: Network, params: Any, inputs: tuple[Any, ...]) -> Any:
         levels = (k,)
         if _SCHEDULE.value == "nested":
             state = _state_bytes(plan_for(live, theta, inputs, _ENGINE.value))
-            level_cost = 3 * _nbytes(theta) / max(sum(state.values()) / len(state), 1)
+            level_cost = _nbytes(theta) / max(sum(state.values()) / len(state), 1)
             levels = nested_levels(len(live.layers), k, level_cost)
         if checkpoints_keep_less(live, theta, inputs, levels):
             with mesh_of((theta, inputs)):
@@ -177,26 +177,54 @@ def network_call(net: Network, params: Any, inputs: tuple[Any, ...]) -> Any:
     return outs[0] if net.single_output else outs
 
 
+# States a leaf segment of the nested schedule keeps per layer (its states, Λ, residuals and the
+# products of its layers): measured on RNNs against memory_analysis().
+LEAF_STATES_PER_LAYER = 4.0
+# What a level costs besides its parameter cotangents, in states: its scan's own buffers, and a
+# price on the forward sweep it recomputes (a level must save that much memory to be worth it).
+LEVEL_STATES = 8.0
+MAX_LEVELS = 6
+
+
 def nested_levels(layers: int, checkpoints: int, level_cost: float = 0.0) -> tuple[int, ...]:
-    """The checkpoints of each level of the nested schedule for ``layers`` layers and
-    ``checkpoints`` states in all: d levels of k/d states each (the remainder to the top level,
-    where it shortens every segment below), d chosen to keep least — k states, the leaf
-    segments' ≈ 3 per layer (states, Λ, residuals) and ``level_cost`` states per level (each
-    level's scan accumulates the parameters' cotangents: measured ≈ 3× the parameters), fewer
-    levels on a tie. Each level recomputes every layer once more: d + 1 forward evaluations —
-    memory like k and recomputations growing like log N, the binomial (revolve) schedule's
-    trade-off."""
-    best, best_cost = (checkpoints,), float("inf")
-    for d in range(1, min(checkpoints, 16) + 1):
-        per = checkpoints // d
-        levels = (checkpoints - per * (d - 1), *[per] * (d - 1))
-        leaf = layers
-        for k in levels:
-            leaf = -(-leaf // (k + 1))
-        cost = checkpoints + 3 * leaf + d * level_cost
-        if cost < best_cost:
-            best, best_cost = levels, cost
-    return best
+    """The checkpoints of each level of the nested schedule for ``layers`` layers and at most
+    ``checkpoints`` states in all: each level cuts each segment of the level above into evenly
+    spaced segments (the last one shorter). Chosen to keep least, in states: the states kept
+    (the levels' sums), ``LEAF_STATES_PER_LAYER`` per layer of each distinct leaf segment, and
+    per level ``LEVEL_STATES`` + ``level_cost`` (the level's parameter cotangents: ≈ the
+    parameters, in states).
+    A remainder costs: a segment of another length is another program below it, with buffers of
+    its own, so levels that divide the layers evenly win (2048 = 16 · 16 · 8: 15 + 15 states and
+    leaves of 8 layers, 0.8× equinox's checkpointed scan with 45; 23 + 22 with remainders: 1.2×).
+    Each level recomputes every layer once more: d + 1 forward evaluations — memory like k and
+    recomputations growing like log N, the binomial (revolve) schedule's trade-off."""
+
+    @functools.cache
+    def best(lengths: frozenset[int], budget: int, left: int) -> tuple[float, tuple[int, ...]]:
+        leaves = (LEAF_STATES_PER_LAYER * sum(lengths), ())
+        if left == 0 or budget < 1 or max(lengths) <= 2:
+            return leaves
+        options = [leaves]
+        top = max(lengths)
+        spread = max(1, budget // left)
+        ks = {spread, spread - 1, spread - 2, budget} | {n - 1 for n in range(2, min(top, budget + 1) + 1)
+                                                         if top % n == 0 and n - 1 >= spread // 2}
+        for k in sorted(x for x in ks if 1 <= x <= budget):
+            below, kept = set(), 0
+            for length in lengths:
+                if k >= length - 1:  # too short to cut: a leaf
+                    below.add(length)
+                    continue
+                seg = -(-length // (k + 1))
+                count = -(-length // seg)
+                kept = max(kept, count - 1)
+                below |= {seg, length - (count - 1) * seg}
+            cost, rest = best(frozenset(below), budget - k, left - 1)
+            options.append((cost + kept + LEVEL_STATES + level_cost, (k, *rest)))
+        return min(options, key=lambda o: (o[0], len(o[1])))
+
+    levels = best(frozenset({layers}), checkpoints, MAX_LEVELS)[1]
+    return levels or (checkpoints,)
 
 
 def _checkpointed(levels: tuple[int, ...]) -> Callable[[Network, dict, tuple, dict], tuple]:
@@ -334,16 +362,23 @@ COMPUTE_BOUND_ELEMENTS = {"cpu": 8192}
 COMPUTE_BOUND_ELEMENTS_ELSEWHERE = 1 << 18
 
 
-def params_in_loop(param_products: str, remat: bool, plan: Plan) -> bool:
+def params_in_loop(param_products: str, remat: bool, plan: Plan, checkpointed: bool = False) -> bool:
     """The rule for where ℳΛ is formed. After the loop, batched per kind, where steps are
     latency-bound — in the loop with remat (re-linearising every layer a second time after the
     loop would cost a forward pass), when the solve is unrolled (few layers per kind: little to
     batch), when steps are compute-bound (batching saves nothing; keeping every Λ costs memory)
     and when the members of every kind share all their blocks (a recurrent network's weights:
     in the loop ℳΛ adds into one small row; measured 0.7–1.0× jax.grad over lax.scan against
-    1.3–1.5× after the loop, T = 2048, width 64)."""
+    1.3–1.5× after the loop, T = 2048, width 64).
+
+    Except, with ``checkpointed`` (memory asked for), an unrolled solve whose members share their
+    blocks: after, the members' products are one product summed over them, where unrolled in the
+    loop XLA keeps every layer's product alive for one fused sum (the short segments of the nested
+    schedule: RNN, T = 2048, 45 checkpoints: 448 → 300 KB of temporaries, a little faster)."""
     if param_products != "auto":
         return param_products == "in_loop"
+    if checkpointed and plan.unrolled and plan.params_shared_by_members:
+        return False
     largest = max(sum(int(np.prod(a.shape)) for a in jax.tree.leaves(k.out_aval)) for k in plan.kinds)
     threshold = COMPUTE_BOUND_ELEMENTS.get(jax.default_backend(), COMPUTE_BOUND_ELEMENTS_ELSEWHERE)
     return remat or plan.unrolled or largest >= threshold or plan.params_shared_by_members
@@ -463,7 +498,7 @@ def _jvp_by_linear_solve(plan: Plan, theta: dict, inputs: tuple, dtheta: dict, d
     net = plan.net
     prim = prepare(net, theta, inputs)[1]
     moves_params = _moves_params(net, dtheta)
-    in_loop = (moves_params and params_in_loop(_PARAM_PRODUCTS.value, _REMAT.value, plan)
+    in_loop = (moves_params and params_in_loop(_PARAM_PRODUCTS.value, _REMAT.value, plan, bool(_CHECKPOINTS.value))
                and all(g.differentiable for g in plan.param_groups))
     rhs = _input_tangents(plan, dinputs)
     if moves_params:  # the groups without input tangents start from zeros made in the linear program

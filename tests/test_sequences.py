@@ -286,13 +286,16 @@ def test_nested_schedule_on_a_chain_with_row_blocks_and_skips(levels_by_layers_a
 
 
 def test_nested_levels_fit_the_budget():
-    for layers, checkpoints in [(2048, 45), (16384, 45), (100, 3), (64, 9), (10, 1)]:
-        for cost in (0.0, 25.0, 1e4):
+    for layers, checkpoints in [(2048, 45), (16384, 45), (100, 3), (64, 9), (10, 1), (1000, 45)]:
+        for cost in (0.0, 8.0, 1e4):
             levels = nested_levels(layers, checkpoints, cost)
-            assert sum(levels) == checkpoints and all(k >= 1 for k in levels)
-    assert nested_levels(2048, 45, 25.0) == (23, 22)  # two levels of 23-24 segments, leaves of 4 layers
-    assert nested_levels(16384, 45, 25.0) == (15, 15, 15)  # a longer sequence: one more level
+            assert sum(levels) <= checkpoints and all(k >= 1 for k in levels)
+    # 2048 = 8 · 8 · 8 · 4: three levels of 7 states, leaves of 4 layers, no segment of another
+    # length (a remainder is another program below, with buffers of its own).
+    assert nested_levels(2048, 45, 8.0) == (7, 7, 7)
+    assert nested_levels(16384, 45, 8.0) == (7, 7, 7, 7)  # a longer sequence: one more level
     assert nested_levels(2048, 45, 1e4) == (45,)  # levels dearer than states: evenly spaced
+    assert nested_levels(2048, 9, 8.0) == (1, 1, 1, 3, 3)  # few states: more levels (as revolve)
     with pytest.raises(ValueError, match="give their number, checkpoints=k"):
         lbp.grad_by_solve(lambda x: x, schedule="nested")
     with pytest.raises(ValueError, match="schedule must be one of"):
