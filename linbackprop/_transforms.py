@@ -194,8 +194,9 @@ def nested_levels(layers: int, checkpoints: int, level_cost: float = 0.0) -> tup
     per level ``LEVEL_STATES`` + ``level_cost`` (the level's parameter cotangents: ≈ the
     parameters, in states).
     A remainder costs: a segment of another length is another program below it, with buffers of
-    its own, so levels that divide the layers evenly win (2048 = 16 · 16 · 8: 15 + 15 states and
-    leaves of 8 layers, 0.8× equinox's checkpointed scan with 45; 23 + 22 with remainders: 1.2×).
+    its own, so levels that divide the layers evenly win (RNN, 2048 = 8 · 8 · 8 · 4 steps, 45
+    states: 7 + 7 + 7 and leaves of 4 layers keep 0.64× of equinox's checkpointed scan with 45;
+    23 + 22 and remainders kept 1.2×).
     Each level recomputes every layer once more: d + 1 forward evaluations — memory like k and
     recomputations growing like log N, the binomial (revolve) schedule's trade-off."""
 
