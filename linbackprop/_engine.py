@@ -196,6 +196,13 @@ def _loop(plan: Plan, body: Callable[[Step, Any], Any], init: Any, reverse: bool
 
 
 def _segment(plan: Plan, body: Callable, carry: Any, start: int, stop: int, period: int, reverse: bool) -> Any:
+    if period == 0 and stop - start < len(plan.kinds):
+        # Fewer steps than kinds (a transformer's embedding or head): straight-line steps of known
+        # kinds. A loop of one step would compile a switch over every kind, and write every
+        # kind's slots, for each such step (a 12-block GPT: 120 → 60 kernels outside its loops).
+        for i in range(stop - 1, start - 1, -1) if reverse else range(start, stop):
+            carry = body(Step(i, int(plan.step_kind[i]), (start, stop)), carry)
+        return carry
     if period == 0:  # kinds in no pattern: one step per iteration, a switch over kinds
         single = 0 if len(plan.kinds) == 1 else None
 
