@@ -7,7 +7,15 @@ triangular linear system.
 with ℒ = I − D_UΦ and ℳ* = D_θΦ for a network U = Φ(U, θ) given as a DAG of layers.
 """
 
-from ._curvature import GaussNewton, diag_ggn, gauss_newton, per_example_grad_norms, per_example_grads
+from ._curvature import (
+                         GaussNewton,
+                         Kronecker,
+                         diag_ggn,
+                         gauss_newton,
+                         kfac_factors,
+                         per_example_grad_norms,
+                         per_example_grads,
+)
 from ._graph import GraphError, Layer, Network, Row, Stack
 from ._interop import Functional, functional
 from ._operators import Block, Linearization, LinearOperator, ParamOperator, StateOperator, linearize
@@ -21,6 +29,7 @@ __all__ = [
     "Functional",
     "GaussNewton",
     "GraphError",
+    "Kronecker",
     "Layer",
     "LinearOperator",
     "Linearization",
@@ -34,6 +43,7 @@ __all__ = [
     "gauss_newton",
     "grad_by_solve",
     "jvp_by_solve",
+    "kfac_factors",
     "linearize",
     "per_example_grad_norms",
     "per_example_grads",

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ._outer import SquareSums, weighted_square_sum
+from ._outer import OuterFactors, SquareSums, weighted_square_sum
 from ._plan import Group, Kind, Plan, RowList, Writes, as_dtype, vjp_layout
 from ._stacking import index_row, update_row, zeros_of
 
@@ -721,6 +721,31 @@ def param_adjoint_per_example(plan: Plan, prim: Primal, lam: list[Any], batch: i
     return out
 
 
+def _member_vjp(plan: Plan, prim: Primal, kind: Kind, batch: int) -> tuple:
+    """One member's per-example VJP as a function of flat leaves (θ, one example's inputs, its Λ
+    row) giving its parameter cotangent leaves; their example shapes; the kind's θ and input
+    leaves (members stacked) with the vmap axes of the inputs over the examples; the count of Λ
+    leaves (last)."""
+    theta, inputs = _arguments(plan, kind, prim, np.arange(kind.size))
+    out_group = plan.state_groups[kind.out_group]
+    param_groups = [plan.param_groups[g] for g in kind.param_groups]
+    leaves, tree = jax.tree.flatten(inputs)
+    rows = jax.tree.leaves(tuple(plan.state_groups[g].row_avals() for g in kind.read_groups))
+    batched = [bool(r.ndim) and r.shape[0] == batch for r in rows]
+    th_leaves, th_tree = jax.tree.flatten(theta)
+    lam_tree = jax.tree.structure(out_group.row_avals(tangent=True))
+    lam_avals = jax.tree.leaves(out_group.row_avals(tangent=True))
+    nt, nx = len(th_leaves), len(leaves)
+    example_vjp = _example_vjp(kind, out_group, param_groups, tree, batched)
+    per_example = lambda *flat: jax.tree.leaves(example_vjp(
+        th_tree.unflatten(flat[:nt]), list(flat[nt:nt + nx]), lam_tree.unflatten(flat[nt + nx:])))
+    one = lambda x, lead: jax.ShapeDtypeStruct(x.shape[lead:], x.dtype)
+    example = [one(x, 1) for x in th_leaves] + [one(x, 2 if b else 1) for x, b in zip(leaves, batched)]
+    example += [one(a, 1) for a in lam_avals]
+    axes = [None] * nt + [0 if b else None for b in batched]
+    return per_example, example, th_leaves, leaves, axes, len(lam_avals)
+
+
 class ParamSquares:
     """Σ_k Σ_b w_kb (ℳ Λ_k restricted to example b)², elementwise, in the parameter layout (no
     batch axis): what the GGN diagonal sums over its adjoints Λ_k. :meth:`parts` takes one (Λ_k,
@@ -745,32 +770,13 @@ class ParamSquares:
         self.members = [self._members(kind) for kind in self.kinds]
 
     def _members(self, kind: Kind) -> tuple:
-        """The kind's θ and input leaves (members stacked), which of them are per example, and
-        the :class:`SquareSums` of one member's per-example VJP."""
-        plan, n = self.plan, kind.size
-        theta, inputs = _arguments(plan, kind, self.prim, np.arange(n))
-        out_group = plan.state_groups[kind.out_group]
-        param_groups = [plan.param_groups[g] for g in kind.param_groups]
-        leaves, tree = jax.tree.flatten(inputs)
-        rows = jax.tree.leaves(tuple(plan.state_groups[g].row_avals() for g in kind.read_groups))
-        batched = [bool(r.ndim) and r.shape[0] == self.batch for r in rows]
-        th_leaves, th_tree = jax.tree.flatten(theta)
-        lam_tree = jax.tree.structure(out_group.row_avals(tangent=True))
-        lam_avals = jax.tree.leaves(out_group.row_avals(tangent=True))
-        nt, nx = len(th_leaves), len(leaves)
-
-        example_vjp = _example_vjp(kind, out_group, param_groups, tree, batched)
-        per_example = lambda *flat: jax.tree.leaves(example_vjp(
-            th_tree.unflatten(flat[:nt]), list(flat[nt:nt + nx]), lam_tree.unflatten(flat[nt + nx:])))
-
-        squared = [g in self.exclusive for g, grp in zip(kind.param_groups, param_groups)
-                   for _ in range(jax.tree.structure(grp.row_avals(tangent=True)).num_leaves)]
-        one = lambda x, lead: jax.ShapeDtypeStruct(x.shape[lead:], x.dtype)
-        example = [one(x, 1) for x in th_leaves] + [one(x, 2 if b else 1) for x, b in zip(leaves, batched)]
-        example += [one(a, 1) for a in lam_avals]
-        sums = SquareSums(per_example, example, squared, [False] * (nt + nx) + [True] * len(lam_avals))
-        axes = [None] * nt + [0 if b else None for b in batched]
-        lam_zeros = [jnp.zeros(a.shape[1:], a.dtype) for a in lam_avals]  # what the λ-free factors ignore
+        """The kind's θ and input leaves (members stacked), their vmap axes, the
+        :class:`SquareSums` of one member's per-example VJP, and zeros for its Λ leaves."""
+        per_example, example, th_leaves, leaves, axes, n_lam = _member_vjp(self.plan, self.prim, kind, self.batch)
+        squared = [g in self.exclusive for g in kind.param_groups
+                   for _ in range(jax.tree.structure(self.plan.param_groups[g].row_avals(tangent=True)).num_leaves)]
+        sums = SquareSums(per_example, example, squared, [False] * (len(example) - n_lam) + [True] * n_lam)
+        lam_zeros = [jnp.zeros(a.shape, a.dtype) for a in example[len(example) - n_lam:]]  # ignored by λ-free factors
         return th_leaves, leaves, axes, sums, lam_zeros
 
     def parts(self, lam: list[Any], weights: jax.Array) -> tuple[list, list]:
@@ -817,6 +823,85 @@ class ParamSquares:
                     ct = tree.unflatten(done[at:at + tree.num_leaves])
                     out[g] = _scatter_add(out[g], kind.by_member.params[:kind.size, p], ct)
                 at += tree.num_leaves
+        return out
+
+
+class ParamFactors:
+    """K-FAC factors in the parameter layout, from the adjoints Λ_k and weights w_k of the GGN's
+    columns (:meth:`parts` for one, added up over k by the caller; :meth:`total` once).
+
+    Per parameter group and leaf whose every use is a product x_bᵀ y_b of one example's operands
+    (a dense layer; positions of a sequence summed), the rows' factors (A/N, Γ) stacked — A = Σ
+    x_bᵀ x_b over the examples and every layer (and position) using the row, Γ = Σ_k Σ_b w_kb
+    y_kbᵀ y_kb, N the number of (example, layer, position) terms — in the order of the leaf's axes
+    (:class:`OuterFactors`): the GGN block of a row ≈ left ⊗ right. None elsewhere. A row used by
+    several layers sums their factors (K-FAC "expand" for shared weights)."""
+
+    def __init__(self, plan: Plan, prim: Primal, batch: int):
+        self.plan, self.prim, self.batch = plan, prim, batch
+        self.kinds = [k for k in plan.kinds if k.param_groups and plan.state_groups[k.out_group].differentiable]
+        self.members = []
+        layouts: dict[tuple[int, int], Any] = {}
+        for kind in self.kinds:
+            per_example, example, th, xs, axes, n_lam = _member_vjp(plan, prim, kind, batch)
+            factors = OuterFactors(per_example, example, [False] * (len(example) - n_lam) + [True] * n_lam)
+            zeros = [jnp.zeros(a.shape, a.dtype) for a in example[len(example) - n_lam:]]
+            self.members.append((th, xs, axes, factors, zeros))
+            for n, (_, g, leaf) in enumerate(self._leaves(kind)):
+                found = factors.layout(n) if factors.factored(n) else None
+                layouts[(g, leaf)] = found if layouts.get((g, leaf), found) == found else None
+        self.layouts = {key: lay for key, lay in layouts.items() if lay is not None}
+
+    def _leaves(self, kind: Kind) -> list[tuple[int, int, int]]:
+        """(slot, group, leaf) of each cotangent leaf of a member of ``kind``, in order."""
+        return [(p, g, leaf) for p, g in enumerate(kind.param_groups)
+                for leaf in range(jax.tree.structure(self.plan.param_groups[g].row_avals(tangent=True)).num_leaves)]
+
+    def _gathered(self, grams: list, operand: int) -> dict[tuple[int, int], jax.Array]:
+        """Per factored (group, leaf): the members' Gram matrices added into their rows."""
+        out: dict[tuple[int, int], jax.Array] = {}
+        for kind, per_kind in zip(self.kinds, grams):
+            for n, (slot, g, leaf) in enumerate(self._leaves(kind)):
+                if (g, leaf) not in self.layouts:
+                    continue
+                _, p, q = self.layouts[(g, leaf)]
+                size = p if operand == 0 else q
+                buf = out.get((g, leaf), jnp.zeros((self.plan.param_groups[g].rows, size, size), per_kind[n].dtype))
+                out[(g, leaf)] = _scatter_add(buf, kind.by_member.params[:kind.size, slot], per_kind[n])
+        return out
+
+    def parts(self, lam: list[Any], weights: jax.Array) -> dict[tuple[int, int], jax.Array]:
+        """One adjoint's Σ_b w_b y_bᵀ y_b per factored (group, leaf), rows stacked."""
+        grams = []
+        for kind, (th, xs, axes, factors, _) in zip(self.kinds, self.members):
+            lam_k = jax.tree.leaves(read_rows(lam[kind.out_group], kind.by_member.out[:kind.size]))
+            grams.append(jax.vmap(lambda th, xs, lm, f=factors, axes=axes: f.parts(
+                [*th, *xs, *lm], [*axes, *[0] * len(lm)], weights))(th, xs, lam_k))
+        return self._gathered(grams, 1)
+
+    def total(self, parts: dict[tuple[int, int], jax.Array]) -> dict[int, list]:
+        """Per parameter group, per leaf: (left, right) with rows stacked, or None."""
+        grams, counts = [], {}
+        for kind, (th, xs, axes, factors, zeros) in zip(self.kinds, self.members):
+            grams.append(jax.vmap(lambda th, xs, f=factors, axes=axes: f.total(
+                [*th, *xs, *zeros], [*axes, *[None] * len(zeros)]))(th, xs))
+            for n, (slot, g, leaf) in enumerate(self._leaves(kind)):
+                if (g, leaf) in self.layouts:
+                    rows = counts.setdefault((g, leaf), np.zeros(self.plan.param_groups[g].rows, np.int64))
+                    np.add.at(rows, kind.by_member.params[:kind.size, slot], factors.count(n, self.batch))
+        fixed = self._gathered(grams, 0)
+        out: dict[int, list] = {}
+        for g, group in enumerate(self.plan.param_groups):
+            leaves = jax.tree.structure(group.row_avals(tangent=True)).num_leaves
+            out[g] = []
+            for leaf in range(leaves):
+                if (g, leaf) not in self.layouts:
+                    out[g].append(None)
+                    continue
+                fixed_first = self.layouts[(g, leaf)][0]
+                a = fixed[(g, leaf)] / np.maximum(counts[(g, leaf)], 1).reshape(-1, 1, 1).astype(np.float64)
+                a = a.astype(fixed[(g, leaf)].dtype)
+                out[g].append((a, parts[(g, leaf)]) if fixed_first else (parts[(g, leaf)], a))
         return out
 
 

@@ -15,6 +15,7 @@ diagonal's output coordinates k) the λ-free factor a and the product are formed
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -29,9 +30,10 @@ LAYOUT = frozenset({"transpose", "reshape", "convert_element_type", "squeeze", "
                     "copy", "copy_p", "neg"})
 
 
-def _outer_source(jaxpr: Any, var: Any) -> tuple[Any, list[Any]] | None:
+def _outer_source(jaxpr: Any, var: Any, summed: bool = False) -> tuple[Any, list[Any]] | None:
     """The ``dot_general`` equation whose outer product ``var`` is (up to layout operations after
-    it), and those operations from the product on; None where it is not one."""
+    it), and those operations from the product on; None where it is not one. ``summed``: also a
+    sum of outer products (contracted axes of any size: the positions of a sequence)."""
     producers = {v: eqn for eqn in jaxpr.eqns for v in eqn.outvars}
     path = []
     while not isinstance(var, Literal) and var in producers:
@@ -40,7 +42,9 @@ def _outer_source(jaxpr: Any, var: Any) -> tuple[Any, list[Any]] | None:
         if name == "dot_general":
             (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
             lhs, rhs = eqn.invars
-            if lb or rb or any(lhs.aval.shape[d] != 1 for d in lc) or any(rhs.aval.shape[d] != 1 for d in rc):
+            if lb or rb or isinstance(lhs, Literal) or isinstance(rhs, Literal):
+                return None
+            if not summed and (any(lhs.aval.shape[d] != 1 for d in lc) or any(rhs.aval.shape[d] != 1 for d in rc)):
                 return None
             return eqn, path[::-1]
         if name not in LAYOUT or len(eqn.invars) != 1:
@@ -153,3 +157,120 @@ class SquareSums:
 
 def weighted_square_sum(x: jax.Array, weights: jax.Array) -> jax.Array:
     return jnp.einsum("b,b...->...", weights.astype(x.dtype), x * x)
+
+
+def _moving(jaxpr: Any, varying: list[bool]) -> set:
+    """The variables of ``jaxpr`` that depend on its inputs marked ``varying``."""
+    moving = {v for v, m in zip(jaxpr.invars, varying) if m}
+    for eqn in jaxpr.eqns:
+        if any(not isinstance(v, Literal) and v in moving for v in eqn.invars):
+            moving.update(eqn.outvars)
+    return moving
+
+
+def _first_operand(eqn: Any, path: list[Any]) -> int | None:
+    """Which operand of the product (0: lhs, 1: rhs) holds the leading axes of the leaf the
+    ``path`` makes of it, where the leaf, read row-major, is the product's two groups of free
+    axes one after the other (the Kronecker layout); None where the path mixes them."""
+    (lc, rc), _ = eqn.params["dimension_numbers"]
+    lhs, rhs = eqn.invars
+    labels = [0] * (lhs.aval.ndim - len(lc)) + [1] * (rhs.aval.ndim - len(rc))
+    flat = False  # reshaped: the row-major order is kept, the axes no longer tracked
+    for op in path:
+        name = op.primitive.name
+        if name == "transpose":
+            if flat:
+                return None
+            labels = [labels[d] for d in op.params["permutation"]]
+        elif name in ("reshape", "squeeze", "expand_dims", "broadcast_in_dim"):
+            if name == "broadcast_in_dim" and op.outvars[0].aval.size != op.invars[0].aval.size:
+                return None
+            flat = True
+        elif name not in ("convert_element_type", "copy", "copy_p", "neg"):
+            return None
+        if labels != sorted(labels) and labels != sorted(labels, reverse=True):
+            return None  # the two groups interleaved
+    if not labels or len(set(labels)) == 1:
+        return labels[0] if labels else 0
+    return labels[0]
+
+
+class OuterFactors:
+    """Kronecker factors of cotangent leaves that are products of one example's operands, x_bᵀ y_b
+    (a ``dot_general`` without batch axes, the contracted axes summed: positions of a sequence),
+    with y linear in the adjoint (the arguments marked ``varying``):
+
+        Σ_b vec(x_bᵀ y_b) vec(x_bᵀ y_b)ᵀ  ≈  (1/N) (Σ_b x_bᵀ x_b) ⊗ (Σ_b y_bᵀ y_b)
+
+    (K-FAC; exact for one example and one position; N counts the (example, position) terms).
+    :meth:`parts` forms Σ_b w_b y_bᵀ y_b for one (adjoint, weights) — parts add up over the GGN's
+    columns k — and :meth:`total` the λ-free Σ_b x_bᵀ x_b once. Per leaf: None where it is no
+    such product, else (fixed operand first?, the leaf's split (P, Q) as [P, Q] row-major)."""
+
+    def __init__(self, per_example: Callable[..., list], example_args: list, varying: list[bool]):
+        self.sources: list[Any] = []
+        try:
+            closed = jax.make_jaxpr(per_example)(*example_args)
+            moving = _moving(closed.jaxpr, varying)
+            for var in closed.jaxpr.outvars:
+                src = _outer_source(closed.jaxpr, var, summed=True)
+                if src is None:
+                    self.sources.append(None)
+                    continue
+                eqn, path = src
+                sides = [not isinstance(v, Literal) and v in moving for v in eqn.invars]
+                first = _first_operand(eqn, path)
+                self.sources.append(None if sum(sides) != 1 or first is None else (eqn, sides.index(True), first))
+            self.closed: Any = closed
+            wanted = [u for src in self.sources if src is not None for u in src[0].invars]
+            jax.eval_shape(lambda a: _evaluate(closed.jaxpr, closed.consts, a, wanted), list(example_args))
+        except (AttributeError, TypeError, KeyError, ValueError, NotImplementedError):
+            self.closed, self.sources = None, []  # JAX's jaxpr internals changed: no factors
+
+    def factored(self, n: int) -> bool:
+        return self.closed is not None and self.sources[n] is not None
+
+    def layout(self, n: int) -> tuple[bool, int, int]:
+        """Leaf ``n``: (whether the λ-free factor is the leading one, its size, the other's)."""
+        eqn, side, first = self.sources[n]
+        sizes = [_free_size(v, c) for v, c in zip(eqn.invars, eqn.params["dimension_numbers"][0])]
+        return first != side, sizes[1 - side], sizes[side]
+
+    def count(self, n: int, batch: int) -> int:
+        """N of leaf ``n``: examples times contracted positions."""
+        eqn, side, _ = self.sources[n]
+        contracted = eqn.params["dimension_numbers"][0][side]
+        return batch * math.prod(eqn.invars[side].aval.shape[d] for d in contracted)
+
+    def _grams(self, batched_args: list, in_axes: list, operand: int, weights: jax.Array | None) -> list:
+        wanted = [src[0].invars[src[1] if operand else 1 - src[1]] for src in self.sources if src is not None]
+        closed = self.closed
+        values = iter(jax.vmap(lambda a: _evaluate(closed.jaxpr, closed.consts, a, wanted), in_axes=(in_axes,))(
+            list(batched_args)))
+        out = []
+        for src in self.sources:
+            if src is None:
+                out.append(None)
+                continue
+            eqn, side, _ = src
+            which = side if operand else 1 - side
+            contracted = eqn.params["dimension_numbers"][0][which]
+            x = next(values)  # [B, ...]: one example's operand per row
+            axes = (0, *(d + 1 for d in contracted))
+            scaled = x if weights is None else weights.reshape((-1,) + (1,) * (x.ndim - 1)).astype(x.dtype) * x
+            gram = lax.dot_general(scaled, x, ((axes, axes), ((), ())))
+            size = math.prod(x.shape[1:]) // math.prod(x.shape[d] for d in axes[1:])
+            out.append(gram.reshape(size, size))
+        return out
+
+    def parts(self, batched_args: list, in_axes: list, weights: jax.Array) -> list:
+        """Per leaf: Σ_b w_b y_bᵀ y_b (the adjoint's operand; None where not factored)."""
+        return self._grams(batched_args, in_axes, 1, weights) if self.closed is not None else []
+
+    def total(self, batched_args: list, in_axes: list) -> list:
+        """Per leaf: Σ_b x_bᵀ x_b (the λ-free operand; None where not factored)."""
+        return self._grams(batched_args, in_axes, 0, None) if self.closed is not None else []
+
+
+def _free_size(var: Any, contracted: tuple[int, ...]) -> int:
+    return math.prod(n for d, n in enumerate(var.aval.shape) if d not in contracted)

@@ -1,0 +1,210 @@
+"""K-FAC factors against plain-JAX references: for one example and one use of each weight they
+are the GGN block itself (jax.jacfwd and jax.hessian); for a batch, for weights shared along a
+sequence and for positions of a sequence, they are the K-FAC "expand" sums A = (1/N) Σ x xᵀ and
+Γ = Σ Jᵀ H J over the examples and uses, J the Jacobian of the outputs w.r.t. each use's product
+(perturbations added to the products of a plain-JAX copy of the network)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.flatten_util import ravel_pytree
+
+import linbackprop as lbp
+
+
+def close(a, b, rtol=1e-8, atol=1e-10):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=rtol, atol=atol)
+
+
+def xent(logits, labels):
+    return -jnp.sum(jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), labels[:, None], axis=-1))
+
+
+# -- an MLP: Row-stacked hidden layers, a head, and a layer with the weight on the left ---------------
+DEPTH, WIDTH, CLASSES = 2, 4, 3
+
+
+def mlp(perturb=None):
+    """Layers u ↦ tanh(u W_i + b_i) (W_i a Row), u ↦ tanh(V uᵀ)ᵀ (weight on the left), u ↦ u H.
+    ``perturb``: None for the Network; else a plain function of (params, x, e) with e added to
+    each product (the points whose Jacobian gives K-FAC's Γ)."""
+    hidden = lambda th, u: jnp.tanh(u @ th[0] + th[1])
+    left = lambda th, u: jnp.tanh(jnp.einsum("ij,bj->bi", th[0], u))
+    head = lambda th, u: u @ th[0]
+    if perturb is None:
+        layers = [lbp.Layer(i, hidden, (i - 1,), (lbp.Row("W", i - 1), lbp.Row("b", i - 1)))
+                  for i in range(1, DEPTH + 1)]
+        layers += [lbp.Layer("left", left, (DEPTH,), ("V",)), lbp.Layer("y", head, ("left",), ("H",))]
+        return lbp.Network(layers, [0], "y")
+
+    def plain(p, x, e):
+        u, inputs = x, {}
+        for i in range(DEPTH):
+            inputs[("W", i)] = u
+            u = jnp.tanh(u @ p["W"][i] + e[("W", i)] + p["b"][i])
+        inputs["V"] = u
+        u = jnp.tanh(jnp.einsum("ij,bj->bi", p["V"], u) + e["V"])
+        inputs["H"] = u
+        return u @ p["H"] + e["H"], inputs
+
+    return plain
+
+
+def mlp_params(seed=0):
+    rng = np.random.default_rng(seed)
+    r = lambda *s: jnp.asarray(0.7 * rng.standard_normal(s))
+    return {"W": r(DEPTH, WIDTH, WIDTH), "b": r(DEPTH, WIDTH), "V": r(WIDTH, WIDTH), "H": r(WIDTH, CLASSES)}
+
+
+def expand_reference(plain, params, x, losses, products):
+    """A = (1/N) Σ x xᵀ and Γ = Σ_b Jᵀ H_b J per product (name → output width), from plain JAX."""
+    zeros = {name: jnp.zeros((x.shape[0], width)) for name, width in products.items()}
+    outs, inputs = plain(params, x, zeros)
+    out = {}
+    for name in products:
+        a = inputs[name]
+        jac = jax.vmap(lambda xb, name=name: jax.jacfwd(lambda e: plain(params, xb[None], {
+            **{n: jnp.zeros((1, w)) for n, w in products.items()}, name: e[None]})[0][0])(jnp.zeros(products[name])))(x)
+        hess = jax.vmap(lambda o, b: jax.hessian(lambda o: losses(o[None], b))(o))(outs, jnp.arange(x.shape[0]))
+        gamma = jnp.einsum("bci,bcd,bdj->ij", jac, hess, jac)
+        out[name] = (a.T @ a / a.shape[0], gamma)
+    return out
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_one_example_factors_are_the_ggn_blocks(jit):
+    """One example, every weight used once: A ⊗ Γ is the GGN block exactly (jacfwd, hessian)."""
+    net, params = mlp(), mlp_params()
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((1, WIDTH)))
+    labels = jnp.array([2])
+    loss = lambda p, x: xent(net(p, x), labels)
+    factors = (jax.jit(lbp.kfac_factors(loss)) if jit else lbp.kfac_factors(loss))(params, x)
+    assert factors["b"] is None  # a bias is no product
+    flat, unravel = ravel_pytree(params)
+    jac = jax.jacfwd(lambda v: net(unravel(v), x).ravel())(flat)
+    ggn = jac.T @ jax.hessian(lambda o: xent(o.reshape(1, -1), labels))(net(params, x).ravel()) @ jac
+    offsets = np.cumsum([0] + [a.size for a in jax.tree.leaves(params)])
+    at = dict(zip(sorted(params), offsets[:-1]))  # ravel_pytree: leaves in sorted key order
+    for name in ("H", "V"):
+        block = ggn[at[name]:at[name] + params[name].size, at[name]:at[name] + params[name].size]
+        close(jnp.kron(factors[name].left, factors[name].right), block)
+    for i in range(DEPTH):
+        start = at["W"] + i * WIDTH * WIDTH
+        block = ggn[start:start + WIDTH * WIDTH, start:start + WIDTH * WIDTH]
+        close(jnp.kron(factors["W"].left[i], factors["W"].right[i]), block)
+
+
+@pytest.mark.parametrize("engine", ["loop", "unrolled"])
+def test_batch_factors_are_the_expand_sums(engine):
+    """A batch: A = (1/B) Σ_b a_b a_bᵀ, Γ = Σ_b J_bᵀ H_b J_b per weight (the weight on the left:
+    the factors in the order of its axes, Γ first)."""
+    net, plain, params = mlp(), mlp(perturb=True), mlp_params(2)
+    rng = np.random.default_rng(3)
+    x, labels = jnp.asarray(rng.standard_normal((5, WIDTH))), jnp.asarray(rng.integers(0, CLASSES, 5))
+    loss = lambda p, x: xent(net(p, x), labels)
+    factors = lbp.kfac_factors(loss, engine=engine)(params, x)
+    products = {("W", 0): WIDTH, ("W", 1): WIDTH, "V": WIDTH, "H": CLASSES}
+    ref = expand_reference(plain, params, x, lambda o, b: xent(o, labels[b][None]), products)
+    for i in range(DEPTH):
+        close(factors["W"].left[i], ref[("W", i)][0])
+        close(factors["W"].right[i], ref[("W", i)][1])
+    close(factors["H"].left, ref["H"][0])
+    close(factors["H"].right, ref["H"][1])
+    close(factors["V"].left, ref["V"][1])  # V uᵀ: V's rows are the outputs
+    close(factors["V"].right, ref["V"][0])
+
+
+def test_weights_shared_along_a_sequence_sum_every_step():
+    """An RNN h_t = tanh(h_{t-1} A + x_t B + c), x_t read as Row("xs", t): A's factors sum over
+    the examples and the steps (N = B T), Γ over the columns of H and the steps."""
+    rng = np.random.default_rng(4)
+    T, B, D, W = 4, 3, 2, 3
+    cell = lambda th, h, x: jnp.tanh(h @ th[0] + x @ th[1] + th[2])
+    net = lbp.Network([lbp.Layer(t, cell, (t - 1, lbp.Row("xs", t - 1)), ("A", "B", "c")) for t in range(1, T + 1)],
+                      [0, "xs"], T)
+    params = {"A": jnp.asarray(0.6 * rng.standard_normal((W, W))), "B": jnp.asarray(rng.standard_normal((D, W))),
+              "c": jnp.asarray(0.1 * rng.standard_normal(W))}
+    h0, xs = jnp.asarray(rng.standard_normal((B, W))), jnp.asarray(rng.standard_normal((T, B, D)))
+    loss = lambda p, h0, xs: 0.5 * jnp.sum(jnp.sin(net(p, h0, xs)) ** 2)
+    factors = lbp.kfac_factors(loss)(params, h0, xs)
+    assert factors["c"] is None
+
+    def plain(p, h0, xs, e):  # e[t]: added to step t's products (A's and B's: one sum)
+        h, seen = h0, []
+        for t in range(T):
+            seen.append(h)
+            h = jnp.tanh(h @ p["A"] + xs[t] @ p["B"] + e[t] + p["c"])
+        return h, jnp.stack(seen)
+
+    out, hs = plain(params, h0, xs, jnp.zeros((T, B, W)))
+    hess = jax.vmap(jax.hessian(lambda o: 0.5 * jnp.sum(jnp.sin(o) ** 2)))(out)  # [B, W, W]
+    jac = jax.vmap(lambda h, x: jax.jacfwd(lambda e: plain(params, h[None], x[:, None], e[:, None])[0][0])(
+        jnp.zeros((T, W))))(h0, jnp.swapaxes(xs, 0, 1))  # [B, W(out), T, W(e)]
+    gamma = jnp.einsum("bctx,bcd,bdty->xy", jac, hess, jac)
+    close(factors["A"].left, jnp.einsum("tbi,tbj->ij", hs, hs) / (B * T))
+    close(factors["A"].right, gamma)
+    close(factors["B"].left, jnp.einsum("tbi,tbj->ij", xs, xs) / (B * T))
+    close(factors["B"].right, gamma)
+
+
+def test_positions_of_a_sequence_are_summed_and_tied_embeddings_have_no_factors():
+    """A transformer block reads [B, L, E] states: its weights' factors sum the L positions; the
+    tied embedding (a gather in one layer, a product in another) and the LayerNorm-free position
+    table get None."""
+    rng = np.random.default_rng(5)
+    V, L, E, B = 7, 4, 6, 3
+    embed = lambda th, ids: th[0][ids] + th[1]
+    mlp_block = lambda th, h: h + jnp.tanh(h @ th[0])
+    unembed = lambda th, h: h @ th[0].T
+    net = lbp.Network([lbp.Layer("h0", embed, ("ids",), ("emb", "pos")),
+                       lbp.Layer("h1", mlp_block, ("h0",), ("M",)),
+                       lbp.Layer("logits", unembed, ("h1",), ("emb",))], ["ids"], "logits")
+    r = lambda *shape: jnp.asarray(0.5 * rng.standard_normal(shape))
+    params = {"emb": r(V, E), "pos": r(L, E), "M": r(E, E)}
+    ids, targets = jnp.asarray(rng.integers(0, V, (B, L))), jnp.asarray(rng.integers(0, V, (B, L)))
+
+    def loss(p, ids):
+        logp = jax.nn.log_softmax(net(p, ids), axis=-1)
+        return -jnp.sum(jnp.take_along_axis(logp, targets[..., None], axis=-1))
+
+    factors = jax.jit(lbp.kfac_factors(loss))(params, ids)
+    assert factors["emb"] is None and factors["pos"] is None
+
+    def plain(p, ids, e):
+        h0 = p["emb"][ids] + p["pos"]
+        h1 = h0 + jnp.tanh(h0 @ p["M"] + e)
+        return h1 @ p["emb"].T, h0
+
+    logits, h0 = plain(params, ids, jnp.zeros((B, L, E)))
+    per_example = lambda o, t: -jnp.sum(jnp.take_along_axis(jax.nn.log_softmax(o, axis=-1), t[..., None], axis=-1))
+    hess = jax.vmap(jax.hessian(per_example))(logits, targets)  # [B, L, V, L, V]
+    jac = jax.vmap(lambda i: jax.jacfwd(lambda e: plain(params, i[None], e[None])[0][0])(jnp.zeros((L, E))))(ids)
+    close(factors["M"].left, jnp.einsum("bli,blj->ij", h0, h0) / (B * L))
+    # Γ = Σ_b Σ_t J_btᵀ H_b J_bt, J_bt the outputs' Jacobian w.r.t. position t's product (each
+    # position its own use; jac: [B, L(out), V, L(e), E], hess: [B, L, V, L, V]).
+    close(factors["M"].right, jnp.einsum("bpvtx,bpvqw,bqwty->xy", jac, hess, jac))
+
+
+def test_monte_carlo_factors_estimate_the_exact_ones():
+    net, params = mlp(), mlp_params(6)
+    rng = np.random.default_rng(7)
+    x, labels = jnp.asarray(rng.standard_normal((6, WIDTH))), jnp.asarray(rng.integers(0, CLASSES, 6))
+    loss = lambda p, x: xent(net(p, x), labels)
+    exact = lbp.kfac_factors(loss)(params, x)["H"]
+    estimate = jax.jit(lbp.kfac_factors(loss, samples=400, key=jax.random.key(0)))(params, x)["H"]
+    close(estimate.left, exact.left)  # the λ-free factor is the same
+    assert float(jnp.linalg.norm(estimate.right - exact.right) / jnp.linalg.norm(exact.right)) < 0.15
+    with pytest.raises(ValueError, match="PRNG key"):
+        lbp.kfac_factors(loss, samples=2)(params, x)
+
+
+def test_parameters_transformed_before_the_network_are_refused():
+    net, params = mlp(), mlp_params()
+    x, labels = jnp.ones((2, WIDTH)), jnp.array([0, 1])
+    with pytest.raises(NotImplementedError, match="one parameter block"):
+        lbp.kfac_factors(lambda p, x: xent(net(jax.tree.map(lambda a: 2.0 * a, p), x), labels))(params, x)
+    with pytest.raises(ValueError, match="scalar loss"):
+        lbp.kfac_factors(lambda p, x: net(p, x).sum(axis=1))(params, x)
