@@ -204,8 +204,9 @@ class OuterFactors:
 
     (K-FAC; exact for one example and one position; N counts the (example, position) terms).
     :meth:`parts` forms Σ_b w_b y_bᵀ y_b for one (adjoint, weights) — parts add up over the GGN's
-    columns k — and :meth:`total` the λ-free Σ_b x_bᵀ x_b once. Per leaf: None where it is no
-    such product, else (fixed operand first?, the leaf's split (P, Q) as [P, Q] row-major)."""
+    columns k — and :meth:`total` the λ-free Σ_b x_bᵀ x_b once; :meth:`layout` says in which
+    order they make the leaf's Kronecker product. Leaves that are no such product (and all
+    leaves, should JAX's jaxpr internals change) get no factors."""
 
     def __init__(self, per_example: Callable[..., list], example_args: list, varying: list[bool]):
         self.sources: list[Any] = []
