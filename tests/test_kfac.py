@@ -208,3 +208,18 @@ def test_parameters_transformed_before_the_network_are_refused():
         lbp.kfac_factors(lambda p, x: xent(net(jax.tree.map(lambda a: 2.0 * a, p), x), labels))(params, x)
     with pytest.raises(ValueError, match="scalar loss"):
         lbp.kfac_factors(lambda p, x: net(p, x).sum(axis=1))(params, x)
+
+
+def test_factors_under_vmap_over_an_ensemble():
+    net, params = mlp(), mlp_params(8)
+    rng = np.random.default_rng(9)
+    x, labels = jnp.asarray(rng.standard_normal((4, WIDTH))), jnp.asarray(rng.integers(0, CLASSES, 4))
+    loss = lambda p, x: xent(net(p, x), labels)
+    stacked = jax.tree.map(lambda a: jnp.stack([a, 0.7 * a]), params)
+    batched = jax.vmap(lambda p: lbp.kfac_factors(loss)(p, x))(stacked)
+    for n in range(2):
+        one = lbp.kfac_factors(loss)(jax.tree.map(lambda a, n=n: a[n], stacked), x)
+        for name in ("W", "V", "H"):
+            close(batched[name].left[n], one[name].left)
+            close(batched[name].right[n], one[name].right)
+        assert batched["b"] is None and one["b"] is None
