@@ -189,12 +189,12 @@ MAX_LEVELS = 6
 def nested_levels(layers: int, checkpoints: int, level_cost: float = 0.0) -> tuple[int, ...]:
     """The checkpoints of each level of the nested schedule for ``layers`` layers and at most
     ``checkpoints`` states in all: each level cuts each segment of the level above into evenly
-    spaced segments (the last one shorter). Chosen to keep least, in states: the states kept
-    (the levels' sums), ``LEAF_STATES_PER_LAYER`` per layer of each distinct leaf segment, and
-    per level ``LEVEL_STATES`` + ``level_cost`` (the level's parameter cotangents: ≈ the
-    parameters, in states).
-    A remainder costs: a segment of another length is another program below it, with buffers of
-    its own, so levels that divide the layers evenly win (RNN, 2048 = 8 · 8 · 8 · 4 steps, 45
+    spaced segments (the last one shorter). Chosen to keep least, in states: at each level, per
+    distinct segment length (each a program of its own, whose buffers XLA does not share with
+    the others') the states it keeps and ``LEVEL_STATES``; ``level_cost`` per level (its scan's
+    parameter cotangents: ≈ the parameters, in states); ``LEAF_STATES_PER_LAYER`` per layer of
+    each distinct leaf segment. So remainders cost — a segment of another length is another
+    program below it — and levels that divide the layers evenly win (RNN, 2048 = 8 · 8 · 8 · 4 steps, 45
     states: 7 + 7 + 7 and leaves of 4 layers keep 0.64× of equinox's checkpointed scan with 45;
     23 + 22 and remainders kept 1.2×).
     Each level recomputes every layer once more: d + 1 forward evaluations — memory like k and
@@ -211,17 +211,18 @@ def nested_levels(layers: int, checkpoints: int, level_cost: float = 0.0) -> tup
         ks = {spread, spread - 1, spread - 2, budget} | {n - 1 for n in range(2, min(top, budget + 1) + 1)
                                                          if top % n == 0 and n - 1 >= spread // 2}
         for k in sorted(x for x in ks if 1 <= x <= budget):
-            below, kept = set(), 0
-            for length in lengths:
-                if k >= length - 1:  # too short to cut: a leaf
+            below, kept, programs = set(), 0, 0
+            for length in lengths:  # each distinct length: a program of its own, with its own buffers
+                if k >= length - 1:  # too short to cut: handed to the level below as it is
                     below.add(length)
                     continue
                 seg = -(-length // (k + 1))
                 count = -(-length // seg)
-                kept = max(kept, count - 1)
+                kept, programs = kept + count - 1, programs + 1
                 below |= {seg, length - (count - 1) * seg}
-            cost, rest = best(frozenset(below), budget - k, left - 1)
-            options.append((cost + kept + LEVEL_STATES + level_cost, (k, *rest)))
+            if programs:
+                cost, rest = best(frozenset(below), budget - k, left - 1)
+                options.append((cost + kept + programs * LEVEL_STATES + level_cost, (k, *rest)))
         return min(options, key=lambda o: (o[0], len(o[1])))
 
     levels = best(frozenset({layers}), checkpoints, MAX_LEVELS)[1]
