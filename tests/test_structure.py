@@ -42,7 +42,11 @@ def network(depth, kinds):
 def primitive_counts(depth, kinds):
     net, params = network(depth, kinds)
     loss = lambda p, x: jnp.sum(net(p, x) ** 2)
-    jaxpr = jax.make_jaxpr(lbp.grad_by_solve(loss))(params, jnp.ones((2, 4)))
+    return counted(jax.make_jaxpr(lbp.grad_by_solve(loss))(params, jnp.ones((2, 4))))
+
+
+def counted(jaxpr):
+    """Primitives of a closed jaxpr and of every jaxpr nested in it."""
     counts = collections.Counter()
 
     def walk(jx):
@@ -121,6 +125,38 @@ def test_periodic_kinds_run_without_a_switch_and_stay_exact():
     periods = [period for _, _, period in plan.segments]
     assert 0 in periods and 3 in periods
     loss = lambda p, x: jnp.sum(jnp.sin(net(p, x)))
+    expected = jax.grad(loss, (0, 1))(params, x)
+    for mode in ({}, {"param_products": "in_loop"}):
+        got = jax.jit(lbp.grad_by_solve(loss, (0, 1), engine="loop", **mode))(params, x)
+        for a, e in zip(jax.tree.leaves(got), jax.tree.leaves(expected)):
+            np.testing.assert_allclose(a, e, rtol=1e-9, atol=1e-12)
+    t = jax.tree.map(jnp.ones_like, (params, x))
+    np.testing.assert_allclose(lbp.jvp_by_solve(loss, (params, x), t, engine="loop")[1],
+                               jax.jvp(loss, (params, x), t)[1], rtol=1e-9)
+
+
+def test_one_off_kinds_run_straight_line_without_a_switch():
+    """A first and a last layer of kinds of their own around a repeating pattern (a transformer's
+    embedding and head): those steps run as straight-line code of known kind — no switch over
+    every kind for them (it compiled each kind again per such step) — and stay exact."""
+    from linbackprop._plan import plan_for
+
+    first = lambda th, u: jnp.tanh(u @ th[0])
+    head = lambda th, u: u @ th[0]
+    layers = [lbp.Layer(1, first, (0,), (("P", 0),))]
+    layers += [lbp.Layer(i, residual if i % 2 else gated, (i - 1,), (("W", i), ("b", i)) if i % 2 else (("W", i),))
+               for i in range(2, 22)]
+    layers += [lbp.Layer(22, head, (21,), (("H", 0),))]
+    net = lbp.Network(layers, [0], 22)
+    rng = np.random.default_rng(0)
+    params = {name: jnp.asarray(0.3 * rng.standard_normal((4, 4))) for name in net.param_names}
+    params |= {("b", i): jnp.zeros(4) for i in range(3, 22, 2)}
+    x = jnp.asarray(rng.standard_normal((2, 4)))
+    plan = plan_for(net, net.select_params(params), (x,), "loop")
+    assert [(start, stop, period) for start, stop, period in plan.segments if period == 0] == [(0, 1, 0), (21, 22, 0)]
+    loss = lambda p, x: jnp.sum(jnp.sin(net(p, x)))
+    counts = counted(jax.make_jaxpr(lbp.grad_by_solve(loss, engine="loop"))(params, x))
+    assert counts["cond"] == 0 and counts["scan"] + counts["while"] >= 1  # loops, no switch
     expected = jax.grad(loss, (0, 1))(params, x)
     for mode in ({}, {"param_products": "in_loop"}):
         got = jax.jit(lbp.grad_by_solve(loss, (0, 1), engine="loop", **mode))(params, x)
