@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.extend.core import jaxpr_as_fun
 
 from ._outer import OuterFactors, SquareSums, weighted_square_sum
 from ._plan import Group, Kind, Plan, RowList, Writes, as_dtype, vjp_layout
@@ -414,8 +415,15 @@ def _distinct(args: Any) -> Any:
 
 
 def _with_residuals(plan: Plan, k: int, theta: tuple, inputs: tuple, relinearise: set[int]) -> list[Any]:
-    """A forward step that keeps the layer's residuals: its output, then its stored residuals."""
+    """A forward step that keeps the layer's residuals: its output, then its stored residuals.
+    The plan's analysis traced the layer's linearisation once already: its jaxpr is replayed
+    (binding recorded operations is cheaper than tracing the layer's Python again)."""
     kind = plan.kinds[k]
+    if kind.probe is not None:
+        values = jaxpr_as_fun(kind.probe)(*jax.tree.leaves((theta, inputs)))
+        n_out = len(jax.tree.leaves(kind.out_aval))
+        out = jax.tree.unflatten(jax.tree.structure(kind.out_aval), values[:n_out])
+        return [out, *(values[n_out + n] for n in kind.kept)]
     theta, inputs = _distinct((theta, inputs))
     out, vjp = jax.vjp(kind.fn, theta, *inputs)
     if vjp_layout(vjp) == kind.vjp_layout:

@@ -237,6 +237,7 @@ class Kind:
     recipes: dict[int, Recipe]  # ... and those recomputed from them (cheap elementwise ops)
     own_groups: tuple[int, ...]  # per stored residual: its residual buffer
     own_offsets: tuple[int, ...]  # ... and the row of the kind's first member in it
+    probe: Any = None  # the analysis's jaxpr: (θ, inputs) leaves ↦ output leaves, then the own residuals
 
     @property
     def size(self) -> int:
@@ -692,7 +693,8 @@ def _analyse_kind(layer: Layer, theta_avals: tuple[Any, ...], input_avals: tuple
         kept, recipes = _recipes(closed.jaxpr, len(jax.tree.leaves(out_aval)))
     except (AttributeError, TypeError, KeyError, ValueError):  # jaxpr internals changed: store them all
         kept, recipes = tuple(range(len(own))), {}
-    return out_aval, found["treedef"], found["layout"], found["sources"], tuple(own[n] for n in kept), kept, recipes
+    return (out_aval, found["treedef"], found["layout"], found["sources"], tuple(own[n] for n in kept), kept, recipes,
+            closed)
 
 
 # The loop pays when kinds of layer repeat: one compiled body then serves many steps. A shallow
@@ -787,7 +789,7 @@ def make_plan(net: Network, param_structs: tuple, input_structs: tuple, engine: 
         members = np.flatnonzero(step_kind == k)
         layers = tuple(net.layers[n] for n in members)
         first = layers[0]
-        out_aval, treedef, layout, sources, own, kept, recipes = kind_info[key]
+        out_aval, treedef, layout, sources, own, kept, recipes, probe = kind_info[key]
         pgroups = tuple(slot(p)[0] for p in first.params)
         rgroups = tuple(read_slot(r)[0] for r in first.reads)
         ogroup = state_loc[first.name][0]
@@ -799,7 +801,7 @@ def make_plan(net: Network, param_structs: tuple, input_structs: tuple, engine: 
             fn=_fresh(first.fn), layers=layers, param_groups=pgroups, read_groups=rgroups, out_group=ogroup,
             by_member=by_member, by_step=_by_step(by_member, members, len(net.layers), state_groups, rgroups, ogroup),
             out_aval=out_aval, vjp_treedef=treedef, vjp_layout=layout, res_sources=sources, kept=kept,
-            recipes=recipes, **residuals.assign(own, len(layers))))
+            recipes=recipes, probe=probe, **residuals.assign(own, len(layers))))
     unrolled = engine == "unrolled" or (engine == "auto" and not loop_pays(len(net.layers), len(kinds)))
     return Plan(net=net, state_groups=state_groups, param_groups=param_groups, state_loc=state_loc,
                 param_loc=param_loc, kinds=tuple(kinds), step_kind=step_kind, res_avals=tuple(residuals.avals),
