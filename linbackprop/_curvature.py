@@ -594,10 +594,11 @@ def kfac_factors(fun: Callable, argnums: int | Sequence[int] = 0, *, engine: str
             for g, pairs in m.total(part).items():
                 group = plan.param_groups[g]
                 diff = [n for n, d in enumerate(group.diff_leaves) if d]
+                # a stacked block's factors are its own (rows stacked); a group of blocks: row r is block r's
+                rows = [(None, group.names[0])] if group.stacked_rows is not None else list(enumerate(group.names))
                 for leaf, pair in enumerate(pairs):
                     if pair is None:
                         continue
-                    rows = [(None, group.names[0])] if group.stacked_rows is not None else list(enumerate(group.names))
                     for row, name in rows:
                         at = place[position[id(jax.tree.leaves(theta[name])[diff[leaf]])]]
                         result[at] = Kronecker(*(pair if row is None else (f[row] for f in pair)))

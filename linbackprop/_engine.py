@@ -33,12 +33,12 @@ from jax import lax
 from jax.extend.core import jaxpr_as_fun
 
 from ._outer import OuterFactors, SquareSums, weighted_square_sum
-from ._plan import Group, Kind, Plan, RowList, Writes, as_dtype, vjp_layout
+from ._plan import Group, Kind, Plan, RowList, Writes, as_dtype
 from ._stacking import index_row, update_row, zeros_of
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["params", "states", "residuals"],
-                   meta_fields=["relinearise"])
+                   meta_fields=[])
 @dataclasses.dataclass(frozen=True)
 class Primal:
     """Everything the linear maps need: parameters, states and per-kind own residuals.
@@ -50,7 +50,6 @@ class Primal:
     params: list[Any]
     states: list[Any]
     residuals: list[Any] | None
-    relinearise: frozenset[int] = frozenset()  # kinds whose stored residuals are not to be used
 
 
 # -- small buffer helpers (a buffer: a stacked pytree, or a RowList when the plan is unrolled) -----
@@ -200,7 +199,7 @@ def _segment(plan: Plan, body: Callable, carry: Any, start: int, stop: int, peri
     if period == 0 and stop - start < len(plan.kinds):
         # Fewer steps than kinds (a transformer's embedding or head): straight-line steps of known
         # kinds. A loop of one step would compile a switch over every kind, and write every
-        # kind's slots, for each such step (a 12-block GPT: 120 → 60 kernels outside its loops).
+        # kind's slots, for each such step (a 12-block GPT: 120 → 64 kernels outside its loops).
         for i in range(stop - 1, start - 1, -1) if reverse else range(start, stop):
             carry = body(Step(i, int(plan.step_kind[i]), (start, stop)), carry)
         return carry
@@ -312,7 +311,7 @@ class LayerMaps:
 
 
 def _vjp(plan: Plan, kind: Kind, prim: Primal, own: Any, theta: tuple, inputs: tuple, out: Any) -> Callable:
-    if prim.residuals is None or plan.kinds.index(kind) in prim.relinearise:  # remat: linearise again
+    if prim.residuals is None:  # remat: linearise again
         return jax.vjp(kind.fn, theta, *inputs)[1]
     return kind.rebuild(own, theta, inputs, out)
 
@@ -398,40 +397,16 @@ def _jvp_moving(fn: Callable, theta: tuple, inputs: tuple, dtheta: tuple, dinput
     return jax.jvp(f, primals, tuple(t for _, _, t in moving))
 
 
-def _distinct(args: Any) -> Any:
-    """``args`` with every array a distinct object, as in the plan's analysis: JAX linearises a
-    function differently when one array is passed twice (a block or a state used twice by a
-    layer), and the stored residuals must fit the analysed linearisation. The copy costs nothing:
-    XLA removes it."""
-    seen: set[int] = set()
-
-    def once(x):
-        if id(x) in seen:
-            return jnp.array(x, copy=True)
-        seen.add(id(x))
-        return x
-
-    return jax.tree.map(once, args)
-
-
-def _with_residuals(plan: Plan, k: int, theta: tuple, inputs: tuple, relinearise: set[int]) -> list[Any]:
+def _with_residuals(plan: Plan, k: int, theta: tuple, inputs: tuple) -> list[Any]:
     """A forward step that keeps the layer's residuals: its output, then its stored residuals.
-    The plan's analysis traced the layer's linearisation once already: its jaxpr is replayed
-    (binding recorded operations is cheaper than tracing the layer's Python again)."""
+    The plan's analysis traced the layer's linearisation once already: its jaxpr is replayed, so
+    the stored residuals are always those of the analysed linearisation (whatever the arguments:
+    one array passed twice, weak types) and the layer's Python is not traced again."""
     kind = plan.kinds[k]
-    if kind.probe is not None:
-        values = jaxpr_as_fun(kind.probe)(*jax.tree.leaves((theta, inputs)))
-        n_out = len(jax.tree.leaves(kind.out_aval))
-        out = jax.tree.unflatten(jax.tree.structure(kind.out_aval), values[:n_out])
-        return [out, *(values[n_out + n] for n in kind.kept)]
-    theta, inputs = _distinct((theta, inputs))
-    out, vjp = jax.vjp(kind.fn, theta, *inputs)
-    if vjp_layout(vjp) == kind.vjp_layout:
-        return [out, *kind.split_residuals(vjp)]
-    # Not the linearisation the plan analysed (its residuals would mean something else): store
-    # nothing for this kind and re-linearise it in the products instead.
-    relinearise.add(k)
-    return [out, *(_zeros_like_aval(plan.res_avals[r]) for r in kind.own_groups)]
+    values = jaxpr_as_fun(kind.probe)(*jax.tree.leaves((theta, inputs)))
+    n_out = len(jax.tree.leaves(kind.out_aval))
+    out = jax.tree.unflatten(jax.tree.structure(kind.out_aval), values[:n_out])
+    return [out, *(values[n_out + n] for n in kind.kept)]
 
 
 def _with_tangent(plan: Plan, kind: Kind, pos: Any, theta: tuple, inputs: tuple, h: list[Any] | None,
@@ -483,7 +458,6 @@ def forward(plan: Plan, params: list[Any], states: list[Any], residuals: bool = 
     """
     assert not (residuals and tangents is not None)
     h = tangents[0] if tangents is not None else None
-    relinearise: set[int] = set()
     writes = plan.writes("forward+res" if residuals else "forward+tangent" if tangents is not None else "forward")
 
     def body(step, carry):
@@ -500,7 +474,7 @@ def forward(plan: Plan, params: list[Any], states: list[Any], residuals: bool = 
                 r = fwd.read[k]
                 inputs = (*inputs[:r], plan.state_groups[fwd.group].typed(prev[0]), *inputs[r + 1:])
             if residuals:
-                return _with_residuals(plan, k, theta, inputs, relinearise)
+                return _with_residuals(plan, k, theta, inputs)
             if tangents is None:
                 return [kind.fn(theta, *inputs)]
             return _with_tangent(plan, kind, pos, theta, inputs, h, tns, (fwd.read[k], prev[1]) if carried else None)
@@ -523,7 +497,7 @@ def forward(plan: Plan, params: list[Any], states: list[Any], residuals: bool = 
             for a, n in zip(plan.res_avals, plan.res_rows)] if residuals else []
     tans0 = list(tangents[1]) if tangents is not None else [None] * len(plan.state_groups)
     states, res, tans, _ = _loop(plan, body, (list(states), res0, tans0, None), enter=enter)
-    prim = Primal(params, states, res if residuals else None, frozenset(relinearise))
+    prim = Primal(params, states, res if residuals else None)
     return (prim, tans) if tangents is not None else prim
 
 
@@ -729,11 +703,21 @@ def param_adjoint_per_example(plan: Plan, prim: Primal, lam: list[Any], batch: i
     return out
 
 
+def _param_kinds(plan: Plan) -> list[Kind]:
+    """The kinds with parameters whose output has a (co)tangent: those ℳ has blocks for."""
+    return [k for k in plan.kinds if k.param_groups and plan.state_groups[k.out_group].differentiable]
+
+
+def _tangent_leaves(group: Group) -> int:
+    """How many leaves a row of ``group`` has in the tangent layout."""
+    return jax.tree.structure(group.row_avals(tangent=True)).num_leaves
+
+
 def _member_vjp(plan: Plan, prim: Primal, kind: Kind, batch: int) -> tuple:
     """One member's per-example VJP as a function of flat leaves (θ, one example's inputs, its Λ
-    row) giving its parameter cotangent leaves; their example shapes; the kind's θ and input
-    leaves (members stacked) with the vmap axes of the inputs over the examples; the count of Λ
-    leaves (last)."""
+    row) giving its parameter cotangent leaves; their example shapes; which of them are Λ (the
+    adjoint: last); the kind's θ and input leaves (members stacked) with the vmap axes of the
+    inputs over the examples; zeros shaped like one example's Λ leaves (for what ignores them)."""
     theta, inputs = _arguments(plan, kind, prim, np.arange(kind.size))
     out_group = plan.state_groups[kind.out_group]
     param_groups = [plan.param_groups[g] for g in kind.param_groups]
@@ -751,7 +735,9 @@ def _member_vjp(plan: Plan, prim: Primal, kind: Kind, batch: int) -> tuple:
     example = [one(x, 1) for x in th_leaves] + [one(x, 2 if b else 1) for x, b in zip(leaves, batched)]
     example += [one(a, 1) for a in lam_avals]
     axes = [None] * nt + [0 if b else None for b in batched]
-    return per_example, example, th_leaves, leaves, axes, len(lam_avals)
+    varying = [False] * (nt + nx) + [True] * len(lam_avals)
+    lam_zeros = [jnp.zeros(a.shape[1:], a.dtype) for a in lam_avals]
+    return per_example, example, varying, th_leaves, leaves, axes, lam_zeros
 
 
 class ParamSquares:
@@ -774,18 +760,17 @@ class ParamSquares:
                     uses[(g, int(row))] = uses.get((g, int(row)), 0) + 1
         self.exclusive = {g for g in range(len(plan.param_groups))
                           if all(n <= 1 for (gg, _), n in uses.items() if gg == g)}
-        self.kinds = [k for k in plan.kinds if k.param_groups and plan.state_groups[k.out_group].differentiable]
+        self.kinds = _param_kinds(plan)
         self.members = [self._members(kind) for kind in self.kinds]
 
     def _members(self, kind: Kind) -> tuple:
         """The kind's θ and input leaves (members stacked), their vmap axes, the
         :class:`SquareSums` of one member's per-example VJP, and zeros for its Λ leaves."""
-        per_example, example, th_leaves, leaves, axes, n_lam = _member_vjp(self.plan, self.prim, kind, self.batch)
+        per_example, example, varying, th_leaves, leaves, axes, lam_zeros = _member_vjp(
+            self.plan, self.prim, kind, self.batch)
         squared = [g in self.exclusive for g in kind.param_groups
-                   for _ in range(jax.tree.structure(self.plan.param_groups[g].row_avals(tangent=True)).num_leaves)]
-        sums = SquareSums(per_example, example, squared, [False] * (len(example) - n_lam) + [True] * n_lam)
-        lam_zeros = [jnp.zeros(a.shape, a.dtype) for a in example[len(example) - n_lam:]]  # ignored by λ-free factors
-        return th_leaves, leaves, axes, sums, lam_zeros
+                   for _ in range(_tangent_leaves(self.plan.param_groups[g]))]
+        return th_leaves, leaves, axes, SquareSums(per_example, example, squared, varying), lam_zeros
 
     def parts(self, lam: list[Any], weights: jax.Array) -> tuple[list, list]:
         """One adjoint's share: per kind, its members' :meth:`SquareSums.parts` of the leaves of
@@ -847,13 +832,12 @@ class ParamFactors:
 
     def __init__(self, plan: Plan, prim: Primal, batch: int):
         self.plan, self.prim, self.batch = plan, prim, batch
-        self.kinds = [k for k in plan.kinds if k.param_groups and plan.state_groups[k.out_group].differentiable]
+        self.kinds = _param_kinds(plan)
         self.members = []
         layouts: dict[tuple[int, int], Any] = {}
         for kind in self.kinds:
-            per_example, example, th, xs, axes, n_lam = _member_vjp(plan, prim, kind, batch)
-            factors = OuterFactors(per_example, example, [False] * (len(example) - n_lam) + [True] * n_lam)
-            zeros = [jnp.zeros(a.shape, a.dtype) for a in example[len(example) - n_lam:]]
+            per_example, example, varying, th, xs, axes, zeros = _member_vjp(plan, prim, kind, batch)
+            factors = OuterFactors(per_example, example, varying)
             self.members.append((th, xs, axes, factors, zeros))
             for n, (_, g, leaf) in enumerate(self._leaves(kind)):
                 found = factors.layout(n) if factors.factored(n) else None
@@ -863,7 +847,7 @@ class ParamFactors:
     def _leaves(self, kind: Kind) -> list[tuple[int, int, int]]:
         """(slot, group, leaf) of each cotangent leaf of a member of ``kind``, in order."""
         return [(p, g, leaf) for p, g in enumerate(kind.param_groups)
-                for leaf in range(jax.tree.structure(self.plan.param_groups[g].row_avals(tangent=True)).num_leaves)]
+                for leaf in range(_tangent_leaves(self.plan.param_groups[g]))]
 
     def _gathered(self, grams: list, operand: int) -> dict[tuple[int, int], jax.Array]:
         """Per factored (group, leaf): the members' Gram matrices added into their rows."""
@@ -900,9 +884,8 @@ class ParamFactors:
         fixed = self._gathered(grams, 0)
         out: dict[int, list] = {}
         for g, group in enumerate(self.plan.param_groups):
-            leaves = jax.tree.structure(group.row_avals(tangent=True)).num_leaves
             out[g] = []
-            for leaf in range(leaves):
+            for leaf in range(_tangent_leaves(group)):
                 if (g, leaf) not in self.layouts:
                     out[g].append(None)
                     continue

@@ -231,13 +231,12 @@ class Kind:
     by_step: StepRows
     out_aval: Any
     vjp_treedef: Any
-    vjp_layout: str  # what the residuals mean (see ``vjp_layout``): a forward trace must match it
     res_sources: tuple[tuple[str, int], ...]  # per residual leaf: ("arg" | "out" | "own", index)
     kept: tuple[int, ...]  # the own residuals that are stored ...
     recipes: dict[int, Recipe]  # ... and those recomputed from them (cheap elementwise ops)
     own_groups: tuple[int, ...]  # per stored residual: its residual buffer
     own_offsets: tuple[int, ...]  # ... and the row of the kind's first member in it
-    probe: Any = None  # the analysis's jaxpr: (θ, inputs) leaves ↦ output leaves, then the own residuals
+    probe: Any  # the analysis's jaxpr, replayed by the forward pass: (θ, inputs) leaves ↦ output, own residuals
 
     @property
     def size(self) -> int:
@@ -250,14 +249,6 @@ class Kind:
         rows = self.by_member.params[:self.size]
         return tuple(int(rows[0, p]) if self.size > 1 and np.all(rows[:, p] == rows[0, p]) else None
                      for p in range(rows.shape[1]))
-
-    def split_residuals(self, vjp: Any) -> tuple[Any, ...]:
-        """The residual leaves to store: neither arguments nor the output nor recomputable, each once."""
-        own: dict[int, Any] = {}
-        for leaf, (where, n) in zip(jax.tree.leaves(vjp), self.res_sources):
-            if where == "own":
-                own.setdefault(n, leaf)
-        return tuple(own[n] for n in self.kept)
 
     def rebuild(self, own: tuple[Any, ...], theta: tuple[Any, ...], inputs: tuple[Any, ...], out: Any) -> Any:
         """The layer's VJP from its stored residuals, its (re-read) arguments and its output."""
@@ -592,17 +583,6 @@ def function_key(fn: Any) -> Any:
     return Same(fn)
 
 
-def vjp_layout(vjp: Any) -> str:
-    """The structure of a layer's VJP — its linear program and the types of its residuals — as
-    text. Residuals stored by one trace are rebuilt into the VJP that the plan analysed, so the two
-    must agree; they can differ (weak types, arguments passed twice, functions created per call),
-    and then the kind is re-linearised instead (never a wrong rebuild)."""
-    leaves, treedef = jax.tree.flatten(vjp)
-    avals = [(np.shape(x), str(getattr(x, "dtype", type(x))), getattr(jax.typeof(x), "weak_type", None))
-             for x in leaves]
-    return f"{treedef}|{avals}"
-
-
 def _avals_of(tree: Any, where: str) -> tuple[Any, tuple[Aval, ...]]:
     leaves, treedef = jax.tree.flatten(tree)
     return treedef, tuple(leaf_aval(x, where) for x in leaves)
@@ -684,7 +664,7 @@ def _analyse_kind(layer: Layer, theta_avals: tuple[Any, ...], input_avals: tuple
                 where = "own"
                 known["own"].append(leaf)
             sources.append((where, next(n for n, a in enumerate(known[where]) if leaf is a)))
-        found.update(treedef=treedef, sources=tuple(sources), layout=vjp_layout(vjp))
+        found.update(treedef=treedef, sources=tuple(sources))
         return out, tuple(known["own"])
 
     closed, (out_aval, own) = jax.make_jaxpr(probe, return_shape=True)(theta_avals, *input_avals)
@@ -693,8 +673,7 @@ def _analyse_kind(layer: Layer, theta_avals: tuple[Any, ...], input_avals: tuple
         kept, recipes = _recipes(closed.jaxpr, len(jax.tree.leaves(out_aval)))
     except (AttributeError, TypeError, KeyError, ValueError):  # jaxpr internals changed: store them all
         kept, recipes = tuple(range(len(own))), {}
-    return (out_aval, found["treedef"], found["layout"], found["sources"], tuple(own[n] for n in kept), kept, recipes,
-            closed)
+    return out_aval, found["treedef"], found["sources"], tuple(own[n] for n in kept), kept, recipes, closed
 
 
 # The loop pays when kinds of layer repeat: one compiled body then serves many steps. A shallow
@@ -789,7 +768,7 @@ def make_plan(net: Network, param_structs: tuple, input_structs: tuple, engine: 
         members = np.flatnonzero(step_kind == k)
         layers = tuple(net.layers[n] for n in members)
         first = layers[0]
-        out_aval, treedef, layout, sources, own, kept, recipes, probe = kind_info[key]
+        out_aval, treedef, sources, own, kept, recipes, probe = kind_info[key]
         pgroups = tuple(slot(p)[0] for p in first.params)
         rgroups = tuple(read_slot(r)[0] for r in first.reads)
         ogroup = state_loc[first.name][0]
@@ -800,7 +779,7 @@ def make_plan(net: Network, param_structs: tuple, input_structs: tuple, engine: 
         kinds.append(Kind(
             fn=_fresh(first.fn), layers=layers, param_groups=pgroups, read_groups=rgroups, out_group=ogroup,
             by_member=by_member, by_step=_by_step(by_member, members, len(net.layers), state_groups, rgroups, ogroup),
-            out_aval=out_aval, vjp_treedef=treedef, vjp_layout=layout, res_sources=sources, kept=kept,
+            out_aval=out_aval, vjp_treedef=treedef, res_sources=sources, kept=kept,
             recipes=recipes, probe=probe, **residuals.assign(own, len(layers))))
     unrolled = engine == "unrolled" or (engine == "auto" and not loop_pays(len(net.layers), len(kinds)))
     return Plan(net=net, state_groups=state_groups, param_groups=param_groups, state_loc=state_loc,

@@ -194,9 +194,9 @@ def nested_levels(layers: int, checkpoints: int, level_cost: float = 0.0) -> tup
     the others') the states it keeps and ``LEVEL_STATES``; ``level_cost`` per level (its scan's
     parameter cotangents: ≈ the parameters, in states); ``LEAF_STATES_PER_LAYER`` per layer of
     each distinct leaf segment. So remainders cost — a segment of another length is another
-    program below it — and levels that divide the layers evenly win (RNN, 2048 = 8 · 8 · 8 · 4 steps, 45
-    states: 7 + 7 + 7 and leaves of 4 layers keep 0.64× of equinox's checkpointed scan with 45;
-    23 + 22 and remainders kept 1.2×).
+    program below it — and levels that divide the layers evenly win (RNN, 2048 = 8 · 8 · 8 · 4
+    steps, 45 states: 7 + 7 + 7 and leaves of 4 layers keep 0.64× of equinox's checkpointed scan
+    with 45; 23 + 22 and their remainders kept 1.2×).
     Each level recomputes every layer once more: d + 1 forward evaluations — memory like k and
     recomputations growing like log N, the binomial (revolve) schedule's trade-off."""
 

@@ -113,6 +113,18 @@ def test_packing_has_no_per_block_static_slices():
         assert shallow[op] == deep[op], op
 
 
+def assert_loop_exact(loss, params, x):
+    """grad_by_solve with the loop engine (ℳΛ after and in the loop) and jvp_by_solve against jax."""
+    expected = jax.grad(loss, (0, 1))(params, x)
+    for mode in ({}, {"param_products": "in_loop"}):
+        got = jax.jit(lbp.grad_by_solve(loss, (0, 1), engine="loop", **mode))(params, x)
+        for a, e in zip(jax.tree.leaves(got), jax.tree.leaves(expected)):
+            np.testing.assert_allclose(a, e, rtol=1e-9, atol=1e-12)
+    t = jax.tree.map(jnp.ones_like, (params, x))
+    np.testing.assert_allclose(lbp.jvp_by_solve(loss, (params, x), t, engine="loop")[1],
+                               jax.jvp(loss, (params, x), t)[1], rtol=1e-9)
+
+
 def test_periodic_kinds_run_without_a_switch_and_stay_exact():
     """Three kinds in a repeating pattern after an irregular prefix: the loop runs the prefix step
     by step (a switch over kinds) and the pattern a period per iteration (kinds known, no switch)."""
@@ -124,15 +136,7 @@ def test_periodic_kinds_run_without_a_switch_and_stay_exact():
     plan = plan_for(net, net.select_params(params), (x,), "loop")
     periods = [period for _, _, period in plan.segments]
     assert 0 in periods and 3 in periods
-    loss = lambda p, x: jnp.sum(jnp.sin(net(p, x)))
-    expected = jax.grad(loss, (0, 1))(params, x)
-    for mode in ({}, {"param_products": "in_loop"}):
-        got = jax.jit(lbp.grad_by_solve(loss, (0, 1), engine="loop", **mode))(params, x)
-        for a, e in zip(jax.tree.leaves(got), jax.tree.leaves(expected)):
-            np.testing.assert_allclose(a, e, rtol=1e-9, atol=1e-12)
-    t = jax.tree.map(jnp.ones_like, (params, x))
-    np.testing.assert_allclose(lbp.jvp_by_solve(loss, (params, x), t, engine="loop")[1],
-                               jax.jvp(loss, (params, x), t)[1], rtol=1e-9)
+    assert_loop_exact(lambda p, x: jnp.sum(jnp.sin(net(p, x))), params, x)
 
 
 def test_one_off_kinds_run_straight_line_without_a_switch():
@@ -157,14 +161,7 @@ def test_one_off_kinds_run_straight_line_without_a_switch():
     loss = lambda p, x: jnp.sum(jnp.sin(net(p, x)))
     counts = counted(jax.make_jaxpr(lbp.grad_by_solve(loss, engine="loop"))(params, x))
     assert counts["cond"] == 0 and counts["scan"] + counts["while"] >= 1  # loops, no switch
-    expected = jax.grad(loss, (0, 1))(params, x)
-    for mode in ({}, {"param_products": "in_loop"}):
-        got = jax.jit(lbp.grad_by_solve(loss, (0, 1), engine="loop", **mode))(params, x)
-        for a, e in zip(jax.tree.leaves(got), jax.tree.leaves(expected)):
-            np.testing.assert_allclose(a, e, rtol=1e-9, atol=1e-12)
-    t = jax.tree.map(jnp.ones_like, (params, x))
-    np.testing.assert_allclose(lbp.jvp_by_solve(loss, (params, x), t, engine="loop")[1],
-                               jax.jvp(loss, (params, x), t)[1], rtol=1e-9)
+    assert_loop_exact(loss, params, x)
 
 
 def test_cheap_residuals_are_recomputed_not_stored():
