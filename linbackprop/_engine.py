@@ -178,10 +178,11 @@ class Step(NamedTuple):
 
 
 def _loop(plan: Plan, body: Callable[[Step, Any], Any], init: Any, reverse: bool = False,
-          enter: Callable[[int, int, Any], Any] | None = None) -> Any:
+          enter: Callable[[int, int, Any], Any] | None = None,
+          leave: Callable[[int, int, Any], Any] | None = None) -> Any:
     """Run ``body`` over the steps, first to last (or last to first): straight-line code when the
     plan is unrolled, else ``lax.fori_loop``s over its segments (``Plan.segments``), each entered
-    with ``enter(start, stop, carry)`` where given."""
+    with ``enter(start, stop, carry)`` and left with ``leave(start, stop, carry)`` where given."""
     carry = init
     if plan.unrolled:
         steps = range(plan.depth)
@@ -192,6 +193,8 @@ def _loop(plan: Plan, body: Callable[[Step, Any], Any], init: Any, reverse: bool
         if enter is not None:
             carry = enter(start, stop, carry)
         carry = _segment(plan, body, carry, start, stop, period, reverse)
+        if leave is not None:
+            carry = leave(start, stop, carry)
     return carry
 
 
@@ -333,22 +336,34 @@ def _slot_zeros(plan: Plan, writes: Writes, buffer: tuple[str, int]) -> Any:
     return group.row_zeros(tangent=family in writes.tangent)
 
 
-def _step(plan: Plan, step: Step, writes: Writes, branch: Callable[[int, Any], list], operand: Any) -> list[Any]:
+def _step(plan: Plan, step: Step, writes: Writes, branch: Callable[[int, Any], Any], operand: Any,
+          carried: Any = None) -> Any:
     """The step's values, one per write slot: the branch of the step's kind fills its slots; with
-    several kinds (a ``lax.switch``), the other slots hold zeros. None: nothing to write."""
+    several kinds (a ``lax.switch``), the other slots hold zeros. None: nothing to write.
+
+    With ``carried`` (zeros shaped like a value the loop carries to the next step), a branch
+    returns (its values, that value or None) and so does this: (slots, value)."""
     def place(k: int, values: list) -> list:
         out: list = [None] * len(writes.buffers)
         for v, s in zip(values, writes.of_kind[k]):
             out[s] = v
         return out
 
+    def run_kind(k: int, op: Any) -> Any:
+        if carried is None:
+            return place(k, branch(k, op))
+        values, extra = branch(k, op)
+        return place(k, values), carried if extra is None else extra
+
     if step.kind is not None:
-        return place(step.kind, branch(step.kind, operand))
+        return run_kind(step.kind, operand)
 
     def make(k):
         def run(op):
-            out = place(k, branch(k, op))
-            return [_slot_zeros(plan, writes, writes.buffers[s]) if v is None else v for s, v in enumerate(out)]
+            out = run_kind(k, op)
+            slots = out if carried is None else out[0]
+            slots = [_slot_zeros(plan, writes, writes.buffers[s]) if v is None else v for s, v in enumerate(slots)]
+            return slots if carried is None else (slots, out[1])
 
         return run
 
@@ -501,77 +516,160 @@ def forward(plan: Plan, params: list[Any], states: list[Any], residuals: bool = 
     return (prim, tans) if tangents is not None else prim
 
 
-def forward_substitution(plan: Plan, prim: Primal, rhs: list[Any], h: list[Any] | None = None) -> list[Any]:
+def forward_substitution(plan: Plan, prim: Primal, rhs: list[Any], h: list[Any] | None = None,
+                         compact: bool = False) -> list[Any]:
     """Z with ℒ Z = rhs: Z_i = rhs_i + Σ_j ∂Φ_i/∂U_j Z_j, first layer to last. With ``h``
     (parameter-layout tangents), ℒ Z = rhs + ℳ* h: ∂Φ_i/∂θ h is formed in the loop, from the same
-    linearisation of each layer (the transpose of ℳΛ accumulated in the back substitution)."""
-    writes = plan.writes("forward_sub")
+    linearisation of each layer (the transpose of ℳΛ accumulated in the back substitution).
 
-    def body(step, z):
+    ``compact``: Z in the layout of ``plan.compact`` — rows only for the states read again from
+    the buffer or returned (inputs and outputs); the others go from step to step in the loop's
+    carry — and rhs read at the input rows only (a tangent of the inputs: every row a layer
+    writes is set, not added to). Returns that layout, its pad row zero."""
+    compact = compact and not plan.unrolled  # unrolled: rows are values XLA drops where unread
+    zplan = plan.compact if compact else plan
+    writes = zplan.writes("forward_sub")
+
+    def body(step, carry):
+        z, prev = carry
         i = step.index
+        fwd = zplan.forwarding(*step.segment) if compact and step.segment else None
 
-        def branch(k, zz):
+        def branch(k, operand):
+            zz, prev = operand
             kind = plan.kinds[k]
             if zz[kind.out_group] is None:  # an integer state: no tangent
                 return []
             pos = _at(kind.by_step.member, i)
-            slots = _at(kind.by_member.reads, pos)
-            reads = tuple(read_row(zz[g], slots[r], written=True) if zz[g] is not None else None
-                          for r, g in enumerate(kind.read_groups))
+            slots = _at(zplan.kinds[k].by_member.reads, pos)
+            reads = [read_row(zz[g], slots[r], written=True) if zz[g] is not None else None
+                     for r, g in enumerate(kind.read_groups)]
+            if fwd is not None and k in fwd.read and prev is not None:  # the previous step's Z
+                reads[fwd.read[k]] = prev
             hs = None
             if h is not None and kind.param_groups:
                 pslots = _at(kind.by_member.params, pos)
                 hs = tuple(read_row(h[g], pslots[..., p]) for p, g in enumerate(kind.param_groups))
-            return [layer_maps(plan, kind, prim, k, pos).state_forward(reads, hs)]
+            return [layer_maps(plan, kind, prim, k, pos).state_forward(tuple(reads), hs)]
 
+        values = _step(zplan, step, writes, branch, (z, prev))
         bufs = {"state": list(z)}
-        _write(bufs, writes, i, _step(plan, step, writes, branch, z), add=True)
-        return bufs["state"]
+        _write(bufs, writes, i, values, add=not compact)
+        if fwd is not None:
+            value = values[writes.of_kind[step.kind if step.kind is not None else next(iter(fwd.read))][0]]
+            prev = None if value is None else zplan.state_groups[fwd.group].cast(value, tangent=True)
+        return bufs["state"], prev
 
-    # Carrying Z_i to the next step, as ``forward`` carries U_i, was measured to save nothing here:
-    # the step still reads rhs_i from the buffer.
-    return _loop(plan, body, list(rhs))
+    def enter(start, stop, carry):
+        z, _ = carry
+        fwd = zplan.forwarding(start, stop) if compact else None
+        if fwd is None or z[fwd.group] is None:
+            return z, None
+        group = zplan.state_groups[fwd.group]
+        first = group.row_zeros(True) if fwd.first_row is None else read_row(z[fwd.group], fwd.first_row)
+        return z, first
+
+    # Without ``compact`` carrying Z_i to the next step was measured to save nothing: the step
+    # still reads rhs_i from the buffer.
+    z, _ = _loop(plan, body, (list(rhs), None), enter=enter)
+    if not compact:
+        return z
+    return [b if b is None or not group.pad else _set_row(b, group.pad_row, group.row_zeros(True))
+            for b, group in zip(z, zplan.state_groups)]
 
 
-def back_substitution(plan: Plan, prim: Primal, rhs: list[Any], grads: list[Any] | None = None) -> Any:
+def back_substitution(plan: Plan, prim: Primal, rhs: list[Any], grads: list[Any] | None = None,
+                      compact: bool = False) -> Any:
     """Λ with ℒ* Λ = rhs: Λ_j = rhs_j + Σ_{i reads j} (∂Φ_i/∂U_j)* Λ_i, last layer to first.
 
     With ``grads`` (parameter-layout buffers), ℳΛ is also added into them inside the loop, from
     the same linearisation of each layer; returns (Λ, grads + ℳΛ) then.
+
+    ``compact``: the transpose of :func:`forward_substitution`'s. rhs and Λ in the layout of
+    ``plan.compact``; the cotangent of a read the forward substitution carried goes to the
+    previous step in the loop's carry (for a state without a row, its Λ), into the buffer only
+    at the start of the stretch. Λ is returned at the input rows, zeros elsewhere (the forward
+    substitution reads rhs only there).
     """
     in_loop = grads is not None
+    compact = compact and not plan.unrolled
+    zplan = plan.compact if compact else plan
     absent = frozenset(g for g, b in enumerate(rhs) if b is None)  # no cotangent wanted (or none exists)
-    writes = plan.writes("back", with_params=in_loop, absent=absent)
+    writes = zplan.writes("back", with_params=in_loop, absent=absent)
+
+    def forwarded(segment: tuple[int, int] | None) -> Any:
+        fwd = zplan.forwarding(*segment) if compact and segment else None
+        return None if fwd is None or fwd.group in absent else fwd
 
     def body(step, carry):
-        lam, acc = carry if in_loop else (carry, [])
+        lam, acc, ct_next = carry
         i = step.index
+        fwd = forwarded(step.segment)
 
-        def branch(k, ll):
+        def branch(k, operand):
+            ll, ct_next = operand
             kind = plan.kinds[k]
             if ll[kind.out_group] is None:  # an integer state: no cotangent to propagate
-                return []
+                return [] if fwd is None else ([], None)
             pos = _at(kind.by_step.member, i)
-            lam_i = read_row(ll[kind.out_group], _at(kind.by_member.out, pos), written=True)
+            lam_i = read_row(ll[kind.out_group], _at(zplan.kinds[k].by_member.out, pos), written=True)
+            if fwd is not None:  # plus the cotangent of the next step's carried read
+                lam_i = jax.tree.map(jnp.add, lam_i, ct_next)
             maps = layer_maps(plan, kind, prim, k, pos)
-            values = [ct for ct, g in zip(maps.state_adjoint(lam_i), kind.read_groups)
+            cts = maps.state_adjoint(lam_i)
+            carried = fwd.read.get(k) if fwd is not None else None
+            passed = None if carried is None else cts[carried]
+            # the carried read keeps its slot, written nothing (None: zeros where kinds switch)
+            values = [None if r == carried else ct for r, (ct, g) in enumerate(zip(cts, kind.read_groups))
                       if ct is not None and g not in absent]
-            return values + list(maps.param_adjoint(lam_i)) if in_loop else values
+            values += list(maps.param_adjoint(lam_i)) if in_loop else []
+            return values if fwd is None else (values, passed)
 
+        zeros = None if fwd is None else zplan.state_groups[fwd.group].row_zeros(True)
+        out = _step(zplan, step, writes, branch, (lam, ct_next), carried=zeros)
+        values, ct_next = (out, ct_next) if fwd is None else out
         bufs = {"state": list(lam), "param": list(acc)}
         # With kinds known at trace time no slot of a parameter group written once is inactive
         # (an inactive one adds zeros to row 0), so its rows are set: no read of the old row.
         once = frozenset(("param", g) for g in plan.params_written_once) if step.kind is not None else frozenset()
-        _write(bufs, writes, i, _step(plan, step, writes, branch, lam), add=True, set_buffers=once)
-        return (bufs["state"], bufs["param"]) if in_loop else bufs["state"]
+        _write(bufs, writes, i, values, add=True, set_buffers=once)
+        return bufs["state"], bufs["param"], ct_next
 
-    if not in_loop:
-        return _loop(plan, body, list(rhs), reverse=True)
+    def enter(start, stop, carry):
+        fwd = forwarded((start, stop))
+        return (*carry[:2], None if fwd is None else zplan.state_groups[fwd.group].row_zeros(True))
+
+    def leave(start, stop, carry):
+        lam, acc, ct = carry
+        fwd = forwarded((start, stop))
+        if fwd is not None and fwd.first_row is not None:  # the stretch's first read: a row
+            lam = list(lam)
+            lam[fwd.group] = _add_row(lam[fwd.group], fwd.first_row, ct)
+        return lam, acc, None
+
+    if compact:  # the pad row of rhs is no row of Λ (it must stay zero: unwritten states read it)
+        rhs = [b if b is None or not group.pad else _set_row(b, group.pad_row, group.row_zeros(True))
+               for b, group in zip(rhs, zplan.state_groups)]
     # ℳΛ goes into fresh zeros, added to ``grads`` after the loop: rows can then be set rather
     # than accumulated, and XLA drops the addition where ``grads`` is zeros (a gradient).
-    acc = [g.zeros(plan.unrolled, tangent=True) for g in plan.param_groups]
-    lam, acc = _loop(plan, body, (list(rhs), acc), reverse=True)
-    return lam, [jax.tree.map(jnp.add, g, a) for g, a in zip(grads, acc)]
+    acc = [g.zeros(plan.unrolled, tangent=True) for g in plan.param_groups] if in_loop else []
+    lam, acc, _ = _loop(plan, body, (list(rhs), acc, None), reverse=True, enter=enter, leave=leave)
+    lam = at_inputs(zplan, lam) if compact else lam
+    return (lam, [jax.tree.map(jnp.add, g, a) for g, a in zip(grads, acc)]) if in_loop else lam
+
+
+def at_inputs(plan: Plan, bufs: list[Any]) -> list[Any]:
+    """The buffers at the rows of the network's inputs, zeros elsewhere."""
+    out = []
+    for g, (b, group) in enumerate(zip(bufs, plan.state_groups)):
+        rows = [plan.state_loc[name][1] for name in plan.net.inputs if plan.state_loc[name][0] == g]
+        if b is None or None in rows:  # a stacked input: the whole group
+            out.append(b)
+            continue
+        mask = np.zeros(group.rows, bool)
+        mask[rows] = True
+        out.append(jax.tree.map(lambda x, m=mask: jnp.where(m.reshape(-1, *[1] * (x.ndim - 1)), x, 0), b))
+    return out
 
 
 # -- the parallel parts: one vmapped application per kind -------------------------------------------

@@ -328,6 +328,7 @@ class Plan:
     res_rows: tuple[int, ...]  # ... with this many rows (and a pad row)
     unrolled: bool = False  # the substitutions as straight-line code (shallow networks, see loop_pays)
     full: Plan | None = None  # for a compact plan (see ``compact``): the plan it was made from
+    to_compact: tuple[np.ndarray, ...] | None = None  # ... and per state group, its row of each full row
 
     @functools.cached_property
     def compact(self) -> Plan:
@@ -376,7 +377,21 @@ class Plan:
             by_step=kind.by_step._replace(reads=columns(kind.by_step.reads, kind.read_groups),
                                           out=remap[kind.out_group][kind.by_step.out]),
         ) for kind in self.kinds)
-        return dataclasses.replace(self, state_groups=tuple(groups), state_loc=loc, kinds=kinds, full=self)
+        return dataclasses.replace(self, state_groups=tuple(groups), state_loc=loc, kinds=kinds, full=self,
+                                   to_compact=tuple(remap))
+
+    @functools.cached_property
+    def to_full(self) -> tuple[np.ndarray, ...]:
+        """For a compact plan, per state group, the full plan's row of each of its rows (the pad
+        row's: the pad row)."""
+        out = []
+        for g, (remap, group) in enumerate(zip(self.to_compact, self.state_groups)):
+            rows = np.full(group.rows, self.full.state_groups[g].pad_row, dtype=np.int32)
+            for full_row, row in enumerate(remap):
+                if row != group.pad_row or not group.pad:
+                    rows[row] = full_row
+            out.append(rows)
+        return tuple(out)
 
     @functools.cached_property
     def segments(self) -> list[tuple[int, int, int]]:

@@ -31,7 +31,15 @@ import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
-from ._engine import Primal, back_substitution, forward_substitution, param_adjoint, param_forward, state_product
+from ._engine import (
+    Primal,
+    at_inputs,
+    back_substitution,
+    forward_substitution,
+    param_adjoint,
+    param_forward,
+    state_product,
+)
 from ._plan import Plan
 from ._stacking import mesh_of, zeros_of
 
@@ -39,16 +47,23 @@ from ._stacking import mesh_of, zeros_of
 @dataclasses.dataclass(frozen=True)
 class System:
     """What is static about one solve: the plan, whether it is the joint system over (h, Z), and
-    the pytree structures of the linearisation and of b."""
+    the pytree structures of the linearisation and of b.
+
+    ``compact``: Z (and b) in the layout of ``plan.compact``, rows only for the states read again
+    from the buffer and for the network's inputs and outputs — for a tangent of the inputs alone
+    (and ℳ* h in the loop). The solve is then x = P ℒ⁻¹ E Eᵀ b: b read at the input rows (E),
+    the solution at the compact rows (P; its pad row zero); transposed, Eᵀ ℒ⁻* Pᵀ."""
 
     plan: Plan
     joint: bool
     prim_tree: Any
     b_tree: Any
+    compact: bool = False
 
     def __repr__(self) -> str:  # as printed in jaxprs
         net = self.plan.net
-        return f"System({len(net.layers)} layers, outputs {list(net.outputs)!r}{', joint' if self.joint else ''})"
+        extra = (", joint" if self.joint else "") + (", compact" if self.compact else "")
+        return f"System({len(net.layers)} layers, outputs {list(net.outputs)!r}{extra})"
 
 
 def _held_weakly_by_jax_caches(cls: type) -> type:
@@ -68,17 +83,46 @@ System = _held_weakly_by_jax_caches(System)
 
 
 def _solve_fn(system: System, transposed: bool) -> Callable[[Primal, Any], Any]:
-    plan = system.plan
+    plan, compact = system.plan, system.compact
     if not system.joint:
         if transposed:
-            return lambda prim, b: back_substitution(plan, prim, b)
-        return lambda prim, b: forward_substitution(plan, prim, b)
+            return lambda prim, b: back_substitution(plan, prim, b, compact=compact)
+        return lambda prim, b: forward_substitution(plan, prim, b, compact=compact)
     if transposed:  # [[I, −ℳ], [0, ℒ*]] (grads, Λ) = (gh, gz): Λ by back substitution, grads = gh + ℳΛ
         def solve_t(prim, g):
-            lam, grads = back_substitution(plan, prim, g[1], grads=g[0])
+            lam, grads = back_substitution(plan, prim, g[1], grads=g[0], compact=compact)
             return grads, lam
         return solve_t
-    return lambda prim, b: (b[0], forward_substitution(plan, prim, b[1], h=b[0]))
+    return lambda prim, b: (b[0], forward_substitution(plan, prim, b[1], h=b[0], compact=compact))
+
+
+def _state_part(system: System, fn: Callable[[list[Any]], list[Any]]) -> Callable[[Any], Any]:
+    """``fn`` applied to the state-layout part of a right-hand side or solution."""
+    if system.joint:
+        return lambda b: (b[0], fn(b[1]))
+    return fn
+
+
+def _layouts(system: System, transposed: bool) -> tuple[Callable, Callable]:
+    """For a compact system, (b in the compact layout -> the full system's b, the full system's
+    solution -> the compact one): the solve is P ℒ⁻¹ E Eᵀ b (transposed: Eᵀ ℒ⁻* Pᵀ b)."""
+    zplan = system.plan.compact
+
+    def to_full(bufs: list[Any]) -> list[Any]:
+        return [None if b is None else jax.tree.map(lambda x, m=m: x[m], b) for b, m in zip(bufs, zplan.to_compact)]
+
+    def to_compact(bufs: list[Any]) -> list[Any]:
+        return [None if b is None else jax.tree.map(lambda x, m=m: x[m], b) for b, m in zip(bufs, zplan.to_full)]
+
+    def without_pad(bufs: list[Any]) -> list[Any]:
+        return [None if b is None or not group.pad else jax.tree.map(
+            lambda x, r=group.pad_row: x.at[r].set(0), b) for b, group in zip(bufs, zplan.state_groups)]
+
+    if transposed:  # Pᵀ b (the pad row is no row of the solution); Eᵀ at the input rows
+        return (_state_part(system, lambda b: to_full(without_pad(b))),
+                _state_part(system, lambda x: at_inputs(zplan, to_compact(x))))
+    return (_state_part(system, lambda b: to_full(at_inputs(zplan, b))),
+            _state_part(system, lambda x: without_pad(to_compact(x))))
 
 
 def _matvec_fn(system: System, transposed: bool) -> Callable[[Primal, Any], Any]:
@@ -129,6 +173,17 @@ def _instantiate(t: Any, aval: Any) -> Any:
 def _jvp(primals: tuple, tangents: tuple, *, system: System, transposed: bool, axes: tuple) -> tuple:
     n = system.prim_tree.num_leaves
     params = dict(system=system, transposed=transposed, axes=axes)
+    if system.compact and any(type(t) is not ad.Zero and jnp.result_type(t) != jax.dtypes.float0
+                              for t in tangents[:n]):
+        # The linearisation moves: Ȧ x needs the whole solution x, so the full system's rule.
+        full = dataclasses.replace(system, compact=False)
+        into, back = _layouts(system, transposed)
+        convert = functools.partial(_apply, lambda prim, b: into(b), system, axes)
+        restore = functools.partial(_apply, lambda prim, x: back(x), full, axes)
+        db = [_instantiate(t, jax.typeof(p)) for t, p in zip(tangents[n:], primals[n:])]
+        x, dx = _jvp((*primals[:n], *convert(list(primals))), (*tangents[:n], *convert([*primals[:n], *db])),
+                     system=full, transposed=transposed, axes=axes)
+        return restore([*primals[:n], *x]), restore([*primals[:n], *dx])
     x = solve_p.bind(*primals, **params)
     prim, dprim, db = list(primals[:n]), tangents[:n], tangents[n:]
     moving = [i for i, t in enumerate(dprim)
@@ -191,11 +246,12 @@ ad.primitive_transposes[solve_p] = _transpose
 batching.primitive_batchers[solve_p] = _batch
 
 
-def solve(plan: Plan, prim: Primal, b: Any, joint: bool = False) -> Any:
+def solve(plan: Plan, prim: Primal, b: Any, joint: bool = False, compact: bool = False) -> Any:
     """A⁻¹ b for A = ℒ (``joint``: [[I, 0], [−ℳ*, ℒ]] on b = (h, rhs)), by forward substitution,
-    differentiable in b (transpose: the back substitution) and in the linearisation."""
+    differentiable in b (transpose: the back substitution) and in the linearisation.
+    ``compact``: rhs and the solution in the layout of ``plan.compact`` (see :class:`System`)."""
     prim_leaves, prim_tree = jax.tree.flatten(prim)
     b_leaves, b_tree = jax.tree.flatten(b)
-    out = solve_p.bind(*prim_leaves, *b_leaves, system=System(plan, joint, prim_tree, b_tree),
-                       transposed=False, axes=())
+    system = System(plan, joint, prim_tree, b_tree, compact and not plan.unrolled)
+    out = solve_p.bind(*prim_leaves, *b_leaves, system=system, transposed=False, axes=())
     return jax.tree.unflatten(b_tree, out)

@@ -386,21 +386,22 @@ def params_in_loop(param_products: str, remat: bool, plan: Plan, checkpointed: b
     return remat or plan.unrolled or largest >= threshold or plan.params_shared_by_members
 
 
-def solve_joint(plan: Plan, prim: Primal, h: list[Any], rhs: list[Any]) -> list[Any]:
+def solve_joint(plan: Plan, prim: Primal, h: list[Any], rhs: list[Any], compact: bool = False) -> list[Any]:
     """Z with ℒ Z = rhs + ℳ* h, as one solve over (h, Z) that forms ℳ* h in the loop, and whose
     transpose forms ℳΛ in the loop.
 
     The joint matrix [[I, 0], [−ℳ*, ℒ]] is unit lower triangular too: the forward substitution
     adds ∂Φ_i/∂θ h at step i, and its transpose [[I, −ℳ], [0, ℒ*]] is solved by the back
     substitution for Λ with ℳΛ accumulated step by step, both from the same linearisation of each
-    layer (the in-loop alternative to the batched ℳ* and ℳ).
+    layer (the in-loop alternative to the batched ℳ* and ℳ). ``compact``: rhs (at the input rows)
+    and Z in the layout of ``plan.compact``.
     """
-    return solve(plan, prim, (h, rhs), joint=True)[1]
+    return solve(plan, prim, (h, rhs), joint=True, compact=compact)[1]
 
 
-def solve_forward(plan: Plan, prim: Primal, rhs: list[Any]) -> list[Any]:
+def solve_forward(plan: Plan, prim: Primal, rhs: list[Any], compact: bool = False) -> list[Any]:
     """Z with ℒ Z = rhs, differentiable in rhs (transpose: back substitution) and in prim."""
-    return solve(plan, prim, rhs)
+    return solve(plan, prim, rhs, compact=compact)
 
 
 def _call_by_solve(net: Network, theta: dict, inputs: tuple) -> tuple[Any, ...]:
@@ -502,19 +503,24 @@ def _jvp_by_linear_solve(plan: Plan, theta: dict, inputs: tuple, dtheta: dict, d
     moves_params = _moves_params(net, dtheta)
     in_loop = (moves_params and params_in_loop(_PARAM_PRODUCTS.value, _REMAT.value, plan, bool(_CHECKPOINTS.value))
                and all(g.differentiable for g in plan.param_groups))
-    rhs = _input_tangents(plan, dinputs)
+    # With rhs at the input rows alone (ℳ* h formed in the loop, or no h) the solve keeps Z only
+    # where it is read again or returned (plan.compact): a chain carries Z_i from step to step
+    # instead of writing a [depth, batch, width] buffer for every product.
+    compact = (in_loop or not moves_params) and not plan.unrolled
+    zplan = plan.compact if compact else plan
+    rhs = _input_tangents(zplan, dinputs)
     if moves_params:  # the groups without input tangents start from zeros made in the linear program
-        given = {plan.state_loc[name][0] for name, dx in zip(net.inputs, dinputs) if not _is_zero(dx)}
+        given = {zplan.state_loc[name][0] for name, dx in zip(net.inputs, dinputs) if not _is_zero(dx)}
         rhs = _zeros_made_with(_anchor(dtheta, dinputs), rhs, keep=given)
     if moves_params and not in_loop:
         rhs = param_forward(plan, prim, plan.pack_params(_instantiate(dtheta), tangent=True), rhs)
     # Parts of rhs built from symbolic zeros alone are constants: the solve's transpose gives
     # them no cotangent (see _solve).
     if in_loop:
-        z = solve_joint(plan, prim, plan.pack_params(_instantiate(dtheta), tangent=True), rhs)
+        z = solve_joint(plan, prim, plan.pack_params(_instantiate(dtheta), tangent=True), rhs, compact)
     else:
-        z = solve_forward(plan, prim, rhs)
-    return _outputs(plan, prim.states), tuple(_tangent_or_zero(plan, o, z) for o in net.output_spec)
+        z = solve_forward(plan, prim, rhs, compact)
+    return _outputs(plan, prim.states), tuple(_tangent_or_zero(zplan, o, z) for o in net.output_spec)
 
 
 def _tangent_or_zero(plan: Plan, item: Hashable | Stack, z: list[Any]) -> Any:

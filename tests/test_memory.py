@@ -91,9 +91,10 @@ def test_checkpoints_never_raise_temporaries(name):
 
 
 def test_checkpoints_still_save_memory_where_they_can():
-    """The rule above does not simply turn checkpointing off: a long RNN keeps a fraction."""
+    """The rule above does not simply turn checkpointing off: a long RNN keeps a fraction (0.30
+    since the plain call carries Λ instead of a buffer of every state: 1.11 -> 0.59 MB)."""
     loss, args = _rnn(256, False)
-    assert _temps(loss, args, checkpoints=15) < 0.3 * _temps(loss, args)
+    assert _temps(loss, args, checkpoints=15) < 0.35 * _temps(loss, args)
 
 
 def test_nested_schedule_memory_grows_slowly_with_the_sequence():

@@ -1,0 +1,188 @@
+"""Linear solves that keep only the rows read again (``plan.compact``): with rhs at the input rows
+alone — ℳ* h formed in the loop, or a tangent of the inputs only — the forward substitution
+carries Z_i from step to step and returns the rows of inputs, outputs and states read from the
+buffer; its transpose, the back substitution, carries the cotangent of those reads back. Every
+product, its transpose and their derivatives (the linearisation moving) must stay exact."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import linbackprop as lbp
+
+
+def residual(th, u):
+    return u + jnp.tanh(u @ th[0] + th[1])
+
+
+def gated(th, u):
+    return u * jax.nn.sigmoid(u @ th[0])
+
+
+def skip(th, u, s):
+    return u + jnp.tanh(s @ th[0])
+
+
+def rnn_cell(th, h, x):
+    return jnp.tanh(h @ th[0] + x @ th[1])
+
+
+def f64(tree):
+    return jax.tree.map(lambda v: jnp.asarray(v, jnp.float64), tree)
+
+
+def chain_case(depth=40):
+    net = lbp.Network([lbp.Layer(i, residual, (i - 1,), (lbp.Row("W", i - 1), lbp.Row("b", i - 1)))
+                       for i in range(1, depth + 1)], [0], depth)
+    rng = np.random.default_rng(0)
+    params = f64({"W": 0.3 * rng.standard_normal((depth, 4, 4)), "b": 0.1 * rng.standard_normal((depth, 4))})
+    return net, params, (f64(rng.standard_normal((3, 4))),)
+
+
+def skips_case():
+    """Skips three states back (rows the buffer keeps), an output read again by a later layer."""
+    layers = [lbp.Layer(1, residual, (0,), (lbp.Row("W", 0), lbp.Row("b", 0)))]
+    layers += [lbp.Layer(i, skip, (i - 1, max(i - 3, 0)), (lbp.Row("S", i - 2),)) if i % 2 == 0 else
+               lbp.Layer(i, residual, (i - 1,), (lbp.Row("W", i // 2), lbp.Row("b", i // 2))) for i in range(2, 31)]
+    net = lbp.Network(layers, [0], [30, 20])
+    rng = np.random.default_rng(1)
+    params = f64({"W": 0.3 * rng.standard_normal((15, 4, 4)), "b": 0.1 * rng.standard_normal((15, 4)),
+                  "S": 0.2 * rng.standard_normal((29, 4, 4))})
+    return net, params, (f64(rng.standard_normal((3, 4))),)
+
+
+def kinds_case(depth=30):
+    """Three kinds in a repeating pattern (loop blocks of known kinds) with long skips."""
+    layers, params = [], {}
+    rng = np.random.default_rng(2)
+    for i in range(1, depth + 1):
+        if i % 3 == 2 and i > 8:
+            layers.append(lbp.Layer(i, skip, (i - 1, i - 8), (("S", i),)))
+            params[("S", i)] = 0.2 * rng.standard_normal((4, 4))
+        elif i % 3 == 1:
+            layers.append(lbp.Layer(i, gated, (i - 1,), (("G", i),)))
+            params[("G", i)] = 0.3 * rng.standard_normal((4, 4))
+        else:
+            layers.append(lbp.Layer(i, residual, (i - 1,), (("W", i), ("b", i))))
+            params[("W", i)], params[("b", i)] = 0.3 * rng.standard_normal((4, 4)), 0.1 * rng.standard_normal(4)
+    return lbp.Network(layers, [0], depth), f64(params), (f64(rng.standard_normal((3, 4))),)
+
+
+def rnn_case(steps=24):
+    """Tied weights, a stacked input read row by row, every state returned (a Stack)."""
+    layers = [lbp.Layer(("h", t), rnn_cell, (("h", t - 1), lbp.Row("xs", t - 1)), ("A", "B"))
+              for t in range(1, steps + 1)]
+    net = lbp.Network(layers, [("h", 0), "xs"], lbp.Stack([("h", t) for t in range(1, steps + 1)]))
+    rng = np.random.default_rng(3)
+    params = f64({"A": 0.4 * rng.standard_normal((4, 4)), "B": 0.4 * rng.standard_normal((2, 4))})
+    return net, params, (f64(rng.standard_normal((3, 4))), f64(rng.standard_normal((steps, 3, 2))))
+
+
+CASES = {"chain": chain_case, "skips": skips_case, "kinds": kinds_case, "rnn": rnn_case}
+
+
+def losses(net):
+    def model(p, *inputs):
+        outs = net(p, *inputs)
+        return outs if isinstance(outs, tuple) else (outs,)
+
+    def loss(p, *inputs):
+        return sum(jnp.sum(jnp.sin(o) + 0.5 * o**2) for o in model(p, *inputs))
+
+    return model, loss
+
+
+def assert_close(actual, expected, rtol=1e-8):
+    for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
+        np.testing.assert_allclose(a, e, rtol=rtol, atol=1e-11)
+
+
+def solves(jaxpr):
+    """The linbackprop solves of a closed jaxpr and of every jaxpr nested in it."""
+    found = []
+
+    def walk(jx):
+        for eqn in jx.eqns:
+            if eqn.primitive.name == "linbackprop_solve":
+                found.append(eqn)
+            for value in eqn.params.values():
+                for sub in value if isinstance(value, (list, tuple)) else (value,):
+                    sub = getattr(sub, "jaxpr", sub)
+                    if hasattr(sub, "eqns"):
+                        walk(sub)
+
+    walk(jaxpr.jaxpr)
+    return found
+
+
+def test_a_chain_keeps_two_rows_in_both_substitutions():
+    """The Gauss–Newton product of a chain: both solves (and the gradient's) compact, their state
+    buffers of three rows (input, output, pad) instead of depth + 2, and a product's temporaries
+    a fraction of one [depth, batch, width] buffer."""
+    depth, batch, width = 64, 256, 8
+    rng = np.random.default_rng(4)
+    net = lbp.Network([lbp.Layer(i, residual, (i - 1,), (lbp.Row("W", i - 1), lbp.Row("b", i - 1)))
+                       for i in range(1, depth + 1)], [0], depth)
+    params = {"W": jnp.asarray(0.2 * rng.standard_normal((depth, width, width)), jnp.float32),
+              "b": jnp.zeros((depth, width), jnp.float32)}
+    x = jnp.asarray(rng.standard_normal((batch, width)), jnp.float32)
+    loss = lambda p, x: 0.5 * jnp.sum(net(p, x) ** 2)
+    gauss_newton = lbp.gauss_newton(loss, param_products="in_loop", engine="loop")
+
+    found = solves(jax.make_jaxpr(lambda p, x, v: gauss_newton(p, x)[2].mv(v))(params, x, params))
+    assert len(found) == 3 and all(eqn.params["system"].compact for eqn in found)
+    for eqn in found:
+        assert {v.aval.shape[0] for v in eqn.outvars if v.aval.shape[1:] == (batch, width)} == {3}
+    G = jax.jit(gauss_newton)(params, x)[2]  # the linearisation held: the product's arguments
+    temps = jax.jit(lambda G, v: G.mv(v)).lower(G, params).compile().memory_analysis().temp_size_in_bytes
+    assert temps < 0.25 * depth * batch * width * 4
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_compact_solves_match_plain_jax(name):
+    """G·v, gradients (of parameters and of inputs alone), Hessian–vector products and the
+    derivative of G·v along the parameters (the linearisation moving under both substitutions),
+    against plain JAX."""
+    net, params, inputs = CASES[name]()
+    model, loss = losses(net)
+    settings = dict(param_products="in_loop", engine="loop")
+    t = jax.tree.map(lambda a: jnp.cos(jnp.arange(a.size, dtype=a.dtype)).reshape(a.shape), params)
+
+    def gn_ref(p, v):
+        outs, jvp = jax.linearize(lambda q: model(q, *inputs), p)
+        hv = jax.jvp(jax.grad(lambda o: loss_of_outs(o)), (outs,), (jvp(v),))[1]
+        return jax.vjp(lambda q: model(q, *inputs), p)[1](hv)[0]
+
+    def loss_of_outs(outs):
+        return sum(jnp.sum(jnp.sin(o) + 0.5 * o**2) for o in outs)
+
+    def gn(p, v):
+        return lbp.gauss_newton(lambda q, *i: loss_of_outs(model(q, *i)), **settings)(p, *inputs)[2].mv(v)
+
+    assert_close(jax.jit(gn)(params, t), gn_ref(params, t))
+    assert_close(jax.jvp(lambda p: gn(p, t), (params,), (t,))[1], jax.jvp(lambda p: gn_ref(p, t), (params,), (t,))[1],
+                 rtol=1e-7)
+    argnums = tuple(range(1 + len(inputs)))
+    assert_close(jax.jit(lbp.grad_by_solve(loss, argnums, **settings))(params, *inputs),
+                 jax.grad(loss, argnums)(params, *inputs))
+    assert_close(lbp.grad_by_solve(loss, 1, **settings)(params, *inputs), jax.grad(loss, 1)(params, *inputs))
+    hvp = lambda grad: jax.jvp(lambda p: grad(loss)(p, *inputs), (params,), (t,))[1]
+    assert_close(jax.jit(lambda: hvp(lambda f: lbp.grad_by_solve(f, **settings)))(), hvp(jax.grad), rtol=1e-7)
+
+
+def test_compact_solves_compose_with_vmap():
+    """Batched over examples: gradients, HVPs and G·v of the compact solves stay exact."""
+    net, params, (x,) = skips_case()
+    _, loss = losses(net)
+    settings = dict(param_products="in_loop", engine="loop")
+    xs = jnp.stack([x, -x, 0.5 * x])
+    t = jax.tree.map(jnp.ones_like, params)
+    per_example = lambda grad: jax.vmap(grad(loss), (None, 0))(params, xs)
+    assert_close(jax.jit(lambda: per_example(lambda f: lbp.grad_by_solve(f, **settings)))(), per_example(jax.grad))
+    hvps = lambda grad: jax.vmap(lambda x: jax.jvp(lambda p: grad(loss)(p, x), (params,), (t,))[1])(xs)
+    assert_close(jax.jit(lambda: hvps(lambda f: lbp.grad_by_solve(f, **settings)))(), hvps(jax.grad), rtol=1e-7)
+    ts = jax.tree.map(lambda a: jnp.stack([a, 2 * a]), t)
+    gv = jax.vmap(lambda v: lbp.gauss_newton(loss, **settings)(params, x)[2].mv(v))(ts)
+    dense = lbp.gauss_newton(loss, engine="unrolled")(params, x)[2]
+    assert_close(gv, jax.vmap(dense.mv)(ts))
