@@ -554,7 +554,8 @@ def forward_substitution(plan: Plan, prim: Primal, rhs: list[Any], h: list[Any] 
 
         values = _step(zplan, step, writes, branch, (z, prev))
         bufs = {"state": list(z)}
-        _write(bufs, writes, i, values, add=not compact)
+        if not (fwd is not None and zplan.carried_only(*step.segment)):  # else: the last step's, on leaving
+            _write(bufs, writes, i, values, add=not compact)
         if fwd is not None:
             value = values[writes.of_kind[step.kind if step.kind is not None else next(iter(fwd.read))][0]]
             prev = None if value is None else zplan.state_groups[fwd.group].cast(value, tangent=True)
@@ -569,9 +570,19 @@ def forward_substitution(plan: Plan, prim: Primal, rhs: list[Any], h: list[Any] 
         first = group.row_zeros(True) if fwd.first_row is None else read_row(z[fwd.group], fwd.first_row)
         return z, first
 
+    def leave(start, stop, carry):
+        z, prev = carry
+        if not (compact and zplan.carried_only(start, stop)) or prev is None:
+            return carry
+        fwd = zplan.forwarding(start, stop)
+        last = int(zplan.kinds[int(plan.step_kind[stop - 1])].by_step.out[stop - 1])
+        z = list(z)
+        z[fwd.group] = _set_row(z[fwd.group], last, prev)
+        return z, None
+
     # Without ``compact`` carrying Z_i to the next step was measured to save nothing: the step
     # still reads rhs_i from the buffer.
-    z, _ = _loop(plan, body, (list(rhs), None), enter=enter)
+    z, _ = _loop(plan, body, (list(rhs), None), enter=enter, leave=leave)
     if not compact:
         return z
     return [b if b is None or not group.pad else _set_row(b, group.pad_row, group.row_zeros(True))
@@ -605,6 +616,7 @@ def back_substitution(plan: Plan, prim: Primal, rhs: list[Any], grads: list[Any]
         lam, acc, ct_next = carry
         i = step.index
         fwd = forwarded(step.segment)
+        only_carried = fwd is not None and zplan.carried_only(*step.segment)
 
         def branch(k, operand):
             ll, ct_next = operand
@@ -612,8 +624,11 @@ def back_substitution(plan: Plan, prim: Primal, rhs: list[Any], grads: list[Any]
             if ll[kind.out_group] is None:  # an integer state: no cotangent to propagate
                 return [] if fwd is None else ([], None)
             pos = _at(kind.by_step.member, i)
-            lam_i = read_row(ll[kind.out_group], _at(zplan.kinds[k].by_member.out, pos), written=True)
-            if fwd is not None:  # plus the cotangent of the next step's carried read
+            if only_carried:  # Λ_i is the next step's cotangent alone (the last's: read on entry)
+                lam_i = ct_next
+            else:
+                lam_i = read_row(ll[kind.out_group], _at(zplan.kinds[k].by_member.out, pos), written=True)
+            if fwd is not None and not only_carried:  # plus the cotangent of the next step's carried read
                 lam_i = jax.tree.map(jnp.add, lam_i, ct_next)
             maps = layer_maps(plan, kind, prim, k, pos)
             cts = maps.state_adjoint(lam_i)
@@ -637,7 +652,12 @@ def back_substitution(plan: Plan, prim: Primal, rhs: list[Any], grads: list[Any]
 
     def enter(start, stop, carry):
         fwd = forwarded((start, stop))
-        return (*carry[:2], None if fwd is None else zplan.state_groups[fwd.group].row_zeros(True))
+        if fwd is None:
+            return (*carry[:2], None)
+        if zplan.carried_only(start, stop):  # the last step's Λ: complete, its readers are behind
+            last = int(zplan.kinds[int(plan.step_kind[stop - 1])].by_step.out[stop - 1])
+            return (*carry[:2], read_row(carry[0][fwd.group], last))
+        return (*carry[:2], zplan.state_groups[fwd.group].row_zeros(True))
 
     def leave(start, stop, carry):
         lam, acc, ct = carry

@@ -452,6 +452,16 @@ class Plan:
             cache[(start, stop)] = self._forwarding(start, stop)
         return cache[(start, stop)]
 
+    def carried_only(self, start: int, stop: int) -> bool:
+        """For a compact plan: whether the steps of ``start:stop`` but the last keep no row — their
+        outputs live in the loop's carry alone (a chain), so the loop need neither write them nor
+        read their (co)tangents back."""
+        fwd = self.forwarding(start, stop)
+        if self.full is None or fwd is None:
+            return False
+        pad = self.state_groups[fwd.group].pad_row
+        return all(self.kinds[int(self.step_kind[t])].by_step.out[t] == pad for t in range(start, stop - 1))
+
     def _forwarding(self, start: int, stop: int) -> Forwarding | None:
         step_kind = self.step_kind[start:stop]
         present = sorted({int(k) for k in step_kind})
