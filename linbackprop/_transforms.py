@@ -352,9 +352,23 @@ def _stack(values: list[Any]) -> Any:
 def prepare(net: Network, theta: dict[Hashable, Any], inputs: tuple[Any, ...]) -> tuple[Plan, Primal]:
     """The plan at these shapes and the forward pass with every layer's residuals."""
     plan = plan_for(net, theta, inputs, _ENGINE.value)
-    prim = forward(plan, plan.pack_params(theta), plan.pack_states(dict(zip(net.inputs, inputs))),
-                   residuals=not _REMAT.value)
+    prim = _forward_pass(plan, not _REMAT.value, plan.pack_params(theta),
+                         plan.pack_states(dict(zip(net.inputs, inputs))))
     return plan, prim
+
+
+# The forward pass as a custom_jvp whose rule is its plain JVP: a network call's JVP rule is
+# partially evaluated under jax.grad, and JAX's partial evaluation of a loop re-analyses its body
+# even where every input is known (the forward pass's are); a custom_jvp call with known inputs is
+# bound as it is (measured: tracing the 12-block GPT 0.20 -> 0.15 s).
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
+def _forward_pass(plan: Plan, residuals: bool, params: list[Any], states: list[Any]) -> Primal:
+    return forward(plan, params, states, residuals=residuals)
+
+
+@_forward_pass.defjvp
+def _forward_pass_jvp(plan: Plan, residuals: bool, primals: tuple, tangents: tuple) -> tuple:
+    return jax.jvp(lambda p, s: forward(plan, p, s, residuals=residuals), primals, tangents)
 
 
 # Steps whose states have at least this many elements are compute-bound on CPU: there ℳ after the

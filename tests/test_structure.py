@@ -294,3 +294,20 @@ def test_forward_only_sweeps_keep_only_rows_read_again():
     t = (jax.tree.map(jnp.ones_like, params), jnp.ones_like(x))
     np.testing.assert_allclose(lbp.jvp_by_solve(loss, (params, x), t, engine="loop")[1],
                                jax.jvp(loss, (params, x), t)[1], rtol=1e-10)
+
+
+def test_forward_pass_is_bound_whole_under_partial_evaluation():
+    """Under jax.grad the network call's JVP rule is partially evaluated; its forward pass with
+    residuals is a custom_jvp call (all inputs known: bound as it is, where JAX's partial
+    evaluation of a loop would re-analyse the body). Its rule is the plain JVP: an HVP through
+    it stays exact."""
+    net, params = network(40, 3)
+    loss = lambda p, x: jnp.sum(jnp.sin(net(p, x)))
+    x = jnp.linspace(-1.0, 1.0, 8).reshape(2, 4)
+    counts = counted(jax.make_jaxpr(lbp.grad_by_solve(loss, engine="loop"))(params, x))
+    assert counts["custom_jvp_call"] >= 1 and counts["scan"] + counts["while"] >= 2
+    t = jax.tree.map(jnp.ones_like, params)
+    hvp = lambda grad: jax.jvp(lambda p: grad(loss)(p, x), (params,), (t,))[1]
+    for a, e in zip(jax.tree.leaves(hvp(lambda f: lbp.grad_by_solve(f, engine="loop"))),
+                    jax.tree.leaves(hvp(jax.grad))):
+        np.testing.assert_allclose(a, e, rtol=1e-5, atol=1e-6)
