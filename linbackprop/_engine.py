@@ -264,9 +264,16 @@ class LayerMaps:
         self.reads: tuple[Group, ...] = tuple(plan.state_groups[g] for g in kind.read_groups)
         self.params: tuple[Group, ...] = tuple(plan.param_groups[g] for g in kind.param_groups)
         self.diff_reads = tuple(g.differentiable for g in self.reads)
+        self._last: tuple[Any, tuple] | None = None
 
     def _cotangents(self, lam: Any) -> tuple:
-        return self.vjp(self.out.full_tangent(lam))
+        # The back substitution asks for the state and the parameter cotangents of one Λ_i:
+        # one VJP for both (twice the tracing, and twice the program until XLA's CSE, otherwise).
+        if self._last is not None and self._last[0] is lam:
+            return self._last[1]
+        cts = self.vjp(self.out.full_tangent(lam))
+        self._last = (lam, cts)
+        return cts
 
     def state_adjoint(self, lam: Any) -> tuple:
         """(∂Φ_i/∂U_j)* Λ_i for each read j (None for reads without tangents)."""
