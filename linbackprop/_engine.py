@@ -515,8 +515,9 @@ def forward(plan: Plan, params: list[Any], states: list[Any], residuals: bool = 
         states, res, tans, _ = carry
         return states, res, tans, _carry_start(plan, start, stop, states, tans if tangents is not None else None)
 
-    res0 = [RowList([_zeros_like_aval(a)] * (n + 1)) if plan.unrolled else _zeros_like_aval(a, (n + 1,))
-            for a, n in zip(plan.res_avals, plan.res_rows)] if residuals else []
+    res0 = [RowList([_zeros_like_aval(a)] * (n + 1)) if plan.unrolled or as_rows else _zeros_like_aval(a, (n + 1,))
+            for a, n, as_rows in zip(plan.res_avals, plan.res_rows, plan.res_as_rows or [False] * len(plan.res_rows))
+            ] if residuals else []
     tans0 = list(tangents[1]) if tangents is not None else [None] * len(plan.state_groups)
     states, res, tans, _ = _loop(plan, body, (list(states), res0, tans0, None), enter=enter)
     prim = Primal(params, states, res if residuals else None)

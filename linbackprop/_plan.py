@@ -326,6 +326,7 @@ class Plan:
     step_kind: np.ndarray  # [N]
     res_avals: tuple[Aval, ...]  # the stored residuals, one buffer per shape and dtype ...
     res_rows: tuple[int, ...]  # ... with this many rows (and a pad row)
+    res_as_rows: tuple[bool, ...] = ()  # per residual buffer: a list of rows (see _ResidualBuffers)
     unrolled: bool = False  # the substitutions as straight-line code (shallow networks, see loop_pays)
     full: Plan | None = None  # for a compact plan (see ``compact``): the plan it was made from
     to_compact: tuple[np.ndarray, ...] | None = None  # ... and per state group, its row of each full row
@@ -788,6 +789,7 @@ def make_plan(net: Network, param_structs: tuple, input_structs: tuple, engine: 
     keys = list(dict.fromkeys(layer_kind))
     step_kind = np.array([keys.index(k) for k in layer_kind], dtype=np.int32)
     residuals = _ResidualBuffers()
+    straight_only = _straight_line_kinds(step_kind, len(keys))
     kinds = []
     for k, key in enumerate(keys):
         members = np.flatnonzero(step_kind == k)
@@ -805,11 +807,24 @@ def make_plan(net: Network, param_structs: tuple, input_structs: tuple, engine: 
             fn=_fresh(first.fn), layers=layers, param_groups=pgroups, read_groups=rgroups, out_group=ogroup,
             by_member=by_member, by_step=_by_step(by_member, members, len(net.layers), state_groups, rgroups, ogroup),
             out_aval=out_aval, vjp_treedef=treedef, res_sources=sources, kept=kept,
-            recipes=recipes, probe=probe, **residuals.assign(own, len(layers))))
+            recipes=recipes, probe=probe, **residuals.assign(own, len(layers), as_rows=k in straight_only)))
     unrolled = engine == "unrolled" or (engine == "auto" and not loop_pays(len(net.layers), len(kinds)))
     return Plan(net=net, state_groups=state_groups, param_groups=param_groups, state_loc=state_loc,
                 param_loc=param_loc, kinds=tuple(kinds), step_kind=step_kind, res_avals=tuple(residuals.avals),
-                res_rows=tuple(residuals.rows), unrolled=unrolled)
+                res_rows=tuple(residuals.rows), res_as_rows=tuple(residuals.as_rows), unrolled=unrolled)
+
+
+def _straight_line_kinds(step_kind: np.ndarray, kinds: int) -> frozenset[int]:
+    """Kinds whose layers all run as straight-line steps (see ``_engine._segment``: a stretch
+    shorter than the number of kinds), where no loop switches over kinds: no loop ever writes
+    their residuals, so they can be kept as a list of rows."""
+    segments = periodic_segments(step_kind, kinds)
+    if any(period == 0 and stop - start >= kinds for start, stop, period in segments):
+        return frozenset()  # a loop with a switch writes (zeros) into every kind's slots
+    straight = np.zeros(len(step_kind), bool)
+    for start, stop, period in segments:
+        straight[start:stop] = period == 0
+    return frozenset(k for k in range(kinds) if straight[step_kind == k].all())
 
 
 def _table(rows: list[list[int]], width: int) -> np.ndarray:
@@ -832,22 +847,28 @@ def _by_step(by_member: MemberRows, members: np.ndarray, n_steps: int, state_gro
 
 class _ResidualBuffers:
     """The stored residuals of all kinds share one buffer per shape and dtype; each kind's
-    members take consecutive rows of it."""
+    members take consecutive rows of it. Kinds that only run straight-line (``as_rows``: a
+    transformer's embedding and head) get buffers of their own kept as lists of rows: plain
+    values, where rows of a shared buffer are zeroed and written outside the loops (≈ 10 kernels
+    of a 12-block GPT)."""
 
     def __init__(self) -> None:
         self.avals: list[Aval] = []
         self.rows: list[int] = []
+        self.as_rows: list[bool] = []
 
-    def assign(self, own: tuple[Aval, ...], members: int) -> dict[str, tuple[int, ...]]:
+    def assign(self, own: tuple[Aval, ...], members: int, as_rows: bool = False) -> dict[str, tuple[int, ...]]:
         """Rows for ``members`` layers storing residuals ``own``: per residual, its buffer and the
         row of the first member (the Kind fields ``own_groups`` and ``own_offsets``)."""
         groups, offsets = [], []
         for a in own:
             a = Aval(a.shape, a.dtype, sharding=explicit_sharding(a))
-            if a not in self.avals:
+            shared = [r for r, (b, rows) in enumerate(zip(self.avals, self.as_rows)) if b == a and rows == as_rows]
+            if as_rows or not shared:
                 self.avals.append(a)
                 self.rows.append(0)
-            r = self.avals.index(a)
+                self.as_rows.append(as_rows)
+            r = len(self.avals) - 1 if as_rows or not shared else shared[0]
             groups.append(r)
             offsets.append(self.rows[r])
             self.rows[r] += members

@@ -142,10 +142,11 @@ def test_periodic_kinds_run_without_a_switch_and_stay_exact():
 def test_one_off_kinds_run_straight_line_without_a_switch():
     """A first and a last layer of kinds of their own around a repeating pattern (a transformer's
     embedding and head): those steps run as straight-line code of known kind — no switch over
-    every kind for them (it compiled each kind again per such step) — and stay exact."""
+    every kind for them (it compiled each kind again per such step), their residuals kept as
+    plain values — and stay exact."""
     from linbackprop._plan import plan_for
 
-    first = lambda th, u: jnp.tanh(u @ th[0])
+    first = lambda th, u: jax.nn.softmax(u @ th[0])
     head = lambda th, u: u @ th[0]
     layers = [lbp.Layer(1, first, (0,), (("P", 0),))]
     layers += [lbp.Layer(i, residual if i % 2 else gated, (i - 1,), (("W", i), ("b", i)) if i % 2 else (("W", i),))
@@ -158,6 +159,10 @@ def test_one_off_kinds_run_straight_line_without_a_switch():
     x = jnp.asarray(rng.standard_normal((2, 4)))
     plan = plan_for(net, net.select_params(params), (x,), "loop")
     assert [(start, stop, period) for start, stop, period in plan.segments if period == 0] == [(0, 1, 0), (21, 22, 0)]
+    # their residuals: buffers of their own kept as lists of rows (no zeroed rows in a loop's buffer)
+    one_off = {int(plan.step_kind[0]), int(plan.step_kind[21])}
+    kept = {k: [plan.res_as_rows[r] for r in kind.own_groups] for k, kind in enumerate(plan.kinds)}
+    assert any(kept[k] for k in one_off) and all(all(v) == (k in one_off) for k, v in kept.items() if v)
     loss = lambda p, x: jnp.sum(jnp.sin(net(p, x)))
     counts = counted(jax.make_jaxpr(lbp.grad_by_solve(loss, engine="loop"))(params, x))
     assert counts["cond"] == 0 and counts["scan"] + counts["while"] >= 1  # loops, no switch
