@@ -525,7 +525,7 @@ def forward(plan: Plan, params: list[Any], states: list[Any], residuals: bool = 
 
 
 def forward_substitution(plan: Plan, prim: Primal, rhs: list[Any], h: list[Any] | None = None,
-                         compact: bool = False) -> list[Any]:
+                         compact: bool = False, rhs_full: bool = False) -> list[Any]:
     """Z with ℒ Z = rhs: Z_i = rhs_i + Σ_j ∂Φ_i/∂U_j Z_j, first layer to last. With ``h``
     (parameter-layout tangents), ℒ Z = rhs + ℳ* h: ∂Φ_i/∂θ h is formed in the loop, from the same
     linearisation of each layer (the transpose of ℳΛ accumulated in the back substitution).
@@ -533,10 +533,15 @@ def forward_substitution(plan: Plan, prim: Primal, rhs: list[Any], h: list[Any] 
     ``compact``: Z in the layout of ``plan.compact`` — rows only for the states read again from
     the buffer or returned (inputs and outputs); the others go from step to step in the loop's
     carry — and rhs read at the input rows only (a tangent of the inputs: every row a layer
-    writes is set, not added to). Returns that layout, its pad row zero."""
+    writes is set, not added to). Returns that layout, its pad row zero. With ``rhs_full`` rhs is
+    in the full layout and read at every row (ℳ* h formed before the loop): Z_i = rhs_i + ..., Z
+    still compact."""
     compact = compact and not plan.unrolled  # unrolled: rows are values XLA drops where unread
     zplan = plan.compact if compact else plan
     writes = zplan.writes("forward_sub")
+    everywhere = rhs if compact and rhs_full else None
+    if everywhere is not None:  # the buffer starts from rhs at its rows (the inputs' among them)
+        rhs = [None if b is None else jax.tree.map(lambda x, m=m: x[m], b) for b, m in zip(rhs, zplan.to_full)]
 
     def body(step, carry):
         z, prev = carry
@@ -558,7 +563,10 @@ def forward_substitution(plan: Plan, prim: Primal, rhs: list[Any], h: list[Any] 
             if h is not None and kind.param_groups:
                 pslots = _at(kind.by_member.params, pos)
                 hs = tuple(read_row(h[g], pslots[..., p]) for p, g in enumerate(kind.param_groups))
-            return [layer_maps(plan, kind, prim, k, pos).state_forward(tuple(reads), hs)]
+            value = layer_maps(plan, kind, prim, k, pos).state_forward(tuple(reads), hs)
+            if everywhere is not None:
+                value = jax.tree.map(jnp.add, value, read_row(everywhere[kind.out_group], _at(kind.by_member.out, pos)))
+            return [value]
 
         values = _step(zplan, step, writes, branch, (z, prev))
         bufs = {"state": list(z)}

@@ -52,17 +52,21 @@ class System:
     ``compact``: Z (and b) in the layout of ``plan.compact``, rows only for the states read again
     from the buffer and for the network's inputs and outputs — for a tangent of the inputs alone
     (and ℳ* h in the loop). The solve is then x = P ℒ⁻¹ E Eᵀ b: b read at the input rows (E),
-    the solution at the compact rows (P; its pad row zero); transposed, Eᵀ ℒ⁻* Pᵀ."""
+    the solution at the compact rows (P; its pad row zero); transposed, Eᵀ ℒ⁻* Pᵀ. With
+    ``rhs_full`` (ℳ* h formed before the loop) b is in the full layout: x = P ℒ⁻¹ b, transposed
+    ℒ⁻* Pᵀ (every row of Λ: ℳΛ is formed from them)."""
 
     plan: Plan
     joint: bool
     prim_tree: Any
     b_tree: Any
     compact: bool = False
+    rhs_full: bool = False  # with compact: b in the full layout, read at every row: x = P ℒ⁻¹ b
 
     def __repr__(self) -> str:  # as printed in jaxprs
         net = self.plan.net
         extra = (", joint" if self.joint else "") + (", compact" if self.compact else "")
+        extra += ", rhs full" if self.rhs_full else ""
         return f"System({len(net.layers)} layers, outputs {list(net.outputs)!r}{extra})"
 
 
@@ -84,6 +88,14 @@ System = _held_weakly_by_jax_caches(System)
 
 def _solve_fn(system: System, transposed: bool) -> Callable[[Primal, Any], Any]:
     plan, compact = system.plan, system.compact
+    if system.rhs_full:  # forward: rhs read at every row, Z compact; transposed: Pᵀ then all of Λ
+        full = _solve_fn(dataclasses.replace(system, compact=False, rhs_full=False), transposed)
+        if transposed:
+            into, _ = _layouts(system, transposed)
+            return lambda prim, b: full(prim, into(b))
+        if system.joint:
+            return lambda prim, b: (b[0], forward_substitution(plan, prim, b[1], h=b[0], compact=True, rhs_full=True))
+        return lambda prim, b: forward_substitution(plan, prim, b, compact=True, rhs_full=True)
     if not system.joint:
         if transposed:
             return lambda prim, b: back_substitution(plan, prim, b, compact=compact)
@@ -115,13 +127,13 @@ def _layouts(system: System, transposed: bool) -> tuple[Callable, Callable]:
         return [None if b is None else jax.tree.map(lambda x, m=m: x[m], b) for b, m in zip(bufs, zplan.to_full)]
 
     def without_pad(bufs: list[Any]) -> list[Any]:
-        return [None if b is None or not group.pad else jax.tree.map(
-            lambda x, r=group.pad_row: x.at[r].set(0), b) for b, group in zip(bufs, zplan.state_groups)]
+        return [b if b is None or not group.pad else jax.tree.map(lambda x, r=group.pad_row: x.at[r].set(0), b)
+                for b, group in zip(bufs, zplan.state_groups)]
 
     if transposed:  # Pᵀ b (the pad row is no row of the solution); Eᵀ at the input rows
         return (_state_part(system, lambda b: to_full(without_pad(b))),
-                _state_part(system, lambda x: at_inputs(zplan, to_compact(x))))
-    return (_state_part(system, lambda b: to_full(at_inputs(zplan, b))),
+                _state_part(system, lambda x: x if system.rhs_full else at_inputs(zplan, to_compact(x))))
+    return (_state_part(system, lambda b: b if system.rhs_full else to_full(at_inputs(zplan, b))),
             _state_part(system, lambda x: without_pad(to_compact(x))))
 
 
@@ -159,7 +171,13 @@ def _impl(*leaves: Any, system: System, transposed: bool, axes: tuple) -> list[A
 
 
 def _abstract(*avals: Any, system: System, transposed: bool, axes: tuple) -> list[Any]:
-    return list(avals[system.prim_tree.num_leaves:])
+    if not system.rhs_full:  # x is shaped like b
+        return list(avals[system.prim_tree.num_leaves:])
+    # compact rows from full ones (forward), or the other way (transposed)
+    convert = _layouts(system, transposed)[1 if not transposed else 0]
+    shapes = jax.eval_shape(lambda *ls: _apply(lambda prim, b: convert(b), system, axes, list(ls)),
+                            *[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals])
+    return [a.update(shape=x.shape) for a, x in zip(avals[system.prim_tree.num_leaves:], shapes)]
 
 
 def _zeros(aval: Any) -> jax.Array:
@@ -176,7 +194,7 @@ def _jvp(primals: tuple, tangents: tuple, *, system: System, transposed: bool, a
     if system.compact and any(type(t) is not ad.Zero and jnp.result_type(t) != jax.dtypes.float0
                               for t in tangents[:n]):
         # The linearisation moves: Ȧ x needs the whole solution x, so the full system's rule.
-        full = dataclasses.replace(system, compact=False)
+        full = dataclasses.replace(system, compact=False, rhs_full=False)
         into, back = _layouts(system, transposed)
         convert = functools.partial(_apply, lambda prim, b: into(b), system, axes)
         restore = functools.partial(_apply, lambda prim, x: back(x), full, axes)
@@ -209,8 +227,8 @@ def _transpose(cts: list, *operands: Any, system: System, transposed: bool, axes
     if any(ad.is_undefined_primal(p) for p in operands[:n]):
         raise NotImplementedError("linbackprop's solve is linear in its right-hand side only.")
     b = operands[n:]
-    avals = [x.aval if ad.is_undefined_primal(x) else jax.typeof(x) for x in b]
-    cts = [_instantiate(ct, a) for ct, a in zip(cts, avals)]
+    avals = [x.aval if ad.is_undefined_primal(x) else jax.typeof(x) for x in operands]
+    cts = [_instantiate(ct, a) for ct, a in zip(cts, _abstract(*avals, system=system, transposed=transposed, axes=axes))]
     out = solve_p.bind(*operands[:n], *cts, system=system, transposed=not transposed, axes=axes)
     return [None] * n + [ct if ad.is_undefined_primal(x) else None for x, ct in zip(b, out)]
 
@@ -246,12 +264,15 @@ ad.primitive_transposes[solve_p] = _transpose
 batching.primitive_batchers[solve_p] = _batch
 
 
-def solve(plan: Plan, prim: Primal, b: Any, joint: bool = False, compact: bool = False) -> Any:
+def solve(plan: Plan, prim: Primal, b: Any, joint: bool = False, compact: bool = False,
+          rhs_full: bool = False) -> Any:
     """A⁻¹ b for A = ℒ (``joint``: [[I, 0], [−ℳ*, ℒ]] on b = (h, rhs)), by forward substitution,
     differentiable in b (transpose: the back substitution) and in the linearisation.
-    ``compact``: rhs and the solution in the layout of ``plan.compact`` (see :class:`System`)."""
+    ``compact``: rhs and the solution in the layout of ``plan.compact``; with ``rhs_full`` rhs in
+    the full layout (see :class:`System`)."""
     prim_leaves, prim_tree = jax.tree.flatten(prim)
     b_leaves, b_tree = jax.tree.flatten(b)
-    system = System(plan, joint, prim_tree, b_tree, compact and not plan.unrolled)
+    compact = compact and not plan.unrolled
+    system = System(plan, joint, prim_tree, b_tree, compact, rhs_full and compact)
     out = solve_p.bind(*prim_leaves, *b_leaves, system=system, transposed=False, axes=())
     return jax.tree.unflatten(b_tree, out)

@@ -413,9 +413,11 @@ def solve_joint(plan: Plan, prim: Primal, h: list[Any], rhs: list[Any], compact:
     return solve(plan, prim, (h, rhs), joint=True, compact=compact)[1]
 
 
-def solve_forward(plan: Plan, prim: Primal, rhs: list[Any], compact: bool = False) -> list[Any]:
-    """Z with ℒ Z = rhs, differentiable in rhs (transpose: back substitution) and in prim."""
-    return solve(plan, prim, rhs, compact=compact)
+def solve_forward(plan: Plan, prim: Primal, rhs: list[Any], compact: bool = False,
+                  rhs_full: bool = False) -> list[Any]:
+    """Z with ℒ Z = rhs, differentiable in rhs (transpose: back substitution) and in prim.
+    ``compact``: Z in the layout of ``plan.compact``, and rhs too unless ``rhs_full``."""
+    return solve(plan, prim, rhs, compact=compact, rhs_full=rhs_full)
 
 
 def _call_by_solve(net: Network, theta: dict, inputs: tuple) -> tuple[Any, ...]:
@@ -517,14 +519,16 @@ def _jvp_by_linear_solve(plan: Plan, theta: dict, inputs: tuple, dtheta: dict, d
     moves_params = _moves_params(net, dtheta)
     in_loop = (moves_params and params_in_loop(_PARAM_PRODUCTS.value, _REMAT.value, plan, bool(_CHECKPOINTS.value))
                and all(g.differentiable for g in plan.param_groups))
-    # With rhs at the input rows alone (ℳ* h formed in the loop, or no h) the solve keeps Z only
-    # where it is read again or returned (plan.compact): a chain carries Z_i from step to step
-    # instead of writing a [depth, batch, width] buffer for every product.
-    compact = (in_loop or not moves_params) and not plan.unrolled
-    zplan = plan.compact if compact else plan
-    rhs = _input_tangents(zplan, dinputs)
+    # The solve keeps Z only where it is read again or returned (plan.compact): a chain carries
+    # Z_i from step to step instead of writing a [depth, batch, width] buffer for every product.
+    # rhs is in that layout too (at the input rows alone), but where ℳ* h is formed before the
+    # loop (``rhs_full``: every row).
+    compact = not plan.unrolled
+    rhs_full = moves_params and not in_loop
+    layout = plan.compact if compact and not rhs_full else plan  # of rhs
+    rhs = _input_tangents(layout, dinputs)
     if moves_params:  # the groups without input tangents start from zeros made in the linear program
-        given = {zplan.state_loc[name][0] for name, dx in zip(net.inputs, dinputs) if not _is_zero(dx)}
+        given = {layout.state_loc[name][0] for name, dx in zip(net.inputs, dinputs) if not _is_zero(dx)}
         rhs = _zeros_made_with(_anchor(dtheta, dinputs), rhs, keep=given)
     if moves_params and not in_loop:
         rhs = param_forward(plan, prim, plan.pack_params(_instantiate(dtheta), tangent=True), rhs)
@@ -533,8 +537,9 @@ def _jvp_by_linear_solve(plan: Plan, theta: dict, inputs: tuple, dtheta: dict, d
     if in_loop:
         z = solve_joint(plan, prim, plan.pack_params(_instantiate(dtheta), tangent=True), rhs, compact)
     else:
-        z = solve_forward(plan, prim, rhs, compact)
-    return _outputs(plan, prim.states), tuple(_tangent_or_zero(zplan, o, z) for o in net.output_spec)
+        z = solve_forward(plan, prim, rhs, compact, rhs_full)
+    layout = plan.compact if compact else plan  # of Z
+    return _outputs(plan, prim.states), tuple(_tangent_or_zero(layout, o, z) for o in net.output_spec)
 
 
 def _tangent_or_zero(plan: Plan, item: Hashable | Stack, z: list[Any]) -> Any:

@@ -1,8 +1,9 @@
-"""Linear solves that keep only the rows read again (``plan.compact``): with rhs at the input rows
-alone — ℳ* h formed in the loop, or a tangent of the inputs only — the forward substitution
+"""Linear solves that keep only the rows read again (``plan.compact``): the forward substitution
 carries Z_i from step to step and returns the rows of inputs, outputs and states read from the
-buffer; its transpose, the back substitution, carries the cotangent of those reads back. Every
-product, its transpose and their derivatives (the linearisation moving) must stay exact."""
+buffer. With rhs at the input rows alone (ℳ* h formed in the loop, or a tangent of the inputs
+only) its transpose, the back substitution, carries the cotangent of those reads back too; with
+ℳ* h formed before the loop rhs is read at every row. Every product, its transpose and their
+derivatives (the linearisation moving) must stay exact."""
 
 import jax
 import jax.numpy as jnp
@@ -134,19 +135,28 @@ def test_a_chain_keeps_two_rows_in_both_substitutions():
     assert len(found) == 3 and all(eqn.params["system"].compact for eqn in found)
     for eqn in found:
         assert {v.aval.shape[0] for v in eqn.outvars if v.aval.shape[1:] == (batch, width)} == {3}
+    # ℳ* h before the loop: rhs at every row, the forward substitution's Z still three rows
+    after = lbp.gauss_newton(loss, param_products="after", engine="loop")
+    found = solves(jax.make_jaxpr(lambda p, x, v: after(p, x)[2].mv(v))(params, x, params))
+    forward = [eqn for eqn in found if not eqn.params["transposed"]]
+    assert forward and all(eqn.params["system"].rhs_full for eqn in forward)
+    for eqn in forward:
+        assert {v.aval.shape[0] for v in eqn.outvars if v.aval.shape[1:] == (batch, width)} == {3}
     G = jax.jit(gauss_newton)(params, x)[2]  # the linearisation held: the product's arguments
     temps = jax.jit(lambda G, v: G.mv(v)).lower(G, params).compile().memory_analysis().temp_size_in_bytes
     assert temps < 0.25 * depth * batch * width * 4
 
 
+@pytest.mark.parametrize("products", ["in_loop", "after"])
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_compact_solves_match_plain_jax(name):
+def test_compact_solves_match_plain_jax(name, products):
     """G·v, gradients (of parameters and of inputs alone), Hessian–vector products and the
     derivative of G·v along the parameters (the linearisation moving under both substitutions),
-    against plain JAX."""
+    against plain JAX; with ℳ* h in the loop (rhs at the input rows) and before it (rhs at every
+    row, Z still compact)."""
     net, params, inputs = CASES[name]()
     model, loss = losses(net)
-    settings = dict(param_products="in_loop", engine="loop")
+    settings = dict(param_products=products, engine="loop")
     t = jax.tree.map(lambda a: jnp.cos(jnp.arange(a.size, dtype=a.dtype)).reshape(a.shape), params)
 
     def gn_ref(p, v):
@@ -169,13 +179,18 @@ def test_compact_solves_match_plain_jax(name):
     assert_close(lbp.grad_by_solve(loss, 1, **settings)(params, *inputs), jax.grad(loss, 1)(params, *inputs))
     hvp = lambda grad: jax.jvp(lambda p: grad(loss)(p, *inputs), (params,), (t,))[1]
     assert_close(jax.jit(lambda: hvp(lambda f: lbp.grad_by_solve(f, **settings)))(), hvp(jax.grad), rtol=1e-7)
+    # every argument moving (a stacked input too: its rows have no pad)
+    moved = (t, *(jnp.cos(x) for x in inputs))
+    hvp_all = lambda grad: jax.jvp(grad(loss, argnums), (params, *inputs), moved)[1]
+    assert_close(hvp_all(lambda f, a: lbp.grad_by_solve(f, a, **settings)), hvp_all(jax.grad), rtol=1e-7)
 
 
-def test_compact_solves_compose_with_vmap():
+@pytest.mark.parametrize("products", ["in_loop", "after"])
+def test_compact_solves_compose_with_vmap(products):
     """Batched over examples: gradients, HVPs and G·v of the compact solves stay exact."""
     net, params, (x,) = skips_case()
     _, loss = losses(net)
-    settings = dict(param_products="in_loop", engine="loop")
+    settings = dict(param_products=products, engine="loop")
     xs = jnp.stack([x, -x, 0.5 * x])
     t = jax.tree.map(jnp.ones_like, params)
     per_example = lambda grad: jax.vmap(grad(loss), (None, 0))(params, xs)
