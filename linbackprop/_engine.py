@@ -543,10 +543,14 @@ def forward_substitution(plan: Plan, prim: Primal, rhs: list[Any], h: list[Any] 
     if everywhere is not None:  # the buffer starts from rhs at its rows (the inputs' among them)
         rhs = [None if b is None else jax.tree.map(lambda x, m=m: x[m], b) for b, m in zip(rhs, zplan.to_full)]
 
+    def forwarded(segment: tuple[int, int] | None) -> Any:
+        fwd = zplan.forwarding(*segment) if compact and segment else None
+        return None if fwd is None or rhs[fwd.group] is None else fwd  # integer states: no tangent
+
     def body(step, carry):
         z, prev = carry
         i = step.index
-        fwd = zplan.forwarding(*step.segment) if compact and step.segment else None
+        fwd = forwarded(step.segment)
 
         def branch(k, operand):
             zz, prev = operand
@@ -570,7 +574,7 @@ def forward_substitution(plan: Plan, prim: Primal, rhs: list[Any], h: list[Any] 
 
         values = _step(zplan, step, writes, branch, (z, prev))
         bufs = {"state": list(z)}
-        if not (fwd is not None and zplan.carried_only(*step.segment)):  # else: the last step's, on leaving
+        if fwd is None or not zplan.carried_only(*step.segment):  # else: the last step's, on leaving
             _write(bufs, writes, i, values, add=not compact)
         if fwd is not None:
             value = values[writes.of_kind[step.kind if step.kind is not None else next(iter(fwd.read))][0]]
@@ -579,8 +583,8 @@ def forward_substitution(plan: Plan, prim: Primal, rhs: list[Any], h: list[Any] 
 
     def enter(start, stop, carry):
         z, _ = carry
-        fwd = zplan.forwarding(start, stop) if compact else None
-        if fwd is None or z[fwd.group] is None:
+        fwd = forwarded((start, stop))
+        if fwd is None:
             return z, None
         group = zplan.state_groups[fwd.group]
         first = group.row_zeros(True) if fwd.first_row is None else read_row(z[fwd.group], fwd.first_row)
@@ -588,9 +592,9 @@ def forward_substitution(plan: Plan, prim: Primal, rhs: list[Any], h: list[Any] 
 
     def leave(start, stop, carry):
         z, prev = carry
-        if not (compact and zplan.carried_only(start, stop)) or prev is None:
+        fwd = forwarded((start, stop))
+        if fwd is None or not zplan.carried_only(start, stop):
             return carry
-        fwd = zplan.forwarding(start, stop)
         last = int(zplan.kinds[int(plan.step_kind[stop - 1])].by_step.out[stop - 1])
         z = list(z)
         z[fwd.group] = _set_row(z[fwd.group], last, prev)
@@ -644,8 +648,8 @@ def back_substitution(plan: Plan, prim: Primal, rhs: list[Any], grads: list[Any]
                 lam_i = ct_next
             else:
                 lam_i = read_row(ll[kind.out_group], _at(zplan.kinds[k].by_member.out, pos), written=True)
-            if fwd is not None and not only_carried:  # plus the cotangent of the next step's carried read
-                lam_i = jax.tree.map(jnp.add, lam_i, ct_next)
+                if fwd is not None:  # plus the cotangent of the next step's carried read
+                    lam_i = jax.tree.map(jnp.add, lam_i, ct_next)
             maps = layer_maps(plan, kind, prim, k, pos)
             cts = maps.state_adjoint(lam_i)
             carried = fwd.read.get(k) if fwd is not None else None

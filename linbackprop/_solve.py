@@ -228,7 +228,8 @@ def _transpose(cts: list, *operands: Any, system: System, transposed: bool, axes
         raise NotImplementedError("linbackprop's solve is linear in its right-hand side only.")
     b = operands[n:]
     avals = [x.aval if ad.is_undefined_primal(x) else jax.typeof(x) for x in operands]
-    cts = [_instantiate(ct, a) for ct, a in zip(cts, _abstract(*avals, system=system, transposed=transposed, axes=axes))]
+    out_avals = _abstract(*avals, system=system, transposed=transposed, axes=axes)
+    cts = [_instantiate(ct, a) for ct, a in zip(cts, out_avals)]
     out = solve_p.bind(*operands[:n], *cts, system=system, transposed=not transposed, axes=axes)
     return [None] * n + [ct if ad.is_undefined_primal(x) else None for x, ct in zip(b, out)]
 

@@ -201,3 +201,33 @@ def test_compact_solves_compose_with_vmap(products):
     gv = jax.vmap(lambda v: lbp.gauss_newton(loss, **settings)(params, x)[2].mv(v))(ts)
     dense = lbp.gauss_newton(loss, engine="unrolled")(params, x)[2]
     assert_close(gv, jax.vmap(dense.mv)(ts))
+
+
+def test_a_stretch_of_integer_states_carries_no_tangent():
+    """Layers of integer states (a step counter) forward each other in a stretch of their own:
+    no tangent there to carry; the float layers after them stay exact in both substitutions."""
+    count = lambda th, c: c + 1
+    scaled = lambda th, u, c: u + jnp.tanh(u @ th[0]) * c.astype(u.dtype) / 8
+    layers = [lbp.Layer(("c", i), count, (("c", i - 1),), ()) for i in range(1, 7)]
+    layers += [lbp.Layer(i, residual if i % 2 else scaled, (i - 1,) if i % 2 else (i - 1, ("c", 6)),
+                         (lbp.Row("W", i - 1), lbp.Row("b", i - 1)) if i % 2 else (lbp.Row("W", i - 1),))
+               for i in range(1, 21)]
+    net = lbp.Network(layers, [0, ("c", 0)], 20)
+    rng = np.random.default_rng(5)
+    params = f64({"W": 0.3 * rng.standard_normal((20, 4, 4)), "b": 0.1 * rng.standard_normal((20, 4))})
+    x, c0 = f64(rng.standard_normal((3, 4))), jnp.asarray(2, jnp.int32)
+    from linbackprop._plan import plan_for
+
+    plan = plan_for(net, net.select_params(params), (x, c0), "loop")
+    assert any(f is not None and not plan.state_groups[f.group].differentiable
+               for f in (plan.forwarding(a, b) for a, b, _ in plan.segments))
+    loss = lambda p, x, c: jnp.sum(jnp.sin(net(p, x, c)))
+    for products in ("in_loop", "after"):
+        settings = dict(param_products=products, engine="loop")
+        assert_close(jax.jit(lbp.grad_by_solve(loss, (0, 1), **settings))(params, x, c0),
+                     jax.grad(loss, (0, 1))(params, x, c0))
+        G = lbp.gauss_newton(loss, **settings)(params, x, c0)[2]
+        reference = jax.vjp(lambda p: net(p, x, c0), params)[1]
+        out, jvp = jax.linearize(lambda p: net(p, x, c0), params)
+        hv = jax.jvp(jax.grad(lambda o: jnp.sum(jnp.sin(o))), (out,), (jvp(params),))[1]
+        assert_close(G.mv(params), reference(hv)[0])
