@@ -89,8 +89,8 @@ System = _held_weakly_by_jax_caches(System)
 def _solve_fn(system: System, transposed: bool) -> Callable[[Primal, Any], Any]:
     plan, compact = system.plan, system.compact
     if system.rhs_full:  # forward: rhs read at every row, Z compact; transposed: Pᵀ then all of Λ
-        full = _solve_fn(dataclasses.replace(system, compact=False, rhs_full=False), transposed)
         if transposed:
+            full = _solve_fn(dataclasses.replace(system, compact=False, rhs_full=False), transposed)
             into, _ = _layouts(system, transposed)
             return lambda prim, b: full(prim, into(b))
         if system.joint:
@@ -116,8 +116,9 @@ def _state_part(system: System, fn: Callable[[list[Any]], list[Any]]) -> Callabl
 
 
 def _layouts(system: System, transposed: bool) -> tuple[Callable, Callable]:
-    """For a compact system, (b in the compact layout -> the full system's b, the full system's
-    solution -> the compact one): the solve is P ℒ⁻¹ E Eᵀ b (transposed: Eᵀ ℒ⁻* Pᵀ b)."""
+    """For a compact system, (its b -> the full system's b, the full system's solution -> its
+    solution): the solve is P ℒ⁻¹ E Eᵀ b (transposed: Eᵀ ℒ⁻* Pᵀ b), with ``rhs_full`` P ℒ⁻¹ b
+    (transposed: ℒ⁻* Pᵀ b)."""
     zplan = system.plan.compact
 
     def to_full(bufs: list[Any]) -> list[Any]:
