@@ -53,7 +53,7 @@ def skips_case():
     return net, params, (f64(rng.standard_normal((3, 4))),)
 
 
-def kinds_case(depth=30):
+def kinds_case(depth=20):
     """Three kinds in a repeating pattern (loop blocks of known kinds) with long skips."""
     layers, params = [], {}
     rng = np.random.default_rng(2)
@@ -176,10 +176,9 @@ def test_compact_solves_match_plain_jax(name, products):
     argnums = tuple(range(1 + len(inputs)))
     assert_close(jax.jit(lbp.grad_by_solve(loss, argnums, **settings))(params, *inputs),
                  jax.grad(loss, argnums)(params, *inputs))
-    assert_close(lbp.grad_by_solve(loss, 1, **settings)(params, *inputs), jax.grad(loss, 1)(params, *inputs))
-    hvp = lambda grad: jax.jvp(lambda p: grad(loss)(p, *inputs), (params,), (t,))[1]
-    assert_close(jax.jit(lambda: hvp(lambda f: lbp.grad_by_solve(f, **settings)))(), hvp(jax.grad), rtol=1e-7)
-    # every argument moving (a stacked input too: its rows have no pad)
+    if products == "in_loop":  # a tangent of an input alone: the same solve either way
+        assert_close(lbp.grad_by_solve(loss, 1, **settings)(params, *inputs), jax.grad(loss, 1)(params, *inputs))
+    # HVPs, every argument moving (a stacked input too: its rows have no pad)
     moved = (t, *(jnp.cos(x) for x in inputs))
     hvp_all = lambda grad: jax.jvp(grad(loss, argnums), (params, *inputs), moved)[1]
     assert_close(hvp_all(lambda f, a: lbp.grad_by_solve(f, a, **settings)), hvp_all(jax.grad), rtol=1e-7)
