@@ -264,25 +264,29 @@ class LayerMaps:
         self.reads: tuple[Group, ...] = tuple(plan.state_groups[g] for g in kind.read_groups)
         self.params: tuple[Group, ...] = tuple(plan.param_groups[g] for g in kind.param_groups)
         self.diff_reads = tuple(g.differentiable for g in self.reads)
-        self._last: tuple[Any, tuple] | None = None
 
     def _cotangents(self, lam: Any) -> tuple:
-        # The back substitution asks for the state and the parameter cotangents of one Λ_i:
-        # one VJP for both (twice the tracing, and twice the program until XLA's CSE, otherwise).
-        if self._last is not None and self._last[0] is lam:
-            return self._last[1]
-        cts = self.vjp(self.out.full_tangent(lam))
-        self._last = (lam, cts)
-        return cts
+        return self.vjp(self.out.full_tangent(lam))
+
+    def _of_reads(self, cts: tuple) -> tuple:
+        return tuple(g.tangent(ct) if d else None for ct, g, d in zip(cts[1:], self.reads, self.diff_reads))
+
+    def _of_params(self, cts: tuple) -> tuple:
+        return tuple(g.tangent(ct) for ct, g in zip(cts[0], self.params))
 
     def state_adjoint(self, lam: Any) -> tuple:
         """(∂Φ_i/∂U_j)* Λ_i for each read j (None for reads without tangents)."""
-        cts = self._cotangents(lam)[1:]
-        return tuple(g.tangent(ct) if d else None for ct, g, d in zip(cts, self.reads, self.diff_reads))
+        return self._of_reads(self._cotangents(lam))
 
     def param_adjoint(self, lam: Any) -> tuple:
         """(∂Φ_i/∂θ_{S_i})* Λ_i, one cotangent per parameter slot of the layer."""
-        return tuple(g.tangent(ct) for ct, g in zip(self._cotangents(lam)[0], self.params))
+        return self._of_params(self._cotangents(lam))
+
+    def adjoints(self, lam: Any) -> tuple[tuple, tuple]:
+        """Both, from one VJP call (two would trace the VJP twice and double the program until
+        XLA's CSE: the back substitution with ℳΛ in the loop)."""
+        cts = self._cotangents(lam)
+        return self._of_reads(cts), self._of_params(cts)
 
     def state_forward(self, z_reads: tuple, h: tuple | None = None) -> Any:
         """Σ_j ∂Φ_i/∂U_j Z_j, the transpose of :meth:`state_adjoint`; with ``h`` (one tangent per
@@ -516,8 +520,7 @@ def forward(plan: Plan, params: list[Any], states: list[Any], residuals: bool = 
         return states, res, tans, _carry_start(plan, start, stop, states, tans if tangents is not None else None)
 
     res0 = [RowList([_zeros_like_aval(a)] * (n + 1)) if plan.unrolled or as_rows else _zeros_like_aval(a, (n + 1,))
-            for a, n, as_rows in zip(plan.res_avals, plan.res_rows, plan.res_as_rows or [False] * len(plan.res_rows))
-            ] if residuals else []
+            for a, n, as_rows in zip(plan.res_avals, plan.res_rows, plan.res_as_rows)] if residuals else []
     tans0 = list(tangents[1]) if tangents is not None else [None] * len(plan.state_groups)
     states, res, tans, _ = _loop(plan, body, (list(states), res0, tans0, None), enter=enter)
     prim = Primal(params, states, res if residuals else None)
@@ -541,7 +544,7 @@ def forward_substitution(plan: Plan, prim: Primal, rhs: list[Any], h: list[Any] 
     writes = zplan.writes("forward_sub")
     everywhere = rhs if compact and rhs_full else None
     if everywhere is not None:  # the buffer starts from rhs at its rows (the inputs' among them)
-        rhs = [None if b is None else jax.tree.map(lambda x, m=m: x[m], b) for b, m in zip(rhs, zplan.to_full)]
+        rhs = take_rows(rhs, zplan.to_full)
 
     def forwarded(segment: tuple[int, int] | None) -> Any:
         fwd = zplan.forwarding(*segment) if compact and segment else None
@@ -603,10 +606,7 @@ def forward_substitution(plan: Plan, prim: Primal, rhs: list[Any], h: list[Any] 
     # Without ``compact`` carrying Z_i to the next step was measured to save nothing: the step
     # still reads rhs_i from the buffer.
     z, _ = _loop(plan, body, (list(rhs), None), enter=enter, leave=leave)
-    if not compact:
-        return z
-    return [b if b is None or not group.pad else _set_row(b, group.pad_row, group.row_zeros(True))
-            for b, group in zip(z, zplan.state_groups)]
+    return without_pad(zplan, z) if compact else z
 
 
 def back_substitution(plan: Plan, prim: Primal, rhs: list[Any], grads: list[Any] | None = None,
@@ -651,13 +651,13 @@ def back_substitution(plan: Plan, prim: Primal, rhs: list[Any], grads: list[Any]
                 if fwd is not None:  # plus the cotangent of the next step's carried read
                     lam_i = jax.tree.map(jnp.add, lam_i, ct_next)
             maps = layer_maps(plan, kind, prim, k, pos)
-            cts = maps.state_adjoint(lam_i)
+            cts, pcts = maps.adjoints(lam_i) if in_loop else (maps.state_adjoint(lam_i), ())
             carried = fwd.read.get(k) if fwd is not None else None
             passed = None if carried is None else cts[carried]
             # the carried read keeps its slot, written nothing (None: zeros where kinds switch)
             values = [None if r == carried else ct for r, (ct, g) in enumerate(zip(cts, kind.read_groups))
                       if ct is not None and g not in absent]
-            values += list(maps.param_adjoint(lam_i)) if in_loop else []
+            values += list(pcts)
             return values if fwd is None else (values, passed)
 
         zeros = None if fwd is None else zplan.state_groups[fwd.group].row_zeros(True)
@@ -688,14 +688,25 @@ def back_substitution(plan: Plan, prim: Primal, rhs: list[Any], grads: list[Any]
         return lam, acc, None
 
     if compact:  # the pad row of rhs is no row of Λ (it must stay zero: unwritten states read it)
-        rhs = [b if b is None or not group.pad else _set_row(b, group.pad_row, group.row_zeros(True))
-               for b, group in zip(rhs, zplan.state_groups)]
+        rhs = without_pad(zplan, rhs)
     # ℳΛ goes into fresh zeros, added to ``grads`` after the loop: rows can then be set rather
     # than accumulated, and XLA drops the addition where ``grads`` is zeros (a gradient).
     acc = [g.zeros(plan.unrolled, tangent=True) for g in plan.param_groups] if in_loop else []
     lam, acc, _ = _loop(plan, body, (list(rhs), acc, None), reverse=True, enter=enter, leave=leave)
     lam = at_inputs(zplan, lam) if compact else lam
     return (lam, [jax.tree.map(jnp.add, g, a) for g, a in zip(grads, acc)]) if in_loop else lam
+
+
+def take_rows(bufs: list[Any], tables: tuple[np.ndarray, ...]) -> list[Any]:
+    """Each group's buffer at the rows its table lists (between a plan's layout and its compact
+    one: ``Plan.to_compact``, ``Plan.to_full``)."""
+    return [None if b is None else jax.tree.map(lambda x, m=m: x[m], b) for b, m in zip(bufs, tables)]
+
+
+def without_pad(plan: Plan, bufs: list[Any]) -> list[Any]:
+    """The buffers with their pad rows zero."""
+    return [b if b is None or not group.pad else _set_row(b, group.pad_row, group.row_zeros(True))
+            for b, group in zip(bufs, plan.state_groups)]
 
 
 def at_inputs(plan: Plan, bufs: list[Any]) -> list[Any]:

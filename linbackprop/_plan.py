@@ -326,7 +326,7 @@ class Plan:
     step_kind: np.ndarray  # [N]
     res_avals: tuple[Aval, ...]  # the stored residuals, one buffer per shape and dtype ...
     res_rows: tuple[int, ...]  # ... with this many rows (and a pad row)
-    res_as_rows: tuple[bool, ...] = ()  # per residual buffer: a list of rows (see _ResidualBuffers)
+    res_as_rows: tuple[bool, ...]  # per residual buffer: kept as a list of rows (see _ResidualBuffers)
     unrolled: bool = False  # the substitutions as straight-line code (shallow networks, see loop_pays)
     full: Plan | None = None  # for a compact plan (see ``compact``): the plan it was made from
     to_compact: tuple[np.ndarray, ...] | None = None  # ... and per state group, its row of each full row
@@ -863,12 +863,13 @@ class _ResidualBuffers:
         groups, offsets = [], []
         for a in own:
             a = Aval(a.shape, a.dtype, sharding=explicit_sharding(a))
-            shared = [r for r, (b, rows) in enumerate(zip(self.avals, self.as_rows)) if b == a and rows == as_rows]
-            if as_rows or not shared:
+            r = None if as_rows else next((r for r, (b, own) in enumerate(zip(self.avals, self.as_rows))
+                                           if b == a and not own), None)
+            if r is None:  # a new buffer
+                r = len(self.avals)
                 self.avals.append(a)
                 self.rows.append(0)
                 self.as_rows.append(as_rows)
-            r = len(self.avals) - 1 if as_rows or not shared else shared[0]
             groups.append(r)
             offsets.append(self.rows[r])
             self.rows[r] += members

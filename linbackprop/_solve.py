@@ -39,6 +39,8 @@ from ._engine import (
     param_adjoint,
     param_forward,
     state_product,
+    take_rows,
+    without_pad,
 )
 from ._plan import Plan
 from ._stacking import mesh_of, zeros_of
@@ -93,8 +95,6 @@ def _solve_fn(system: System, transposed: bool) -> Callable[[Primal, Any], Any]:
             full = _solve_fn(dataclasses.replace(system, compact=False, rhs_full=False), transposed)
             into, _ = _layouts(system, transposed)
             return lambda prim, b: full(prim, into(b))
-        if system.joint:
-            return lambda prim, b: (b[0], forward_substitution(plan, prim, b[1], h=b[0], compact=True, rhs_full=True))
         return lambda prim, b: forward_substitution(plan, prim, b, compact=True, rhs_full=True)
     if not system.joint:
         if transposed:
@@ -120,22 +120,14 @@ def _layouts(system: System, transposed: bool) -> tuple[Callable, Callable]:
     solution): the solve is P ℒ⁻¹ E Eᵀ b (transposed: Eᵀ ℒ⁻* Pᵀ b), with ``rhs_full`` P ℒ⁻¹ b
     (transposed: ℒ⁻* Pᵀ b)."""
     zplan = system.plan.compact
-
-    def to_full(bufs: list[Any]) -> list[Any]:
-        return [None if b is None else jax.tree.map(lambda x, m=m: x[m], b) for b, m in zip(bufs, zplan.to_compact)]
-
-    def to_compact(bufs: list[Any]) -> list[Any]:
-        return [None if b is None else jax.tree.map(lambda x, m=m: x[m], b) for b, m in zip(bufs, zplan.to_full)]
-
-    def without_pad(bufs: list[Any]) -> list[Any]:
-        return [b if b is None or not group.pad else jax.tree.map(lambda x, r=group.pad_row: x.at[r].set(0), b)
-                for b, group in zip(bufs, zplan.state_groups)]
+    to_full = functools.partial(take_rows, tables=zplan.to_compact)  # a compact row per full row
+    to_compact = functools.partial(take_rows, tables=zplan.to_full)
 
     if transposed:  # Pᵀ b (the pad row is no row of the solution); Eᵀ at the input rows
-        return (_state_part(system, lambda b: to_full(without_pad(b))),
+        return (_state_part(system, lambda b: to_full(without_pad(zplan, b))),
                 _state_part(system, lambda x: x if system.rhs_full else at_inputs(zplan, to_compact(x))))
     return (_state_part(system, lambda b: b if system.rhs_full else to_full(at_inputs(zplan, b))),
-            _state_part(system, lambda x: without_pad(to_compact(x))))
+            _state_part(system, lambda x: without_pad(zplan, to_compact(x))))
 
 
 def _matvec_fn(system: System, transposed: bool) -> Callable[[Primal, Any], Any]:
@@ -275,6 +267,7 @@ def solve(plan: Plan, prim: Primal, b: Any, joint: bool = False, compact: bool =
     prim_leaves, prim_tree = jax.tree.flatten(prim)
     b_leaves, b_tree = jax.tree.flatten(b)
     compact = compact and not plan.unrolled
+    assert not (joint and rhs_full), "the joint solve forms ℳ* h in the loop: its rhs is at the input rows"
     system = System(plan, joint, prim_tree, b_tree, compact, rhs_full and compact)
     out = solve_p.bind(*prim_leaves, *b_leaves, system=system, transposed=False, axes=())
     return jax.tree.unflatten(b_tree, out)

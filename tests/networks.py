@@ -1,7 +1,8 @@
 """A registry of test networks, each small enough for dense checks.
 
 Every entry returns a :class:`Case`: the network, float64 parameters and inputs, and a scalar
-loss that calls the network (and, for some, uses parameters directly).
+loss that calls the network (and, for some, uses parameters directly). Also the layer functions
+of the structure tests' deep networks and a walk over a jaxpr's equations.
 """
 
 from __future__ import annotations
@@ -15,6 +16,32 @@ import jax.numpy as jnp
 import numpy as np
 
 import linbackprop as lbp
+
+
+def residual(th, u):
+    return u + jnp.tanh(u @ th[0] + th[1])
+
+
+def gated(th, u):
+    return u * jax.nn.sigmoid(u @ th[0])
+
+
+def skip(th, u, s):
+    return u + jnp.tanh(s @ th[0])
+
+
+def equations(closed):
+    """The equations of a closed jaxpr and of every jaxpr nested in it (loop bodies, branches)."""
+    def walk(jx):
+        for eqn in jx.eqns:
+            yield eqn
+            for value in eqn.params.values():
+                for sub in value if isinstance(value, (list, tuple)) else (value,):
+                    sub = getattr(sub, "jaxpr", sub)  # ClosedJaxpr -> Jaxpr
+                    if hasattr(sub, "eqns"):
+                        yield from walk(sub)
+
+    return walk(closed.jaxpr)
 
 
 @dataclasses.dataclass

@@ -9,20 +9,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from networks import equations, gated, residual, skip
 
 import linbackprop as lbp
-
-
-def residual(th, u):
-    return u + jnp.tanh(u @ th[0] + th[1])
-
-
-def gated(th, u):
-    return u * jax.nn.sigmoid(u @ th[0])
-
-
-def skip(th, u, s):
-    return u + jnp.tanh(s @ th[0])
 
 
 def rnn_cell(th, h, x):
@@ -101,20 +90,7 @@ def assert_close(actual, expected, rtol=1e-8):
 
 def solves(jaxpr):
     """The linbackprop solves of a closed jaxpr and of every jaxpr nested in it."""
-    found = []
-
-    def walk(jx):
-        for eqn in jx.eqns:
-            if eqn.primitive.name == "linbackprop_solve":
-                found.append(eqn)
-            for value in eqn.params.values():
-                for sub in value if isinstance(value, (list, tuple)) else (value,):
-                    sub = getattr(sub, "jaxpr", sub)
-                    if hasattr(sub, "eqns"):
-                        walk(sub)
-
-    walk(jaxpr.jaxpr)
-    return found
+    return [eqn for eqn in equations(jaxpr) if eqn.primitive.name == "linbackprop_solve"]
 
 
 def test_a_chain_keeps_two_rows_in_both_substitutions():

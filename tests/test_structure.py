@@ -7,20 +7,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from networks import equations, gated, residual, skip
 
 import linbackprop as lbp
-
-
-def residual(th, u):
-    return u + jnp.tanh(u @ th[0] + th[1])
-
-
-def gated(th, u):
-    return u * jax.nn.sigmoid(u @ th[0])
-
-
-def skip(th, u, s):
-    return u + jnp.tanh(s @ th[0])
 
 
 def network(depth, kinds):
@@ -47,19 +36,7 @@ def primitive_counts(depth, kinds):
 
 def counted(jaxpr):
     """Primitives of a closed jaxpr and of every jaxpr nested in it."""
-    counts = collections.Counter()
-
-    def walk(jx):
-        for eqn in jx.eqns:
-            counts[eqn.primitive.name] += 1
-            for value in eqn.params.values():
-                for sub in value if isinstance(value, (list, tuple)) else (value,):
-                    sub = getattr(sub, "jaxpr", sub)  # ClosedJaxpr -> Jaxpr
-                    if hasattr(sub, "eqns"):
-                        walk(sub)
-
-    walk(jaxpr.jaxpr)
-    return counts
+    return collections.Counter(eqn.primitive.name for eqn in equations(jaxpr))
 
 
 @pytest.mark.parametrize("kinds", [1, 3])

@@ -1,0 +1,123 @@
+"""Where the time goes, for the readings of docs/performance.md and docs/guides/curvature.md.
+
+    python benchmarks/profile.py compile [--builds 6]      # 12-block GPT: trace / lower / XLA
+    python benchmarks/profile.py gn-halves [--shape 128 128 64]
+    python benchmarks/profile.py gn-temporaries            # one G·v, 64-layer chain
+
+``compile``: ``jit(grad_by_solve)`` of the GPT of ``examples/transformer_lm.py`` against
+``jit(jax.grad)`` over ``lax.scan``, each phase of freshly built networks timed separately
+(interleaved builds, the first of each dropped, medians). ``gn-halves``: one Gauss–Newton product
+split into its JVP half (forward substitution) and VJP half (back substitution and ℳ), each
+against the same half of ``jax.linearize`` + ``jax.linear_transpose`` held once, 10 products per
+call with the shared forward pass and gradient subtracted. ``gn-temporaries``: the temporaries
+(``memory_analysis()``) of one Gauss–Newton product with the linearisation as its argument, on a
+64-layer chain of width 8 and batch 256, against one [depth, batch, width] buffer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from run import _fresh, chain, compiled, interleaved, residual, transformer
+
+import linbackprop as lbp
+
+
+def compile_phases(builds: int) -> None:
+    phases = {"ours": [], "lax.scan": []}
+    for _ in range(builds + 1):
+        for name in phases:
+            loss, args, ref, ref_args = transformer(12, 128, 64, 16)
+            f, a = (lbp.grad_by_solve(loss), args) if name == "ours" else (jax.grad(ref), ref_args)
+            t0 = time.perf_counter()
+            traced = jax.jit(f).trace(*a)
+            t1 = time.perf_counter()
+            lowered = traced.lower()
+            t2 = time.perf_counter()
+            lowered.compile()
+            phases[name].append((t1 - t0, t2 - t1, time.perf_counter() - t2))
+    medians = {name: np.median(np.array(times[1:]), axis=0) for name, times in phases.items()}
+    for name, (trace, lower, xla) in medians.items():
+        print(f"{name:9s} trace {trace:.3f} s  lower {lower:.3f} s  XLA {xla:.3f} s  total {trace + lower + xla:.3f} s")
+    print(f"compile ratio {medians['ours'].sum() / medians['lax.scan'].sum():.2f}")
+
+
+def gauss_newton_halves(shape: tuple[int, int, int], products: int = 10) -> None:
+    _, (params, x), _, _ = chain(*shape)
+    y = jnp.zeros_like(x)
+    layer = _fresh(residual)
+
+    def model(p, x):
+        return jax.lax.scan(lambda u, wb: (layer(wb, u), None), x, (p["W"], p["b"]))[0]
+
+    net = lbp.Network([lbp.Layer(i, layer, (i - 1,), (lbp.Row("W", i - 1), lbp.Row("b", i - 1)))
+                       for i in range(1, shape[0] + 1)], [0], shape[0])
+    loss = lambda p, x: 0.5 * jnp.sum((net(p, x) - y) ** 2)
+
+    def ours(half):
+        def f(p, x):
+            _, grad, G = lbp.gauss_newton(loss)(p, x)
+            if half == "jvp":
+                step = lambda i, acc: acc + G._jvp(jax.tree.map(lambda a: a * (1 + i), grad))[0]
+                return jax.lax.fori_loop(0, products, step, jnp.zeros_like(x))
+            if half == "vjp":
+                step = lambda i, acc: jax.tree.map(jnp.add, acc, G._vjp((x * i,))[0])
+                return jax.lax.fori_loop(0, products, step, grad)
+            return grad
+        return f
+
+    def held(half):
+        def f(p, x):
+            out, jvp = jax.linearize(lambda q: model(q, x), p)
+            vjp = jax.linear_transpose(jvp, p)
+            grad = vjp(out - y)[0]
+            if half == "jvp":
+                step = lambda i, acc: acc + jvp(jax.tree.map(lambda a: a * (1 + i), grad))
+                return jax.lax.fori_loop(0, products, step, jnp.zeros_like(x))
+            if half == "vjp":
+                step = lambda i, acc: jax.tree.map(jnp.add, acc, vjp(x * i)[0])
+                return jax.lax.fori_loop(0, products, step, grad)
+            return grad
+        return f
+
+    args = (params, x)
+    halves = ("jvp", "vjp", "none")
+    fns = [compiled(make(half), args)[0] for half in halves for make in (ours, held)]
+    t = dict(zip([(half, side) for half in halves for side in ("ours", "held")],
+                 interleaved([(f, args) for f in fns], 10)))
+    for half in ("jvp", "vjp"):
+        each = {side: (t[(half, side)] - t[("none", side)]) / products for side in ("ours", "held")}
+        print(f"{half} half: ours {each['ours'] * 1e3:.2f} ms, held {each['held'] * 1e3:.2f} ms, "
+              f"ratio {each['ours'] / each['held']:.2f}")
+
+
+def gauss_newton_temporaries(depth: int = 64, batch: int = 256, width: int = 8) -> None:
+    rng = np.random.default_rng(4)
+    net = lbp.Network([lbp.Layer(i, residual, (i - 1,), (lbp.Row("W", i - 1), lbp.Row("b", i - 1)))
+                       for i in range(1, depth + 1)], [0], depth)
+    params = {"W": jnp.asarray(0.2 * rng.standard_normal((depth, width, width)), jnp.float32),
+              "b": jnp.zeros((depth, width), jnp.float32)}
+    x = jnp.asarray(rng.standard_normal((batch, width)), jnp.float32)
+    loss = lambda p, x: 0.5 * jnp.sum(net(p, x) ** 2)
+    G = jax.jit(lbp.gauss_newton(loss, param_products="in_loop", engine="loop"))(params, x)[2]
+    temps = jax.jit(lambda G, v: G.mv(v)).lower(G, params).compile().memory_analysis().temp_size_in_bytes
+    buffer = depth * batch * width * 4
+    print(f"G·v temporaries {temps / 1e3:.0f} KB; one [depth, batch, width] buffer {buffer / 1e3:.0f} KB")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("what", choices=["compile", "gn-halves", "gn-temporaries"])
+    parser.add_argument("--builds", type=int, default=6)
+    parser.add_argument("--shape", type=int, nargs=3, default=(128, 128, 64))
+    options = parser.parse_args()
+    if options.what == "compile":
+        compile_phases(options.builds)
+    elif options.what == "gn-halves":
+        gauss_newton_halves(tuple(options.shape))
+    else:
+        gauss_newton_temporaries()
