@@ -704,8 +704,9 @@ def take_rows(bufs: list[Any], tables: tuple[np.ndarray, ...]) -> list[Any]:
 
 
 def without_pad(plan: Plan, bufs: list[Any]) -> list[Any]:
-    """The buffers with their pad rows zero."""
-    return [b if b is None or not group.pad else _set_row(b, group.pad_row, group.row_zeros(True))
+    """The buffers with their pad rows zero (a scalar set: it keeps an explicitly sharded buffer's
+    sharding, where a row of zeros made here would carry none)."""
+    return [b if b is None or not group.pad else jax.tree.map(lambda x, r=group.pad_row: x.at[r].set(0), b)
             for b, group in zip(bufs, plan.state_groups)]
 
 
