@@ -103,10 +103,19 @@ def read_rows(buf: Any, idx: Any) -> Any:
     return jax.tree.map(lambda b: b[idx], buf)
 
 
+def _unstacked(tree: Any, n: int) -> list[Any]:
+    """The n rows of a stacked pytree, by one split per leaf: its transpose is one concatenation,
+    where n row slices transpose to n padded copies of the whole (XLA kept them all live: a
+    checkpointed RNN's segments held O(rows²) temporaries)."""
+    leaves, treedef = jax.tree.flatten(tree)
+    split = [[r.reshape(x.shape[1:]) for r in lax.split(x, (1,) * n)] for x in leaves]
+    return [treedef.unflatten([rows[m] for rows in split]) for m in range(n)]
+
+
 def _scatter_add(buf: Any, idx: Any, value: Any) -> Any:
     if isinstance(buf, RowList):
-        for n, i in enumerate(idx):
-            buf = _add_row(buf, i, jax.tree.map(lambda v, n=n: v[n], value))
+        for i, row in zip(idx, _unstacked(value, len(idx))):
+            buf = _add_row(buf, i, row)
         return buf
     start = _contiguous(idx)
     if start is not None:
