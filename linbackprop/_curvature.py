@@ -168,10 +168,12 @@ def gauss_newton(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool 
     information matrix. Terms of ``fun`` that use the arguments directly (a weight decay
     λ‖θ‖²) are in ``value`` and ``grad`` but not in G: H is the Hessian w.r.t. the outputs with
     the arguments held fixed; add their curvature yourself (2λ I for that weight decay).
-    ``G.T`` is ``G``; ``G.todense()`` for tiny networks. ``remat``, ``checkpoints``, ``schedule`` and ``engine``
-    as in :func:`grad_by_solve`, with the same rule for ``param_products="auto"``: ℳ* h and ℳΛ
-    batched after the loops where steps are latency-bound, formed in the loops (from the same
-    linearisation of each layer as the substitutions) where they are compute-bound or with remat.
+    ``G.T`` is ``G``; ``G.todense()`` for tiny networks. ``remat``, ``checkpoints``, ``schedule``
+    and ``engine`` as in :func:`grad_by_solve` (checkpoints only where they save memory with the
+    products counted: each product keeps a parameter-sized cotangent of the segments' scan), with
+    the same rule for ``param_products="auto"``: ℳ* h and ℳΛ batched after the loops where steps
+    are latency-bound, formed in the loops (from the same linearisation of each layer as the
+    substitutions) where they are compute-bound or with remat.
 
     Examples:
         >>> import jax.numpy as jnp, linbackprop as lbp
@@ -187,7 +189,7 @@ def gauss_newton(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool 
 
     def run(*args: Any) -> tuple[Any, Any, GaussNewton]:
         split = _Split(fun, args, nums, has_aux)
-        outs, jvp = jax.linearize(solve_mode(split.model, **settings), *split.diff)
+        outs, jvp = jax.linearize(solve_mode(split.model, **settings, products=True), *split.diff)
         loss_args = tuple(range(1 + len(nums)))
         (value, aux), grads = jax.value_and_grad(split.loss, loss_args, has_aux=True)(outs, *split.diff)
         vjp = jax.linear_transpose(jvp, *split.diff)

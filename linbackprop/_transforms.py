@@ -106,6 +106,8 @@ _SCHEDULE = _mode("linbackprop_checkpoint_schedule", "linbackprop: how checkpoin
                   SCHEDULES)
 PARAM_PRODUCTS = ("auto", "after", "in_loop")
 _PARAM_PRODUCTS = _mode("linbackprop_param_products", "linbackprop: where ℳΛ is formed.", PARAM_PRODUCTS)
+_PRODUCTS = _mode("linbackprop_operator_products",
+                  "linbackprop: the calls are linearised once for products with their Jacobians (gauss_newton).")
 
 
 def solving() -> bool:
@@ -285,6 +287,10 @@ def checkpoint_memory_ratio(net: Network, theta: dict, inputs: tuple, levels: tu
     checkpoint (two halves), checkpointing keeps no less; the call then runs without it."""
     plan = plan_for(net, theta, inputs, _ENGINE.value)
     state = _state_bytes(plan)
+    # Products with the Jacobians of a checkpointed call (gauss_newton) transpose the scan over
+    # its segments once per product, each into a parameter-sized cotangent stack of zeros that XLA
+    # allocates before the first (measured: one more copy of the parameters per product).
+    products = 2 * _nbytes(theta) if _PRODUCTS.value else 0
     residuals = 0 if _REMAT.value else sum(_nbytes(a) * (n + 1) for a, n in zip(plan.res_avals, plan.res_rows))
     layers = [layer.name for layer in net.layers]
     plain = 2 * sum(state[name] for name in layers) + residuals
@@ -299,7 +305,7 @@ def checkpoint_memory_ratio(net: Network, theta: dict, inputs: tuple, levels: tu
     for (kind, name), rows in rows_cut(net, levels[0]).items():
         source = theta[name] if kind == "block" else given[name]
         cut += 2 * _nbytes(source) * rows // max(jax.tree.leaves(source)[0].shape[0], 1)
-    return (2 * kept + below + 2 * leaf * plain / len(layers) + cut) / plain
+    return (2 * kept + below + 2 * leaf * plain / len(layers) + cut + products) / plain
 
 
 def outputs_of(plan: Plan, bufs: list[Any]) -> tuple[Any, ...]:
@@ -629,14 +635,16 @@ def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
 
 
 def solve_mode(fun: Callable, *, remat: bool = False, checkpoints: int | None = None, schedule: str = "even",
-               param_products: str = "auto", engine: str = "auto") -> Callable:
+               param_products: str = "auto", engine: str = "auto", products: bool = False) -> Callable:
     """``fun`` run with Network calls differentiated by the solve (any JAX transform of it, e.g.
-    ``jax.linearize``, then uses the solve's rules), with these settings (see grad_by_solve)."""
-    return _in_solve_mode(fun, fun, remat, param_products, engine, checkpoints, schedule)
+    ``jax.linearize``, then uses the solve's rules), with these settings (see grad_by_solve);
+    ``products``: linearised once for many products (the memory rule for checkpoints)."""
+    return _in_solve_mode(fun, fun, remat, param_products, engine, checkpoints, schedule, products)
 
 
 def _in_solve_mode(transformed: Callable, fun: Callable, remat: bool, param_products: str,
-                   engine: str, checkpoints: int | None = None, schedule: str = "even") -> Callable:
+                   engine: str, checkpoints: int | None = None, schedule: str = "even",
+                   products: bool = False) -> Callable:
     _check_choice("param_products", param_products, PARAM_PRODUCTS)
     _check_choice("engine", engine, ENGINES)
     _check_choice("schedule", schedule, SCHEDULES)
@@ -650,7 +658,7 @@ def _in_solve_mode(transformed: Callable, fun: Callable, remat: bool, param_prod
     @functools.wraps(fun)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         with (_SOLVE_MODE(True), _FORWARD_ONLY(False), _REMAT(bool(remat)), _PARAM_PRODUCTS(param_products),
-              _ENGINE(engine), _CHECKPOINTS(checkpoints or 0), _SCHEDULE(schedule)):
+              _ENGINE(engine), _CHECKPOINTS(checkpoints or 0), _SCHEDULE(schedule), _PRODUCTS(products)):
             return transformed(*args, **kwargs)
 
     return wrapped
