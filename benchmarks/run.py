@@ -1,14 +1,17 @@
 """Benchmarks: grad_by_solve against jax.grad, side by side in one process.
 
-    python benchmarks/run.py [--repeats 15] [--write-docs] [--quick] [--rows {all,gradients,curvature}]
+    python benchmarks/run.py [--repeats 15] [--write-docs] [--quick] [--rows {all,gradients,curvature,headline}]
 
 Every timing row runs jit(grad_by_solve) and its reference jit(jax.grad) interleaved (medians of
 ``--repeats`` runs each) and prints the ratio: absolute times are not comparable across runs on a
 noisy machine. Compile times are lower + compile of a freshly built network (the compile-and-scaling
 rows: medians of three builds). Peak memory is temp + argument + output bytes
 from ``compiled.memory_analysis()``. With ``--write-docs`` the tables replace those between the
-markers in docs/performance.md (gradients) and docs/guides/curvature.md (curvature), and the
-headline rows those in README.md.
+markers in docs/performance.md (gradients, and where ℳ after the loop pays) and
+docs/guides/curvature.md (curvature), and the headline rows those in README.md. ``--rows headline``
+is the short list for an accelerator (README's rows and the ℳ-after-the-loop sweep, a few
+minutes); on an accelerator ``--write-docs`` writes README's accelerator rows only, naming the
+device, and leaves the CPU tables as they are.
 """
 
 from __future__ import annotations
@@ -302,6 +305,103 @@ def compile_rows(quick: bool) -> list[tuple[str, str, str]]:
     return out
 
 
+# -- gradient rows ------------------------------------------------------------------------------------
+
+
+def gradient_rows(repeats: int, names: tuple[str, ...] | None = None) -> list[dict]:
+    """The gradient table's rows (or those whose name starts with one of ``names``); each network
+    is built only when its row runs."""
+    scan = "jit(jax.grad), lax.scan over stacked weights"
+    eqx = "jit(jax.grad), equinox's checkpointed scan (45 checkpoints)"
+    grad = lbp.grad_by_solve
+    specs = [  # name, reference, network, options (grad: the transform; jvp: a forward-mode row)
+        ("deep chain 128×128×64 (depth×width×batch), `Row` blocks (compute-bound: ℳΛ in the loop)", scan,
+         lambda: chain(128, 128, 64), {}),
+        ("same, one block per layer (dict of 256 arrays)", scan, lambda: chain(128, 128, 64, rows=False), {}),
+        ("same, ℳ batched after the loop (`param_products=\"after\"`)", scan, lambda: chain(128, 128, 64),
+         {"grad": lambda f: grad(f, param_products="after")}),
+        ("same, `remat=True` (ℳΛ in the loop)", scan, lambda: chain(128, 128, 64),
+         {"grad": lambda f: grad(f, remat=True)}),
+        ("same, `remat=True`, ℳ batched after the loop", scan, lambda: chain(128, 128, 64),
+         {"grad": lambda f: grad(f, remat=True, param_products="after")}),
+        ("same, forward mode: `jvp_by_solve` (the substitution inside the forward loop; last column: jvp / "
+         "forward)", None, lambda: chain(128, 128, 64), {"jvp": True}),
+        ("deep narrow chain 512×32×8, `Row` blocks (latency-bound: ℳ after the loop)", scan,
+         lambda: chain(512, 32, 8), {}),
+        ("same, ℳΛ inside the loop", scan, lambda: chain(512, 32, 8),
+         {"grad": lambda f: grad(f, param_products="in_loop")}),
+        ("deep narrow DAG: 510 layers of three kinds, skips 12 layers back, width 32, batch 8",
+         "jit(jax.grad), lax.scan over blocks carrying a window of states", lambda: kinds_dag(170, 32, 8), {}),
+        ("shallow heterogeneous DAG: 12 layers, widths 128/256/512, skips, shared blocks, batch 256",
+         "jit(jax.grad) of the same network", shallow_dag, {}),
+        ("RNN, 2048 steps, width 64, batch 16: one stacked input (`Row(\"xs\", t)`), last state as output",
+         "jit(jax.grad), lax.scan", lambda: rnn(2048, 64, 16), {}),
+        ("same, every state as output (`Stack`)", "jit(jax.grad), lax.scan (ys)", lambda: rnn(2048, 64, 16, True),
+         {}),
+        ("same, last state, `checkpoints=45`", "jit(jax.grad), lax.scan", lambda: rnn(2048, 64, 16),
+         {"grad": lambda f: grad(f, checkpoints=45)}),
+        ("same, `checkpoints=45`", "jit(jax.grad), lax.scan of a `jax.checkpoint`-ed step",
+         lambda: rnn(2048, 64, 16, checkpointed_reference=True), {"grad": lambda f: grad(f, checkpoints=45)}),
+        ("same, `checkpoints=45`", "jit(jax.grad), equinox's checkpointed scan "
+         "(`eqx.internal.scan(kind=\"checkpointed\", checkpoints=45)`, binomial schedule)",
+         lambda: rnn(2048, 64, 16, equinox_checkpoints=45), {"grad": lambda f: grad(f, checkpoints=45)}),
+        ("same, `checkpoints=45, schedule=\"nested\"` (levels chosen from the shapes: three of 7)", eqx,
+         lambda: rnn(2048, 64, 16, equinox_checkpoints=45),
+         {"grad": lambda f: grad(f, checkpoints=45, schedule="nested")}),
+        ("RNN, 16384 steps, width 64, batch 16, `checkpoints=45` (evenly spaced)", eqx,
+         lambda: rnn(16384, 64, 16, equinox_checkpoints=45),
+         {"grad": lambda f: grad(f, checkpoints=45), "repeats": max(3, repeats // 3)}),
+        ("same, `checkpoints=45, schedule=\"nested\"` (four levels of 7)", eqx,
+         lambda: rnn(16384, 64, 16, equinox_checkpoints=45),
+         {"grad": lambda f: grad(f, checkpoints=45, schedule="nested"), "repeats": max(3, repeats // 3)}),
+        ("deep chain 128×128×64, `Row` blocks, `checkpoints=12`", scan, lambda: chain(128, 128, 64),
+         {"grad": lambda f: grad(f, checkpoints=12)}),
+        ("character-level GPT (examples/transformer_lm.py): 12 blocks = 26 layers of four kinds, width 128, "
+         "context 64, batch 16, tied embeddings", "jit(jax.grad), lax.scan over stacked blocks",
+         lambda: transformer(12, 128, 64, 16), {}),
+        ("same, `remat=True`", "jit(jax.grad), lax.scan over stacked blocks", lambda: transformer(12, 128, 64, 16),
+         {"grad": lambda f: grad(f, remat=True)}),
+    ]
+    rows = []
+    for name, reference, build, options in specs:
+        if names is not None and not name.startswith(names):
+            continue
+        if options.get("jvp"):
+            rows.append(jvp_row(name, build(), repeats))
+        else:
+            rows.append(timing_row(name, reference, build(), options.get("repeats", repeats),
+                                   options.get("grad", lbp.grad_by_solve)))
+    return rows
+
+
+def threshold_rows(repeats: int, depth: int = 128) -> list[tuple[str, str, str]]:
+    """Where ℳ batched after the loop pays: chains of depth 128 timed with
+    ``param_products="after"`` against ``"in_loop"`` (interleaved) over state sizes (width × batch),
+    each with what the rule (``param_products="auto"``) picks there; the last row counts the sizes
+    where the rule picks the faster one (within 3 %)."""
+    from linbackprop._transforms import latency_bound
+
+    backend = jax.default_backend()
+    shapes = [(32, 8), (64, 16), (16, 32), (32, 32), (128, 16), (16, 128), (64, 64), (128, 64), (256, 128)]
+    if backend != "cpu":
+        shapes += [(64, 1024), (512, 256), (512, 512), (1024, 512), (1024, 1024)]
+    out, right = [], 0
+    for width, batch in shapes:
+        loss, args = chain(depth, width, batch)[:2]
+        runs = [(compiled(lbp.grad_by_solve(loss, param_products=where), args)[0], args)
+                for where in ("after", "in_loop")]
+        after, in_loop = interleaved(runs, repeats)
+        picks_after = latency_bound(width * batch, batch, backend)
+        right += (after <= 1.03 * in_loop) if picks_after else (in_loop <= 1.03 * after)
+        out.append((f"chain {depth}×{width}×{batch} ({width * batch} elements in {batch} rows): time, ℳ after the "
+                    "loop / ℳΛ in the loop", f"{after / in_loop:.2f} ({after * 1e3:.2f} / {in_loop * 1e3:.2f} ms)",
+                    "rule: after" if picks_after else "rule: in the loop"))
+        print(out[-1], flush=True)
+    out.append((f"sizes where the rule picks the faster (within 3 %) on {backend}", f"{right} of {len(shapes)}",
+                f"{len(shapes)} of {len(shapes)}"))
+    return out
+
+
 # -- curvature ----------------------------------------------------------------------------------------
 
 
@@ -409,82 +509,56 @@ def tables(timing: list[dict], compile_: list[tuple[str, str, str]]) -> str:
     return "\n".join(lines)
 
 
+def small_table(title: str, rows: list[tuple[str, str, str]]) -> str:
+    return "\n".join([f"| {title} | measured | target |", "|---|---|---|",
+                      *(f"| {a} | {b} | {c} |" for a, b, c in rows)])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--write-docs", action="store_true",
-                        help="write the tables into docs/performance.md, docs/guides/curvature.md and README.md")
+                        help="write the tables into docs/performance.md, docs/guides/curvature.md and README.md "
+                             "(on an accelerator: README's accelerator rows only)")
     parser.add_argument("--quick", action="store_true", help="smaller compile-scaling rows (a smoke test)")
-    parser.add_argument("--rows", choices=["all", "gradients", "curvature"], default="all",
-                        help="which tables to measure (and write)")
+    parser.add_argument("--rows", choices=["all", "gradients", "curvature", "headline"], default="all",
+                        help="which tables to measure (and write); headline: README's rows and where ℳ after the "
+                             "loop stops paying, the short list for an accelerator")
     args = parser.parse_args()
     r = args.repeats
+    on_cpu = jax.default_backend() == "cpu"
+    if args.rows == "headline":
+        timing, threshold = gradient_rows(r, HEADLINE), threshold_rows(r)
+        print(headline(timing), small_table("where ℳ after the loop pays", threshold), sep="\n\n")
+        if args.write_docs:
+            _write_headline(timing, threshold, args.rows, on_cpu)
+        return
     if args.rows in ("all", "curvature"):
         curvature = gauss_newton_rows(r) + per_example_rows(r)
-        text = "\n".join(["| curvature | measured | target |", "|---|---|---|",
-                          *(f"| {a} | {b} | {c} |" for a, b, c in curvature)])
+        text = small_table("curvature", curvature)
         print(text)
-        if args.write_docs:
+        if args.write_docs and on_cpu:
             _write_between(ROOT / "docs" / "guides" / "curvature.md", "curvature table", text, args.rows)
         if args.rows == "curvature":
             return
-    scan = "jit(jax.grad), lax.scan over stacked weights"
-    timing = [
-        timing_row("deep chain 128×128×64 (depth×width×batch), `Row` blocks (compute-bound: ℳΛ in the loop)",
-                   scan, chain(128, 128, 64), r),
-        timing_row("same, one block per layer (dict of 256 arrays)", scan, chain(128, 128, 64, rows=False), r),
-        timing_row("same, ℳ batched after the loop (`param_products=\"after\"`)", scan, chain(128, 128, 64), r,
-                   grad=lambda f: lbp.grad_by_solve(f, param_products="after")),
-        timing_row("same, `remat=True` (ℳΛ in the loop)", scan, chain(128, 128, 64), r,
-                   grad=lambda f: lbp.grad_by_solve(f, remat=True)),
-        timing_row("same, `remat=True`, ℳ batched after the loop", scan, chain(128, 128, 64), r,
-                   grad=lambda f: lbp.grad_by_solve(f, remat=True, param_products="after")),
-        jvp_row("same, forward mode: `jvp_by_solve` (the substitution inside the forward loop; last column: "
-                "jvp / forward)", chain(128, 128, 64), r),
-        timing_row("deep narrow chain 512×32×8, `Row` blocks (latency-bound: ℳ after the loop)", scan,
-                   chain(512, 32, 8), r),
-        timing_row("same, ℳΛ inside the loop", scan, chain(512, 32, 8), r,
-                   grad=lambda f: lbp.grad_by_solve(f, param_products="in_loop")),
-        timing_row("deep narrow DAG: 510 layers of three kinds, skips 12 layers back, width 32, batch 8",
-                   "jit(jax.grad), lax.scan over blocks carrying a window of states", kinds_dag(170, 32, 8), r),
-        timing_row("shallow heterogeneous DAG: 12 layers, widths 128/256/512, skips, shared blocks, batch 256",
-                   "jit(jax.grad) of the same network", shallow_dag(), r),
-        timing_row("RNN, 2048 steps, width 64, batch 16: one stacked input (`Row(\"xs\", t)`), last state as "
-                   "output", "jit(jax.grad), lax.scan", rnn(2048, 64, 16), r),
-        timing_row("same, every state as output (`Stack`)", "jit(jax.grad), lax.scan (ys)", rnn(2048, 64, 16, True), r),
-        timing_row("same, last state, `checkpoints=45`", "jit(jax.grad), lax.scan", rnn(2048, 64, 16), r,
-                   grad=lambda f: lbp.grad_by_solve(f, checkpoints=45)),
-        timing_row("same, `checkpoints=45`", "jit(jax.grad), lax.scan of a `jax.checkpoint`-ed step",
-                   rnn(2048, 64, 16, checkpointed_reference=True), r,
-                   grad=lambda f: lbp.grad_by_solve(f, checkpoints=45)),
-        timing_row("same, `checkpoints=45`", "jit(jax.grad), equinox's checkpointed scan "
-                   "(`eqx.internal.scan(kind=\"checkpointed\", checkpoints=45)`, binomial schedule)",
-                   rnn(2048, 64, 16, equinox_checkpoints=45), r, grad=lambda f: lbp.grad_by_solve(f, checkpoints=45)),
-        timing_row("same, `checkpoints=45, schedule=\"nested\"` (levels chosen from the shapes: three of 7)",
-                   "jit(jax.grad), equinox's checkpointed scan (45 checkpoints)",
-                   rnn(2048, 64, 16, equinox_checkpoints=45), r,
-                   grad=lambda f: lbp.grad_by_solve(f, checkpoints=45, schedule="nested")),
-        timing_row("RNN, 16384 steps, width 64, batch 16, `checkpoints=45` (evenly spaced)",
-                   "jit(jax.grad), equinox's checkpointed scan (45 checkpoints)",
-                   rnn(16384, 64, 16, equinox_checkpoints=45), max(3, r // 3),
-                   grad=lambda f: lbp.grad_by_solve(f, checkpoints=45)),
-        timing_row("same, `checkpoints=45, schedule=\"nested\"` (four levels of 7)",
-                   "jit(jax.grad), equinox's checkpointed scan (45 checkpoints)",
-                   rnn(16384, 64, 16, equinox_checkpoints=45), max(3, r // 3),
-                   grad=lambda f: lbp.grad_by_solve(f, checkpoints=45, schedule="nested")),
-        timing_row("deep chain 128×128×64, `Row` blocks, `checkpoints=12`", scan, chain(128, 128, 64), r,
-                   grad=lambda f: lbp.grad_by_solve(f, checkpoints=12)),
-        timing_row("character-level GPT (examples/transformer_lm.py): 12 blocks = 26 layers of four kinds, width "
-                   "128, context 64, batch 16, tied embeddings", "jit(jax.grad), lax.scan over stacked blocks",
-                   transformer(12, 128, 64, 16), r),
-        timing_row("same, `remat=True`", "jit(jax.grad), lax.scan over stacked blocks", transformer(12, 128, 64, 16), r,
-                   grad=lambda f: lbp.grad_by_solve(f, remat=True)),
-    ]
+    timing, threshold = gradient_rows(r), threshold_rows(r)
     text = tables(timing, compile_rows(args.quick))
-    print(text)
+    print(text, small_table("where ℳ after the loop pays", threshold), sep="\n\n")
     if args.write_docs:
-        _write_between(ROOT / "docs" / "performance.md", "benchmark table", text, args.rows)
-        _write_between(ROOT / "README.md", "headline rows", headline(timing), args.rows)
+        if on_cpu:
+            _write_between(ROOT / "docs" / "performance.md", "benchmark table", text, args.rows)
+        _write_headline(timing, threshold, args.rows, on_cpu)
+
+
+def _write_headline(timing: list[dict], threshold: list[tuple[str, str, str]], rows: str, on_cpu: bool) -> None:
+    """README's headline rows (CPU) or accelerator rows (elsewhere, with the threshold sweep), and
+    the sweep in docs/performance.md (CPU)."""
+    sweep = small_table("where ℳ after the loop pays", threshold)
+    if on_cpu:
+        _write_between(ROOT / "README.md", "headline rows", headline(timing), rows)
+        _write_between(ROOT / "docs" / "performance.md", "threshold table", sweep, rows)
+    else:
+        _write_between(ROOT / "README.md", "accelerator rows", f"{headline(timing)}\n\n{sweep}", rows)
 
 
 # The README's rows: one per regime (compute-bound, latency-bound, several kinds, a sequence, a transformer).
@@ -506,8 +580,10 @@ def headline(timing: list[dict]) -> str:
 def _write_between(path: Path, marker: str, text: str, rows: str) -> None:
     """Replace what ``path`` holds between ``<!-- marker -->`` and ``<!-- /marker -->``."""
     flag = "" if rows == "all" else f" --rows {rows}"
+    device = jax.devices()[0]
+    where = "CPU" if device.platform == "cpu" else f"{device.platform.upper()} ({device.device_kind})"
     block = (f"<!-- {marker} -->\n`python benchmarks/run.py --write-docs{flag}` on "
-             f"{jax.devices()[0].platform.upper()} (float32), jax {jax.__version__}:\n\n{text}\n"
+             f"{where} (float32), jax {jax.__version__}:\n\n{text}\n"
              f"<!-- /{marker} -->")
     content, found = re.subn(f"<!-- {marker} -->.*<!-- /{marker} -->", lambda _: block, path.read_text(), flags=re.S)
     if not found:

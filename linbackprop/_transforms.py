@@ -377,11 +377,34 @@ def _forward_pass_jvp(plan: Plan, residuals: bool, primals: tuple, tangents: tup
     return jax.jvp(lambda p, s: forward(plan, p, s, residuals=residuals), primals, tangents)
 
 
-# Steps whose states have at least this many elements are compute-bound on CPU: there ℳ after the
-# loop saves no time (measured at par from 8192 elements) but keeps Λ of every layer. Accelerators
+# Steps whose largest state has at least this many elements, or this many rows (a batch: the
+# elements over the last axis), are compute-bound on CPU: there ℳ after the loop saves no time but
+# keeps Λ of every layer (the loop carries it). Measured on chains of depth 128–256, widths 16–128
+# (`python benchmarks/run.py --rows headline` sweeps sizes): after the loop 0.72–0.98× in it at
+# 8–16 rows, par at 32 (0.92–1.08), 1.03–1.2× from 64 rows, par from 8192 elements. Accelerators
 # stay latency-bound to much larger sizes; their threshold is an estimate, not a measurement yet.
 COMPUTE_BOUND_ELEMENTS = {"cpu": 8192}
 COMPUTE_BOUND_ELEMENTS_ELSEWHERE = 1 << 18
+COMPUTE_BOUND_ROWS = {"cpu": 32}
+
+
+def latency_bound(elements: int, rows: int, backend: str) -> bool:
+    """Whether steps whose largest state has ``elements`` elements in ``rows`` rows are
+    latency-bound on ``backend`` (where ℳ batched after the loop pays)."""
+    rows_bound = COMPUTE_BOUND_ROWS.get(backend)
+    return (elements < COMPUTE_BOUND_ELEMENTS.get(backend, COMPUTE_BOUND_ELEMENTS_ELSEWHERE)
+            and (rows_bound is None or rows < rows_bound))
+
+
+def _largest_state(plan: Plan) -> tuple[int, int]:
+    """(elements, rows) of the largest state of any kind (rows: of its largest leaf, the elements
+    over the last axis)."""
+    def size(a: Any) -> int:
+        return int(np.prod(a.shape))
+
+    leaves = max((jax.tree.leaves(k.out_aval) for k in plan.kinds), key=lambda ls: sum(map(size, ls)))
+    leaf = max(leaves, key=size)
+    return sum(map(size, leaves)), size(leaf) // leaf.shape[-1] if leaf.shape and leaf.shape[-1] else 1
 
 
 def params_in_loop(param_products: str, remat: bool, plan: Plan, checkpointed: bool = False) -> bool:
@@ -401,9 +424,8 @@ def params_in_loop(param_products: str, remat: bool, plan: Plan, checkpointed: b
         return param_products == "in_loop"
     if checkpointed and plan.unrolled and plan.params_shared_by_members:
         return False
-    largest = max(sum(int(np.prod(a.shape)) for a in jax.tree.leaves(k.out_aval)) for k in plan.kinds)
-    threshold = COMPUTE_BOUND_ELEMENTS.get(jax.default_backend(), COMPUTE_BOUND_ELEMENTS_ELSEWHERE)
-    return remat or plan.unrolled or largest >= threshold or plan.params_shared_by_members
+    return (remat or plan.unrolled or not latency_bound(*_largest_state(plan), jax.default_backend())
+            or plan.params_shared_by_members)
 
 
 def solve_joint(plan: Plan, prim: Primal, h: list[Any], rhs: list[Any], compact: bool = False) -> list[Any]:
