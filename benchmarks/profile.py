@@ -3,6 +3,7 @@
     python benchmarks/profile.py compile [--builds 6]      # 12-block GPT: trace / lower / XLA
     python benchmarks/profile.py gn-halves [--shape 128 128 64]
     python benchmarks/profile.py gn-temporaries            # one G·v, 64-layer chain
+    perf record -g python benchmarks/profile.py xla ours   # XLA alone, to sample (also: scan)
 
 ``compile``: ``jit(grad_by_solve)`` of the GPT of ``examples/transformer_lm.py`` against
 ``jit(jax.grad)`` over ``lax.scan``, each phase of freshly built networks timed separately
@@ -11,7 +12,10 @@ split into its JVP half (forward substitution) and VJP half (back substitution a
 against the same half of ``jax.linearize`` + ``jax.linear_transpose`` held once, 10 products per
 call with the shared forward pass and gradient subtracted. ``gn-temporaries``: the temporaries
 (``memory_analysis()``) of one Gauss–Newton product with the linearisation as its argument, on a
-64-layer chain of width 8 and batch 256, against one [depth, batch, width] buffer.
+64-layer chain of width 8 and batch 256, against one [depth, batch, width] buffer. ``xla``: the
+GPT's XLA compile alone (``--builds`` fresh builds lowered first, then compiled one after the
+other), for a sampling profiler: ``perf report --children`` then splits it into LLVM's work on the
+fused kernels (``xla::cpu::IrCompiler``), the fusion emitter, thunk emission and the HLO passes.
 """
 
 from __future__ import annotations
@@ -44,6 +48,18 @@ def compile_phases(builds: int) -> None:
     for name, (trace, lower, xla) in medians.items():
         print(f"{name:9s} trace {trace:.3f} s  lower {lower:.3f} s  XLA {xla:.3f} s  total {trace + lower + xla:.3f} s")
     print(f"compile ratio {medians['ours'].sum() / medians['lax.scan'].sum():.2f}")
+
+
+def xla_only(which: str, builds: int) -> None:
+    lowered = []
+    for _ in range(builds):
+        loss, args, ref, ref_args = transformer(12, 128, 64, 16)
+        f, a = (lbp.grad_by_solve(loss), args) if which == "ours" else (jax.grad(ref), ref_args)
+        lowered.append(jax.jit(f).trace(*a).lower())
+    start = time.perf_counter()
+    for lo in lowered:
+        lo.compile()
+    print(f"{which}: XLA {(time.perf_counter() - start) / builds:.3f} s per build")
 
 
 def gauss_newton_halves(shape: tuple[int, int, int], products: int = 10) -> None:
@@ -111,12 +127,15 @@ def gauss_newton_temporaries(depth: int = 64, batch: int = 256, width: int = 8) 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("what", choices=["compile", "gn-halves", "gn-temporaries"])
+    parser.add_argument("what", choices=["compile", "gn-halves", "gn-temporaries", "xla"])
+    parser.add_argument("which", nargs="?", choices=["ours", "scan"], default="ours", help="xla: whose program")
     parser.add_argument("--builds", type=int, default=6)
     parser.add_argument("--shape", type=int, nargs=3, default=(128, 128, 64))
     options = parser.parse_args()
     if options.what == "compile":
         compile_phases(options.builds)
+    elif options.what == "xla":
+        xla_only(options.which, options.builds)
     elif options.what == "gn-halves":
         gauss_newton_halves(tuple(options.shape))
     else:
