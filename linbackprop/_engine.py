@@ -108,7 +108,8 @@ def _unstacked(tree: Any, n: int) -> list[Any]:
     where n row slices transpose to n padded copies of the whole (XLA kept them all live: a
     checkpointed RNN's segments held O(rows²) temporaries)."""
     leaves, treedef = jax.tree.flatten(tree)
-    split = [[r.reshape(x.shape[1:]) for r in lax.split(x, (1,) * n)] for x in leaves]
+    split = [list(x) if x.dtype == jax.dtypes.float0 else [r.reshape(x.shape[1:]) for r in lax.split(x, (1,) * n)]
+             for x in leaves]
     return [treedef.unflatten([rows[m] for rows in split]) for m in range(n)]
 
 
