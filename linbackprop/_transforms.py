@@ -289,7 +289,8 @@ def checkpoint_memory_ratio(net: Network, theta: dict, inputs: tuple, levels: tu
     state = _state_bytes(plan)
     # Products with the Jacobians of a checkpointed call (gauss_newton) transpose the scan over
     # its segments once per product, each into a parameter-sized cotangent stack of zeros that XLA
-    # allocates before the first (measured: one more copy of the parameters per product).
+    # allocates before the first: measured one more copy of the parameters per product in the
+    # program; counted as two (a solver's loop, CG, holds one product in its body).
     products = 2 * _nbytes(theta) if _PRODUCTS.value else 0
     residuals = 0 if _REMAT.value else sum(_nbytes(a) * (n + 1) for a, n in zip(plan.res_avals, plan.res_rows))
     layers = [layer.name for layer in net.layers]
