@@ -91,6 +91,14 @@ def test_checkpoints_never_raise_temporaries(name):
             assert _temps(loss, args, remat=remat, checkpoints=k) <= plain, (remat, k)
 
 
+def test_checkpoints_never_raise_temporaries_with_products_asked_in_the_loop():
+    """``param_products="in_loop"`` asked for: short unrolled segments whose layers share their
+    blocks still form ℳΛ as one product after their substitution (in the loop XLA kept every
+    layer's product alive: a 64-step RNN in 10-layer segments kept 1.4× the plain call's)."""
+    loss, args = _rnn(64, False)
+    assert _temps(loss, args, param_products="in_loop", checkpoints=6) <= _temps(loss, args, param_products="in_loop")
+
+
 @pytest.mark.parametrize("name", ["short chain", "rnn, last state"])
 def test_checkpoints_never_raise_gauss_newton_temporaries(name):
     """The same for two Gauss–Newton products in one program: each product transposes the scan
