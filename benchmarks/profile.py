@@ -112,13 +112,7 @@ def gauss_newton_halves(shape: tuple[int, int, int], products: int = 10) -> None
 
 
 def gauss_newton_temporaries(depth: int = 64, batch: int = 256, width: int = 8) -> None:
-    rng = np.random.default_rng(4)
-    net = lbp.Network([lbp.Layer(i, residual, (i - 1,), (lbp.Row("W", i - 1), lbp.Row("b", i - 1)))
-                       for i in range(1, depth + 1)], [0], depth)
-    params = {"W": jnp.asarray(0.2 * rng.standard_normal((depth, width, width)), jnp.float32),
-              "b": jnp.zeros((depth, width), jnp.float32)}
-    x = jnp.asarray(rng.standard_normal((batch, width)), jnp.float32)
-    loss = lambda p, x: 0.5 * jnp.sum(net(p, x) ** 2)
+    loss, (params, x) = chain(depth, width, batch)[:2]
     G = jax.jit(lbp.gauss_newton(loss, param_products="in_loop", engine="loop"))(params, x)[2]
     temps = jax.jit(lambda G, v: G.mv(v)).lower(G, params).compile().memory_analysis().temp_size_in_bytes
     buffer = depth * batch * width * 4

@@ -302,7 +302,7 @@ def checkpoint_memory_ratio(net: Network, theta: dict, inputs: tuple, levels: tu
     # program; counted as two (a solver's loop, CG, holds one product in its body). Under vmap the
     # scan's parameter cotangents are stacked per example and then moved into the result's layout
     # (a 24-layer chain, 4 examples: 2.3× the plain call's temporaries): counted the same.
-    products = 2 * _nbytes(theta) if _PRODUCTS.value or _under_vmap() else 0
+    param_cotangents = 2 * _nbytes(theta) if _PRODUCTS.value or _under_vmap() else 0
     residuals = 0 if _REMAT.value else sum(_nbytes(a) * (n + 1) for a, n in zip(plan.res_avals, plan.res_rows))
     layers = [layer.name for layer in net.layers]
     plain = 2 * sum(state[name] for name in layers) + residuals
@@ -317,7 +317,7 @@ def checkpoint_memory_ratio(net: Network, theta: dict, inputs: tuple, levels: tu
     for (kind, name), rows in rows_cut(net, levels[0]).items():
         source = theta[name] if kind == "block" else given[name]
         cut += 2 * _nbytes(source) * rows // max(jax.tree.leaves(source)[0].shape[0], 1)
-    return (2 * kept + below + 2 * leaf * plain / len(layers) + cut + products) / plain
+    return (2 * kept + below + 2 * leaf * plain / len(layers) + cut + param_cotangents) / plain
 
 
 def outputs_of(plan: Plan, bufs: list[Any]) -> tuple[Any, ...]:
@@ -435,7 +435,7 @@ def params_in_loop(param_products: str, remat: bool, plan: Plan, checkpointed: b
     448 → 300 KB of temporaries, a little faster; a 64-step RNN in 10-layer segments kept 1.4× the
     plain call's)."""
     if checkpointed and plan.unrolled and plan.params_shared_by_members:
-        return False  # whatever param_products says: memory was asked for (in the loop: 1.4× here)
+        return False  # whatever param_products says (see above): memory was asked for
     if param_products != "auto":
         return param_products == "in_loop"
     return (remat or plan.unrolled or not latency_bound(*_largest_state(plan), jax.default_backend())
