@@ -4,6 +4,7 @@
     python benchmarks/profile.py gn-halves [--shape 128 128 64]
     python benchmarks/profile.py gn-temporaries            # one G·v, 64-layer chain
     perf record -g python benchmarks/profile.py xla ours   # XLA alone, to sample (also: scan)
+    python benchmarks/profile.py checkpoint-memory [--sweep 120]
 
 ``compile``: ``jit(grad_by_solve)`` of the GPT of ``examples/transformer_lm.py`` against
 ``jit(jax.grad)`` over ``lax.scan``, each phase of freshly built networks timed separately
@@ -16,6 +17,11 @@ call with the shared forward pass and gradient subtracted. ``gn-temporaries``: t
 GPT's XLA compile alone (``--builds`` fresh builds lowered first, then compiled one after the
 other), for a sampling profiler: ``perf report --children`` then splits it into LLVM's work on the
 fused kernels (``xla::cpu::IrCompiler``), the fusion emitter, thunk emission and the HLO passes.
+``checkpoint-memory``: the temporaries (``memory_analysis()``) of calls with ``checkpoints=k``
+against the same calls without, for the cases the sequences guide and the CHANGELOG quote
+(gradients, Gauss–Newton products, vmap, ``param_products="in_loop"``); ``--sweep n`` adds n
+random settings (chains, RNNs, every state an output, two kinds with skips × depth, width, batch,
+k, remat, schedule, where ℳΛ is formed) and lists every one where checkpointing kept more.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from run import _fresh, chain, compiled, interleaved, residual, transformer
+from run import _fresh, chain, compiled, interleaved, kinds_dag, residual, rnn, transformer
 
 import linbackprop as lbp
 
@@ -119,17 +125,113 @@ def gauss_newton_temporaries(depth: int = 64, batch: int = 256, width: int = 8) 
     print(f"G·v temporaries {temps / 1e3:.0f} KB; one [depth, batch, width] buffer {buffer / 1e3:.0f} KB")
 
 
+def _temporaries(fn, args) -> int:
+    return jax.jit(fn).lower(*args).compile().memory_analysis().temp_size_in_bytes
+
+
+def _gradient(loss, **settings):
+    return lbp.grad_by_solve(loss, **settings)
+
+
+def _products(count: int):
+    """``count`` Gauss–Newton products G(G(…g)) in one program."""
+    def make(loss, **settings):
+        def f(p, *rest):
+            _, g, G = lbp.gauss_newton(loss, **settings)(p, *rest)
+            for _ in range(count):
+                g = G.mv(g)
+            return g
+        return f
+    return make
+
+
+def _vmapped(loss, **settings):
+    """Gradients per example, weights shared (every argument but the first batched)."""
+    def f(p, *rest):
+        return jax.vmap(lbp.grad_by_solve(loss, **settings), in_axes=(None,) + (0,) * len(rest))(p, *rest)
+    return f
+
+
+def _batched(args: tuple, examples: int = 4) -> tuple:
+    return (args[0], *(jnp.stack([a] * examples) for a in args[1:]))
+
+
+def checkpoint_ratio(made, loss, args, k: int, schedule: str = "even", **settings) -> tuple[int, int]:
+    """Temporaries (bytes) without and with ``checkpoints=k`` (placed by ``schedule``), everything
+    else alike."""
+    return (_temporaries(made(loss, **settings), args),
+            _temporaries(made(loss, checkpoints=k, schedule=schedule, **settings), args))
+
+
+def checkpoint_sweep(count: int, seed: int):
+    """``count`` random settings of gradients with checkpoints: (what, temporaries without, with)."""
+    rng = np.random.default_rng(seed)
+    pick = lambda *options: int(rng.choice(options))
+    networks = {
+        "chain": lambda: chain(pick(8, 24, 64), pick(8, 32, 64), pick(1, 4, 32)),
+        "rnn": lambda: rnn(pick(32, 64, 200, 256), pick(16, 32), pick(1, 8)),
+        "rnn, Stack": lambda: rnn(pick(32, 64, 200), 32, pick(1, 8), every=True),
+        "two kinds, skips": lambda: kinds_dag(pick(8, 16, 24), pick(16, 32), pick(1, 4), kinds=2),
+    }
+    settings = [{}, {"remat": True}, {"schedule": "nested"}, {"param_products": "after"},
+                {"param_products": "in_loop"}]
+    for _ in range(count):
+        name = str(rng.choice(list(networks)))
+        loss, args = networks[name]()[:2]
+        k, extra = pick(2, 3, 5, 9, 13, 20), settings[rng.integers(len(settings))]
+        shape = jax.tree.map(jnp.shape, args[1:])
+        yield (f"{name} {shape} k={k} {extra}", *checkpoint_ratio(_gradient, loss, args, k, **extra))
+
+
+def checkpoint_memory(sweep: int, seed: int = 0) -> None:
+    rnn_ = lambda steps, every=False: rnn(steps, 32, 8, every)[:2]
+    cases = [  # what, network, transformation, k, settings
+        ("gradient, RNN T=256 (segments unrolled)", rnn_(256), _gradient, 20, {}),
+        ("gradient, RNN T=256, every state an output", rnn_(256, True), _gradient, 15, {}),
+        ("gradient, chain 64x64x32", chain(64, 64, 32)[:2], _gradient, 5, {}),
+        ("gradient, RNN T=64, ℳΛ in the loop asked for", rnn_(64), _gradient, 6, {"param_products": "in_loop"}),
+        ("one G·v, chain 24x32x4", chain(24, 32, 4)[:2], _products(1), 5, {}),
+        ("three G·v, chain 24x32x4", chain(24, 32, 4)[:2], _products(3), 5, {}),
+        ("one G·v, chain 64x64x32", chain(64, 64, 32)[:2], _products(1), 5, {}),
+        ("one G·v, RNN T=256", rnn_(256), _products(1), 20, {}),
+        ("two G·v, RNN T=256", rnn_(256), _products(2), 20, {}),
+        ("vmap of gradients, chain 24x32x4", chain(24, 32, 4)[:2], _vmapped, 8, {}),
+        ("vmap of gradients, RNN T=128", rnn_(128), _vmapped, 8, {}),
+    ]
+    print(f"{'':48s} {'without':>10s} {'with':>10s} {'ratio':>6s}")
+    for what, (loss, args), made, k, settings in cases:
+        args = _batched(args) if made is _vmapped else args
+        without, with_ = checkpoint_ratio(made, loss, args, k, **settings)
+        print(f"{what + f', k={k}':48s} {without / 1e3:8.1f}KB {with_ / 1e3:8.1f}KB {with_ / without:6.2f}")
+    if not sweep:
+        return
+    worse, saved = [], []
+    for setting, without, with_ in checkpoint_sweep(sweep, seed):
+        saved += [with_ / without] if with_ < without else []
+        if with_ > without:
+            worse.append(f"  {setting}: {without} -> {with_} bytes ({with_ / without:.3f}x)")
+    same = sweep - len(saved) - len(worse)
+    print(f"sweep of {sweep} settings (seed {seed}): checkpoints kept less in {len(saved)} (median ratio "
+          f"{np.median(saved) if saved else 1:.2f}), as much in {same}, more in {len(worse)}")
+    print("\n".join(worse))
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("what", choices=["compile", "gn-halves", "gn-temporaries", "xla"])
+    parser.add_argument("what", choices=["compile", "gn-halves", "gn-temporaries", "xla",
+                                                    "checkpoint-memory"])
     parser.add_argument("which", nargs="?", choices=["ours", "scan"], default="ours", help="xla: whose program")
     parser.add_argument("--builds", type=int, default=6)
     parser.add_argument("--shape", type=int, nargs=3, default=(128, 128, 64))
+    parser.add_argument("--sweep", type=int, default=0, help="checkpoint-memory: random settings to add")
+    parser.add_argument("--seed", type=int, default=0)
     options = parser.parse_args()
     if options.what == "compile":
         compile_phases(options.builds)
     elif options.what == "xla":
         xla_only(options.which, options.builds)
+    elif options.what == "checkpoint-memory":
+        checkpoint_memory(options.sweep, options.seed)
     elif options.what == "gn-halves":
         gauss_newton_halves(tuple(options.shape))
     else:
