@@ -238,11 +238,15 @@ def _segment(plan: Plan, body: Callable, carry: Any, start: int, stop: int, peri
     return lax.fori_loop(0, blocks, block, carry)
 
 
-def _arguments(plan: Plan, kind: Kind, prim: Primal, pos: Any, written: bool = False) -> tuple[tuple, tuple]:
+def _arguments(plan: Plan, kind: Kind, prim: Primal, pos: Any, written: bool = False,
+               shared_once: bool = False) -> tuple[tuple, tuple]:
     """θ and input states of the kind's member ``pos`` (an index or an array of indices);
-    ``written``: the loop writes the states."""
+    ``written``: the loop writes the states; ``shared_once``: a block all members use is read
+    once (one row, not a row per member)."""
     if isinstance(pos, np.ndarray):  # all members at once: static tables
-        theta = tuple(read_rows(prim.params[g], kind.by_member.params[pos, p]) for p, g in enumerate(kind.param_groups))
+        theta = tuple(read_row(prim.params[g], row) if shared_once and row is not None
+                      else read_rows(prim.params[g], kind.by_member.params[pos, p])
+                      for p, (g, row) in enumerate(zip(kind.param_groups, kind.shared_rows)))
         inputs = tuple(read_rows(prim.states[g], kind.by_member.reads[pos, r]) for r, g in enumerate(kind.read_groups))
     else:
         pslots, rslots = _at(kind.by_member.params, pos), _at(kind.by_member.reads, pos)
@@ -741,14 +745,17 @@ def _per_kind(plan: Plan, prim: Primal, k: int, apply: Callable[[LayerMaps, Any]
     (``args_axes``: as vmap's in_axes for ``args``; None where all members take the same value)."""
     kind = plan.kinds[k]
     members = np.arange(kind.size)
-    theta, inputs = _arguments(plan, kind, prim, members)
+    # A weight shared along a sequence goes in once: with remat the layers are re-linearised here,
+    # and n gathered copies of it were kept (a 15-layer segment of an RNN: 15 copies of A and B).
+    theta, inputs = _arguments(plan, kind, prim, members, shared_once=True)
+    theta_axes = tuple(0 if row is None else None for row in kind.shared_rows)
     own = None if prim.residuals is None else _own(prim, kind, members)
     out = read_rows(prim.states[kind.out_group], kind.by_member.out[:-1])
 
     def one(theta, inputs, own, out, a):
         return apply(LayerMaps(plan, kind, _vjp(plan, kind, prim, own, theta, inputs, out)), a)
 
-    return jax.vmap(one, in_axes=(0, 0, 0, 0, args_axes))(theta, inputs, own, out, args)
+    return jax.vmap(one, in_axes=(theta_axes, 0, 0, 0, args_axes))(theta, inputs, own, out, args)
 
 
 def state_product(plan: Plan, prim: Primal, e: list[Any], adjoint: bool = False) -> list[Any]:

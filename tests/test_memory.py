@@ -176,3 +176,13 @@ def test_nested_schedule_keeps_no_more_than_equinox_checkpointed_scan():
     ours = _temps(lambda p, h0, xs: jnp.sum(net(p, h0, xs) ** 2), args, checkpoints=k, schedule="nested")
     theirs = jax.jit(jax.grad(scanned)).lower(*args).compile().memory_analysis().temp_size_in_bytes
     assert ours <= theirs
+
+
+def test_checkpoints_with_remat_read_a_shared_weight_once():
+    """With ``remat=True`` the layers of a segment are re-linearised for its products, each from
+    its arguments: a weight all of them share is read once, not gathered per layer (a 200-step RNN
+    in 15-layer segments kept 15 copies of A and B: 1.001× the plain call's temporaries, now
+    0.53×)."""
+    loss, args = _rnn(200, False)
+    assert _temps(loss, args, remat=True, checkpoints=13) < 0.7 * _temps(loss, args, remat=True)
+
