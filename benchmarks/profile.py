@@ -166,7 +166,12 @@ def checkpoint_ratio(made, loss, args, k: int, schedule: str = "even", **setting
 def checkpoint_sweep(count: int, seed: int):
     """``count`` random settings of gradients with checkpoints: (what, temporaries without, with)."""
     rng = np.random.default_rng(seed)
-    pick = lambda *options: int(rng.choice(options))
+    picked = []
+
+    def pick(*options):
+        picked.append(int(rng.choice(options)))
+        return picked[-1]
+
     networks = {
         "chain": lambda: chain(pick(8, 24, 64), pick(8, 32, 64), pick(1, 4, 32)),
         "rnn": lambda: rnn(pick(32, 64, 200, 256), pick(16, 32), pick(1, 8)),
@@ -176,11 +181,11 @@ def checkpoint_sweep(count: int, seed: int):
     settings = [{}, {"remat": True}, {"schedule": "nested"}, {"param_products": "after"},
                 {"param_products": "in_loop"}]
     for _ in range(count):
-        name = str(rng.choice(list(networks)))
+        name, picked[:] = str(rng.choice(list(networks))), []
         loss, args = networks[name]()[:2]
+        shape = tuple(picked)  # the builder's arguments: chain (depth, width, batch), rnn (steps, width, batch) …
         k, extra = pick(2, 3, 5, 9, 13, 20), settings[rng.integers(len(settings))]
-        shape = jax.tree.map(jnp.shape, args[1:])
-        yield (f"{name} {shape} k={k} {extra}", *checkpoint_ratio(_gradient, loss, args, k, **extra))
+        yield (f"{name}{shape} k={k} {extra}", *checkpoint_ratio(_gradient, loss, args, k, **extra))
 
 
 def checkpoint_memory(sweep: int, seed: int = 0) -> None:
@@ -190,6 +195,10 @@ def checkpoint_memory(sweep: int, seed: int = 0) -> None:
         ("gradient, RNN T=256, every state an output", rnn_(256, True), _gradient, 15, {}),
         ("gradient, chain 64x64x32", chain(64, 64, 32)[:2], _gradient, 5, {}),
         ("gradient, RNN T=64, ℳΛ in the loop asked for", rnn_(64), _gradient, 6, {"param_products": "in_loop"}),
+        ("gradient, RNN T=200, remat", rnn_(200), _gradient, 13, {"remat": True}),
+        ("gradient, chain 24x32x1, ℳΛ in the loop asked for", chain(24, 32, 1)[:2], _gradient, 9,
+         {"param_products": "in_loop"}),
+        ("gradient, chain 64x64x4", chain(64, 64, 4)[:2], _gradient, 9, {}),
         ("one G·v, chain 24x32x4", chain(24, 32, 4)[:2], _products(1), 5, {}),
         ("three G·v, chain 24x32x4", chain(24, 32, 4)[:2], _products(3), 5, {}),
         ("one G·v, chain 64x64x32", chain(64, 64, 32)[:2], _products(1), 5, {}),
@@ -198,11 +207,11 @@ def checkpoint_memory(sweep: int, seed: int = 0) -> None:
         ("vmap of gradients, chain 24x32x4", chain(24, 32, 4)[:2], _vmapped, 8, {}),
         ("vmap of gradients, RNN T=128", rnn_(128), _vmapped, 8, {}),
     ]
-    print(f"{'':48s} {'without':>10s} {'with':>10s} {'ratio':>6s}")
+    print(f"{'':56s} {'without':>10s} {'with':>10s} {'ratio':>6s}")
     for what, (loss, args), made, k, settings in cases:
         args = _batched(args) if made is _vmapped else args
         without, with_ = checkpoint_ratio(made, loss, args, k, **settings)
-        print(f"{what + f', k={k}':48s} {without / 1e3:8.1f}KB {with_ / 1e3:8.1f}KB {with_ / without:6.2f}")
+        print(f"{what + f', k={k}':56s} {without / 1e3:8.1f}KB {with_ / 1e3:8.1f}KB {with_ / without:6.2f}")
     if not sweep:
         return
     worse, saved = [], []

@@ -264,9 +264,10 @@ def _state_bytes(plan: Plan) -> dict[Hashable, int]:
 
 
 # A checkpointed call runs only where it is predicted to keep at most this fraction of the plain
-# call's memory. The estimate is rough — XLA's buffer assignment decides; against
-# memory_analysis() it was within 0.6–1.4× on chains, RNNs, a GPT and a three-kind DAG, up to 2.3×
-# low for short chains with remat=True — so only a clear saving checkpoints.
+# call's memory (and bound to keep no more). The estimate is rough — XLA's buffer assignment
+# decides; against memory_analysis() it was within 0.6–1.4× on chains, RNNs, a GPT and a
+# three-kind DAG, up to 2.3× low for short chains with remat=True — so only a clear saving
+# checkpoints.
 CHECKPOINT_SAVING = 0.5
 
 
@@ -281,19 +282,33 @@ def _under_vmap() -> bool:
 
 def checkpoints_keep_less(net: Network, theta: dict, inputs: tuple, levels: tuple[int, ...]) -> bool:
     """Whether checkpointing with ``levels`` is predicted to keep at most ``CHECKPOINT_SAVING``
-    of what the same call keeps without (:func:`checkpoint_memory_ratio`)."""
-    return checkpoint_memory_ratio(net, theta, inputs, levels) <= CHECKPOINT_SAVING
+    of what the same call keeps without, and bound to keep no more
+    (:func:`checkpoint_memory_ratio`)."""
+    estimate, bound = checkpoint_memory_ratio(net, theta, inputs, levels)
+    return estimate <= CHECKPOINT_SAVING and bound <= 1.0
 
 
-def checkpoint_memory_ratio(net: Network, theta: dict, inputs: tuple, levels: tuple[int, ...]) -> float:
+def checkpoint_memory_ratio(net: Network, theta: dict, inputs: tuple,
+                            levels: tuple[int, ...]) -> tuple[float, float]:
     """What checkpointing with ``levels`` (states per level, :func:`nested_levels`) is predicted
-    to keep, as a fraction of the same call without (by the shapes alone). Without: every state,
-    every stored residual and Λ. With: the states the top level's segments return (outputs, and
-    states later segments read), twice (kept, then stacked or concatenated into the outputs),
-    twice the states each level below keeps, twice a leaf segment's share of the above (its
-    recomputation and its back substitution), and the rows of stacked blocks and inputs cut out for segments that run on
-    their own, with their gradients. Where every state is an output (a ``Stack`` of them), or with one
-    checkpoint (two halves), checkpointing keeps no less; the call then runs without it."""
+    to keep, as a fraction of the same call without (by the shapes alone): an estimate and a
+    pessimistic bound.
+
+    The estimate. Without: every state, every stored residual and Λ. With: the states the top
+    level's segments return (outputs, and states later segments read), twice (kept, then stacked
+    or concatenated into the outputs), twice the states each level below keeps, twice a leaf
+    segment's share of the above (its recomputation and its back substitution), and the rows of
+    stacked blocks and inputs cut out for segments that run on their own, with their gradients.
+    Where every state is an output (a ``Stack`` of them), or with one checkpoint (two halves),
+    checkpointing keeps no less; the call then runs without it.
+
+    The bound adds what a leaf segment may copy — the rows of stacked blocks its layers have to
+    themselves, and its products with them (a chain of width 64 and batch 4 in 7-layer segments:
+    1.09× the plain call's temporaries) — and counts the plain call at its least: with ℳΛ formed
+    in the back substitution it carries Λ from step to step instead of keeping every Λ (one
+    example, ``param_products="in_loop"``: 1.26× before). Both are rough — XLA's buffer
+    assignment decides — and were checked against ``memory_analysis()`` over random networks
+    (``benchmarks/profile.py checkpoint-memory --sweep``)."""
     plan = plan_for(net, theta, inputs, _ENGINE.value)
     state = _state_bytes(plan)
     # Products with the Jacobians of a checkpointed call (gauss_newton) transpose the scan over
@@ -305,19 +320,30 @@ def checkpoint_memory_ratio(net: Network, theta: dict, inputs: tuple, levels: tu
     param_cotangents = 2 * _nbytes(theta) if _PRODUCTS.value or _under_vmap() else 0
     residuals = 0 if _REMAT.value else sum(_nbytes(a) * (n + 1) for a, n in zip(plan.res_avals, plan.res_rows))
     layers = [layer.name for layer in net.layers]
-    plain = 2 * sum(state[name] for name in layers) + residuals
+    states = sum(state[name] for name in layers)
+    plain = 2 * states + residuals
     segments = split(net, levels[0])
     kept = sum(state[layers[sg.start + j]] for sg in segments for j in sg.returns)
     leaf, below = max(len(sg.net.layers) for sg in segments), 0
     for k in levels[1:]:
         if k < leaf - 1:
-            leaf, below = segment_length(leaf, k), below + 2 * k * sum(state[name] for name in layers) / len(layers)
+            leaf, below = segment_length(leaf, k), below + 2 * k * states / len(layers)
     given = dict(zip(net.inputs, inputs))
     cut = 0
     for (kind, name), rows in rows_cut(net, levels[0]).items():
         source = theta[name] if kind == "block" else given[name]
         cut += 2 * _nbytes(source) * rows // max(jax.tree.leaves(source)[0].shape[0], 1)
-    return (2 * kept + below + 2 * leaf * plain / len(layers) + cut + param_cotangents) / plain
+    checkpointed = 2 * kept + below + 2 * leaf * plain / len(layers) + cut + param_cotangents
+    segment_rows = 2 * leaf * _own_param_row_bytes(plan) / len(layers)
+    least = states + residuals if params_in_loop(_PARAM_PRODUCTS.value, _REMAT.value, plan) else plain
+    return checkpointed / plain, (checkpointed + segment_rows) / least
+
+
+def _own_param_row_bytes(plan: Plan) -> int:
+    """Bytes of the parameter rows the layers do not share with the other members of their kind
+    (a chain's stacked weights; nothing of an RNN's A, B, c), summed over the layers."""
+    return sum(kind.size * _nbytes(plan.param_groups[g].row_avals()) for kind in plan.kinds
+               for g, row in zip(kind.param_groups, kind.shared_rows) if row is None)
 
 
 def outputs_of(plan: Plan, bufs: list[Any]) -> tuple[Any, ...]:
@@ -724,8 +750,8 @@ def grad_by_solve(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool
     log N, the trade-off of the binomial (revolve) schedule; the default ``"even"`` is faster
     where its O(k + N/k) fits. Checkpointing never costs memory:
     where it is not predicted (from the shapes) to keep at most half of what the call keeps
-    without — every state an output, one checkpoint, stacked weights larger than the states —
-    the call runs without it.
+    without, or a pessimistic bound says it may keep more — every state an output, one
+    checkpoint, stacked weights larger than the states — the call runs without it.
 
     ``param_products`` says where ℳΛ is formed: ``"after"`` the back substitution, for all layers
     of a kind at once (one batched product: off the sequential path), or ``"in_loop"``, layer by

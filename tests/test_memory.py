@@ -186,3 +186,20 @@ def test_checkpoints_with_remat_read_a_shared_weight_once():
     loss, args = _rnn(200, False)
     assert _temps(loss, args, remat=True, checkpoints=13) < 0.7 * _temps(loss, args, remat=True)
 
+
+@pytest.mark.parametrize("k", [5, 9])
+def test_checkpoints_never_raise_temporaries_of_a_call_carrying_lambda(k):
+    """``param_products="in_loop"`` on a chain with one example: the plain call carries Λ from
+    step to step and keeps little besides a weight row, while 3-layer segments copy their rows of
+    the stacked weights (k = 9: 1.26× the plain call's temporaries, k = 5: 1.61×, before the
+    bound counted both)."""
+    loss, args = _chain(24, 32, 1)
+    plain = _temps(loss, args, param_products="in_loop")
+    assert _temps(loss, args, param_products="in_loop", checkpoints=k) <= plain
+
+
+def test_checkpoints_never_raise_temporaries_where_segments_copy_their_weights():
+    """A chain whose stacked weights outweigh its states, in 7-layer segments: each copies its
+    rows and keeps its products with them (1.09× the plain call's temporaries before)."""
+    loss, args = _chain(64, 64, 4)
+    assert _temps(loss, args, checkpoints=9) <= _temps(loss, args)
