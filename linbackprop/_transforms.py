@@ -101,6 +101,8 @@ _ENGINE = _mode("linbackprop_engine", "linbackprop: how the substitutions run.",
 _FORWARD_ONLY = _mode("linbackprop_forward_only",
                       "linbackprop: jvp_by_solve, whose tangents are not transposed: one fused forward sweep.")
 _CHECKPOINTS = _mode("linbackprop_checkpoints", "linbackprop: states kept by checkpointed calls (0: all).", int)
+_SEGMENTS = _mode("linbackprop_checkpointed_segments",
+                  "linbackprop: the calls traced are segments of a checkpointed call (memory asked for).")
 SCHEDULES = ("even", "nested")
 _SCHEDULE = _mode("linbackprop_checkpoint_schedule", "linbackprop: how checkpointed calls place their states.",
                   SCHEDULES)
@@ -169,7 +171,7 @@ def network_call(net: Network, params: Any, inputs: tuple[Any, ...]) -> Any:
             level_cost = _nbytes(theta) / max(sum(state.values()) / len(state), 1)
             levels = nested_levels(len(live.layers), k, level_cost)
         if checkpoints_keep_less(live, theta, inputs, levels):
-            with mesh_of((theta, inputs)):
+            with mesh_of((theta, inputs)), _SEGMENTS(True):
                 # Nested: stacked inputs go down whole, each level adding its offset (a cut per
                 # segment would copy the rows of every level).
                 whole = {x: 0 for x in live.stacked_inputs} if len(levels) > 1 else {}
@@ -585,7 +587,7 @@ def _jvp_by_linear_solve(plan: Plan, theta: dict, inputs: tuple, dtheta: dict, d
     net = plan.net
     prim = prepare(net, theta, inputs)[1]
     moves_params = _moves_params(net, dtheta)
-    in_loop = (moves_params and params_in_loop(_PARAM_PRODUCTS.value, _REMAT.value, plan, bool(_CHECKPOINTS.value))
+    in_loop = (moves_params and params_in_loop(_PARAM_PRODUCTS.value, _REMAT.value, plan, _SEGMENTS.value)
                and all(g.differentiable for g in plan.param_groups))
     # The solve keeps Z only where it is read again or returned (plan.compact): a chain carries
     # Z_i from step to step instead of writing a [depth, batch, width] buffer for every product.
