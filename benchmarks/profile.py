@@ -4,7 +4,7 @@
     python benchmarks/profile.py gn-halves [--shape 128 128 64]
     python benchmarks/profile.py gn-temporaries            # one G·v, 64-layer chain
     perf record -g python benchmarks/profile.py xla ours   # XLA alone, to sample (also: scan)
-    python benchmarks/profile.py checkpoint-memory [--sweep 120]
+    python benchmarks/profile.py checkpoint-memory [--sweep 100 --seed 2 --transforms gradient vmap products]
 
 ``compile``: ``jit(grad_by_solve)`` of the GPT of ``examples/transformer_lm.py`` against
 ``jit(jax.grad)`` over ``lax.scan``, each phase of freshly built networks timed separately
@@ -21,7 +21,9 @@ fused kernels (``xla::cpu::IrCompiler``), the fusion emitter, thunk emission and
 against the same calls without, for the cases the sequences guide and the CHANGELOG quote
 (gradients, Gauss–Newton products, vmap, ``param_products="in_loop"``); ``--sweep n`` adds n
 random settings (chains, RNNs, every state an output, two kinds with skips × depth, width, batch,
-k, remat, schedule, where ℳΛ is formed) and lists every one where checkpointing kept more.
+k, remat, schedule, where ℳΛ is formed; ``--transforms``: of gradients by default, or drawn from
+gradients, gradients vmapped over 4 examples and two Gauss–Newton products) and lists every one
+where checkpointing kept more.
 """
 
 from __future__ import annotations
@@ -163,8 +165,13 @@ def checkpoint_ratio(made, loss, args, k: int, schedule: str = "even", **setting
             _temporaries(made(loss, checkpoints=k, schedule=schedule, **settings), args))
 
 
-def checkpoint_sweep(count: int, seed: int):
-    """``count`` random settings of gradients with checkpoints: (what, temporaries without, with)."""
+TRANSFORMS = {"gradient": _gradient, "vmap": _vmapped, "products": _products(2)}
+
+
+def checkpoint_sweep(count: int, seed: int, transforms: tuple[str, ...] = ("gradient",)):
+    """``count`` random settings with checkpoints: (what, temporaries without, with). Gradients, or
+    a transformation drawn from ``transforms`` (``TRANSFORMS``: gradients, gradients vmapped over
+    4 examples, two Gauss–Newton products)."""
     rng = np.random.default_rng(seed)
     picked = []
 
@@ -185,10 +192,13 @@ def checkpoint_sweep(count: int, seed: int):
         loss, args = networks[name]()[:2]
         shape = tuple(picked)  # the builder's arguments: chain (depth, width, batch), rnn (steps, width, batch) …
         k, extra = pick(2, 3, 5, 9, 13, 20), settings[rng.integers(len(settings))]
-        yield (f"{name}{shape} k={k} {extra}", *checkpoint_ratio(_gradient, loss, args, k, **extra))
+        how = transforms[0] if len(transforms) == 1 else str(rng.choice(transforms))
+        if how == "vmap":
+            args = _batched(args)
+        yield (f"{how}: {name}{shape} k={k} {extra}", *checkpoint_ratio(TRANSFORMS[how], loss, args, k, **extra))
 
 
-def checkpoint_memory(sweep: int, seed: int = 0) -> None:
+def checkpoint_memory(sweep: int, seed: int = 0, transforms: tuple[str, ...] = ("gradient",)) -> None:
     rnn_ = lambda steps, every=False: rnn(steps, 32, 8, every)[:2]
     cases = [  # what, network, transformation, k, settings
         ("gradient, RNN T=256 (segments unrolled)", rnn_(256), _gradient, 20, {}),
@@ -215,7 +225,7 @@ def checkpoint_memory(sweep: int, seed: int = 0) -> None:
     if not sweep:
         return
     worse, saved = [], []
-    for setting, without, with_ in checkpoint_sweep(sweep, seed):
+    for setting, without, with_ in checkpoint_sweep(sweep, seed, transforms):
         saved += [with_ / without] if with_ < without else []
         if with_ > without:
             worse.append(f"  {setting}: {without} -> {with_} bytes ({with_ / without:.3f}x)")
@@ -234,13 +244,15 @@ if __name__ == "__main__":
     parser.add_argument("--shape", type=int, nargs=3, default=(128, 128, 64))
     parser.add_argument("--sweep", type=int, default=0, help="checkpoint-memory: random settings to add")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--transforms", nargs="+", choices=list(TRANSFORMS), default=["gradient"],
+                        help="checkpoint-memory --sweep: what to draw from (default: gradients)")
     options = parser.parse_args()
     if options.what == "compile":
         compile_phases(options.builds)
     elif options.what == "xla":
         xla_only(options.which, options.builds)
     elif options.what == "checkpoint-memory":
-        checkpoint_memory(options.sweep, options.seed)
+        checkpoint_memory(options.sweep, options.seed, tuple(options.transforms))
     elif options.what == "gn-halves":
         gauss_newton_halves(tuple(options.shape))
     else:

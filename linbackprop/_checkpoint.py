@@ -37,6 +37,7 @@ import numpy as np
 from jax import lax
 
 from ._graph import Layer, Network, Row, Stack, stack_states
+from ._stacking import under_vmap
 
 # ``call(net, theta, inputs, offsets)`` runs one network; ``offsets`` maps names of stacked inputs
 # given whole (larger than the network reads) to the row where the network's row 0 is.
@@ -406,7 +407,11 @@ def _scan(run: tuple[Segment, ...], theta: dict, given: dict, before: tuple,
             return None  # not the whole source in order: sliced inside the body, not copied
         return jax.tree.map(lambda a: a.reshape(n, span, *a.shape[1:]), source)
 
-    xs = [scanned(src, r, span) for r, (src, (_, _, span)) in enumerate(zip(sources, ranges))]
+    # Under vmap a source's batch axis would be moved behind the segments' axis: a copy of the
+    # whole source (an RNN's inputs, twice: 2× the plain call's temporaries). Sliced in the body
+    # instead, only the rows of one segment at a time are.
+    batched = under_vmap()
+    xs = [None if batched else scanned(src, r, span) for r, (src, (_, _, span)) in enumerate(zip(sources, ranges))]
     stacked = {b for b, _, _ in first.row_blocks}
     plain = {p: theta[p] for p in first.net.param_names if p not in stacked}
     whole = tuple(given[x] for x in first.whole)

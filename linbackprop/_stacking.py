@@ -88,6 +88,15 @@ def mesh_of(tree: Any) -> contextlib.AbstractContextManager:
     return contextlib.nullcontext()
 
 
+def under_vmap() -> bool:
+    """Whether the arrays are traced under ``jax.vmap`` (JAX's own test of its trace stack)."""
+    try:
+        from jax._src.core import unsafe_am_i_under_a_vmap
+    except ImportError:  # pragma: no cover - another JAX layout: assume not (the plain programs)
+        return False
+    return unsafe_am_i_under_a_vmap()
+
+
 # -- place ------------------------------------------------------------------------------------------
 def _place_impl(*xs: jax.Array, slots: tuple[int, ...], rows: int) -> jax.Array:
     stacked = jnp.stack(xs)

@@ -44,7 +44,7 @@ from ._engine import (
 from ._graph import Network, Stack, set_call
 from ._plan import Plan, differentiable_dtype, leaf_aval, plan_for
 from ._solve import solve
-from ._stacking import explicit_sharding, mesh_of, zeros_of
+from ._stacking import explicit_sharding, mesh_of, under_vmap, zeros_of
 
 
 class _ThreadLocalMode(threading.local):
@@ -273,15 +273,6 @@ def _state_bytes(plan: Plan) -> dict[Hashable, int]:
 CHECKPOINT_SAVING = 0.5
 
 
-def _under_vmap() -> bool:
-    """Whether the call is traced under ``jax.vmap`` (JAX's own test of its trace stack)."""
-    try:
-        from jax._src.core import unsafe_am_i_under_a_vmap
-    except ImportError:  # pragma: no cover - another JAX layout: assume not (the plain rule)
-        return False
-    return unsafe_am_i_under_a_vmap()
-
-
 def checkpoints_keep_less(net: Network, theta: dict, inputs: tuple, levels: tuple[int, ...]) -> bool:
     """Whether checkpointing with ``levels`` is predicted to keep at most ``CHECKPOINT_SAVING``
     of what the same call keeps without, and bound to keep no more
@@ -319,7 +310,7 @@ def checkpoint_memory_ratio(net: Network, theta: dict, inputs: tuple,
     # program; counted as two (a solver's loop, CG, holds one product in its body). Under vmap the
     # scan's parameter cotangents are stacked per example and then moved into the result's layout
     # (a 24-layer chain, 4 examples: 2.3× the plain call's temporaries): counted the same.
-    param_cotangents = 2 * _nbytes(theta) if _PRODUCTS.value or _under_vmap() else 0
+    param_cotangents = 2 * _nbytes(theta) if _PRODUCTS.value or under_vmap() else 0
     residuals = 0 if _REMAT.value else sum(_nbytes(a) * (n + 1) for a, n in zip(plan.res_avals, plan.res_rows))
     layers = [layer.name for layer in net.layers]
     states = sum(state[name] for name in layers)

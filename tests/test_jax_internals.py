@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import linbackprop as lbp
-from linbackprop import _plan, _transforms
+from linbackprop import _plan, _stacking, _transforms
 
 UNCHANGED = """
 import jax
@@ -161,3 +161,26 @@ def test_without_the_jaxpr_evaluation_the_ggn_diagonal_forms_every_cotangent(mon
 
     monkeypatch.setattr(_outer, "_bind", broken)
     np.testing.assert_allclose(lbp.diag_ggn(loss)(p, x)["W"], expected["W"], rtol=1e-10, atol=1e-14)
+
+
+def test_without_jaxs_vmap_test_checkpointed_gradients_under_vmap_are_unchanged(monkeypatch):
+    """If JAX's ``unsafe_am_i_under_a_vmap`` goes, a call is taken to be traced without vmap: the
+    memory rule leaves out its vmap terms and segments scan over their inputs' rows (a copy under
+    vmap): gradients unchanged."""
+    from jax._src import core
+
+    seen = []
+    jax.vmap(lambda x: seen.append(_stacking.under_vmap()) or x)(jnp.ones(2))
+    monkeypatch.delattr(core, "unsafe_am_i_under_a_vmap")
+    jax.vmap(lambda x: seen.append(_stacking.under_vmap()) or x)(jnp.ones(2))
+    assert seen == [True, False]
+    cell = lambda th, h, x: jnp.tanh(h @ th[0] + x @ th[1])
+    net = lbp.Network([lbp.Layer(t, cell, (t - 1, lbp.Row("xs", t - 1)), ("A", "B")) for t in range(1, 13)],
+                      [0, "xs"], 12)
+    loss = lambda p, h0, xs: jnp.sum(net(p, h0, xs) ** 2)
+    p = {"A": 0.3 * jnp.eye(3), "B": 0.2 * jnp.ones((3, 3))}
+    h0, xs = jnp.ones((4, 2, 3)), jnp.linspace(-1, 1, 4 * 12 * 2 * 3).reshape(4, 12, 2, 3)
+    batched = lambda grad: jax.vmap(grad, in_axes=(None, 0, 0))(p, h0, xs)
+    ours = batched(lbp.grad_by_solve(loss, checkpoints=3))
+    for a, e in zip(jax.tree.leaves(ours), jax.tree.leaves(batched(jax.grad(loss)))):
+        np.testing.assert_allclose(a, e, rtol=1e-12)
