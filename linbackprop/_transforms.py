@@ -447,12 +447,12 @@ def params_in_loop(param_products: str, remat: bool, plan: Plan, checkpointed: b
     in the loop ℳΛ adds into one small row; measured 0.7–1.0× jax.grad over lax.scan against
     1.3–1.5× after the loop, T = 2048, width 64).
 
-    Except, with ``checkpointed`` (memory asked for), an unrolled solve whose members share their
-    blocks, even where ``param_products="in_loop"`` is asked for: after, the members' products are
-    one product summed over them, where unrolled in the loop XLA keeps every layer's product alive
-    for one fused sum (the short segments of the nested schedule: RNN, T = 2048, 45 checkpoints:
-    448 → 300 KB of temporaries, a little faster; a 64-step RNN in 10-layer segments kept 1.4× the
-    plain call's)."""
+    Except, with ``checkpointed`` (a segment of a checkpointed call: memory asked for, and the
+    call predicted to save it), an unrolled solve whose members share their blocks, even where
+    ``param_products="in_loop"`` is asked for: after, the members' products are one product summed
+    over them, where unrolled in the loop XLA keeps every layer's product alive for one fused sum
+    (the short segments of the nested schedule: RNN, T = 2048, 45 checkpoints: 448 → 300 KB of
+    temporaries, a little faster; a 64-step RNN in 10-layer segments kept 1.4× the plain call's)."""
     if checkpointed and plan.unrolled and plan.params_shared_by_members:
         return False  # whatever param_products says (see above): memory was asked for
     if param_products != "auto":
