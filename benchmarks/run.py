@@ -377,12 +377,12 @@ def gradient_rows(repeats: int, names: tuple[str, ...] | None = None) -> list[di
 def threshold_rows(repeats: int, depth: int = 128) -> list[tuple[str, str, str]]:
     """Where ℳ batched after the loop pays: chains of depth 128 timed with
     ``param_products="after"`` against ``"in_loop"`` (interleaved) over state sizes (width × batch),
-    each with what the rule (``param_products="auto"``) picks there; the last row counts the sizes
-    where the rule picks the faster one (within 3 %)."""
-    from linbackprop._transforms import latency_bound
+    with the temporaries of both and what the rule (``param_products="auto"``) picks there; the
+    last row counts the sizes where the rule picks the faster one (within 3 %)."""
+    from linbackprop._transforms import after_loop_pays
 
     backend = jax.default_backend()
-    shapes = [(32, 8), (64, 16), (16, 32), (32, 32), (128, 16), (16, 128), (64, 64), (128, 64), (256, 128)]
+    shapes = [(64, 1), (32, 8), (64, 16), (16, 32), (32, 32), (128, 16), (16, 128), (64, 64), (128, 64), (256, 128)]
     if backend != "cpu":
         shapes += [(64, 1024), (512, 256), (512, 512), (1024, 512), (1024, 1024)]
     out, right = [], 0
@@ -391,10 +391,12 @@ def threshold_rows(repeats: int, depth: int = 128) -> list[tuple[str, str, str]]
         runs = [(compiled(lbp.grad_by_solve(loss, param_products=where), args)[0], args)
                 for where in ("after", "in_loop")]
         after, in_loop = interleaved(runs, repeats)
-        picks_after = latency_bound(width * batch, batch, backend)
+        temps = [memory(c)[1] / 1e3 for c, _ in runs]
+        picks_after = after_loop_pays(width * batch, batch, backend)
         right += (after <= 1.03 * in_loop) if picks_after else (in_loop <= 1.03 * after)
         out.append((f"chain {depth}×{width}×{batch} ({width * batch} elements in {batch} rows): time, ℳ after the "
-                    "loop / ℳΛ in the loop", f"{after / in_loop:.2f} ({after * 1e3:.2f} / {in_loop * 1e3:.2f} ms)",
+                    "loop / ℳΛ in the loop", f"{after / in_loop:.2f} ({after * 1e3:.2f} / {in_loop * 1e3:.2f} ms; "
+                    f"temporaries {temps[0]:.0f} / {temps[1]:.0f} KB)",
                     "rule: after" if picks_after else "rule: in the loop"))
         print(out[-1], flush=True)
     out.append((f"sizes where the rule picks the faster (within 3 %) on {backend}", f"{right} of {len(shapes)}",

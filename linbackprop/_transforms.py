@@ -417,14 +417,19 @@ def _forward_pass_jvp(plan: Plan, residuals: bool, primals: tuple, tangents: tup
 COMPUTE_BOUND_ELEMENTS = {"cpu": 8192}
 COMPUTE_BOUND_ELEMENTS_ELSEWHERE = 1 << 18
 COMPUTE_BOUND_ROWS = {"cpu": 32}
+# With one row (batch 1, or unbatched states) each layer's weight product is an outer product,
+# which XLA on CPU forms batched by broadcasting, in the transposed layout, then copies into the
+# gradient: a weights-sized temporary for no time saved (chain 128×64×1: 2,164 against 84 KB of
+# temporaries — jax.grad over lax.scan 116 KB — at 0.96–1.09× the loop's time).
+AFTER_LOOP_MIN_ROWS = {"cpu": 2}
 
 
-def latency_bound(elements: int, rows: int, backend: str) -> bool:
-    """Whether steps whose largest state has ``elements`` elements in ``rows`` rows are
-    latency-bound on ``backend`` (where ℳ batched after the loop pays)."""
+def after_loop_pays(elements: int, rows: int, backend: str) -> bool:
+    """Whether ℳ batched after the loop pays on ``backend`` for steps whose largest state has
+    ``elements`` elements in ``rows`` rows: where they are latency-bound, from two rows on CPU."""
     rows_bound = COMPUTE_BOUND_ROWS.get(backend)
     return (elements < COMPUTE_BOUND_ELEMENTS.get(backend, COMPUTE_BOUND_ELEMENTS_ELSEWHERE)
-            and (rows_bound is None or rows < rows_bound))
+            and (rows_bound is None or rows < rows_bound) and rows >= AFTER_LOOP_MIN_ROWS.get(backend, 1))
 
 
 def _largest_state(plan: Plan) -> tuple[int, int]:
@@ -439,11 +444,13 @@ def _largest_state(plan: Plan) -> tuple[int, int]:
 
 
 def params_in_loop(param_products: str, remat: bool, plan: Plan, checkpointed: bool = False) -> bool:
-    """The rule for where ℳΛ is formed. After the loop, batched per kind, where steps are
-    latency-bound — in the loop with remat (re-linearising every layer a second time after the
-    loop would cost a forward pass), when the solve is unrolled (few layers per kind: little to
-    batch), when steps are compute-bound (batching saves nothing; keeping every Λ costs memory)
-    and when the members of every kind share all their blocks (a recurrent network's weights:
+    """The rule for where ℳΛ is formed. After the loop, batched per kind, where that pays
+    (:func:`after_loop_pays`: latency-bound steps, of two rows or more on CPU) — in the loop
+    with remat (re-linearising every layer a second time after the loop would cost a forward
+    pass), when the solve is unrolled (few layers per kind: little to batch), when steps are
+    compute-bound (batching saves nothing; keeping every Λ costs memory) or of one row (outer
+    products, formed and copied in another layout after the loop), and when the members of every
+    kind share all their blocks (a recurrent network's weights:
     in the loop ℳΛ adds into one small row; measured 0.7–1.0× jax.grad over lax.scan against
     1.3–1.5× after the loop, T = 2048, width 64).
 
@@ -457,7 +464,7 @@ def params_in_loop(param_products: str, remat: bool, plan: Plan, checkpointed: b
         return False  # whatever param_products says (see above): memory was asked for
     if param_products != "auto":
         return param_products == "in_loop"
-    return (remat or plan.unrolled or not latency_bound(*_largest_state(plan), jax.default_backend())
+    return (remat or plan.unrolled or not after_loop_pays(*_largest_state(plan), jax.default_backend())
             or plan.params_shared_by_members)
 
 
