@@ -34,7 +34,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from run import _fresh, chain, compiled, interleaved, kinds_dag, residual, rnn, transformer
+from run import _fresh, chain, compiled, interleaved, kinds_dag, memory, residual, rnn, transformer
 
 import linbackprop as lbp
 
@@ -128,7 +128,7 @@ def gauss_newton_temporaries(depth: int = 64, batch: int = 256, width: int = 8) 
 
 
 def _temporaries(fn, args) -> int:
-    return jax.jit(fn).lower(*args).compile().memory_analysis().temp_size_in_bytes
+    return memory(compiled(fn, args)[0])[1]
 
 
 def _gradient(loss, **settings):
@@ -216,6 +216,7 @@ def checkpoint_memory(sweep: int, seed: int = 0, transforms: tuple[str, ...] = (
         ("two G·v, RNN T=256", rnn_(256), _products(2), 20, {}),
         ("vmap of gradients, chain 24x32x4", chain(24, 32, 4)[:2], _vmapped, 8, {}),
         ("vmap of gradients, RNN T=128", rnn_(128), _vmapped, 8, {}),
+        ("vmap of gradients, RNN T=200 (segments tile xs), remat", rnn_(200), _vmapped, 20, {"remat": True}),
     ]
     print(f"{'':56s} {'without':>10s} {'with':>10s} {'ratio':>6s}")
     for what, (loss, args), made, k, settings in cases:

@@ -400,18 +400,19 @@ def _scan(run: tuple[Segment, ...], theta: dict, given: dict, before: tuple,
     bases = np.array([sg.bases for sg in run], np.int32).reshape(n, len(ranges))  # [segment, source]
     sources = [given[x] for x, _, _ in first.row_inputs] + [theta[b] for b, _, _ in first.row_blocks]
 
-    def scanned(source: Any, r: int, span: int) -> Any:
-        rows = jax.tree.leaves(source)[0].shape[0]
-        if (r < k and first.row_inputs[r][0] in offsets) or not np.array_equal(bases[:, r], span * np.arange(n)) \
-                or n * span != rows:
-            return None  # not the whole source in order: sliced inside the body, not copied
-        return jax.tree.map(lambda a: a.reshape(n, span, *a.shape[1:]), source)
-
     # Under vmap a reshaped source's batch axis is moved behind the segments' axis: a copy of the
     # whole source, twice (an RNN's inputs: 1.016× the temporaries of the call without
     # checkpoints). Sliced in the body instead, only the rows of one segment at a time are.
     batched = under_vmap()
-    xs = [None if batched else scanned(src, r, span) for r, (src, (_, _, span)) in enumerate(zip(sources, ranges))]
+
+    def scanned(source: Any, r: int, span: int) -> Any:
+        rows = jax.tree.leaves(source)[0].shape[0]
+        if batched or (r < k and first.row_inputs[r][0] in offsets) \
+                or not np.array_equal(bases[:, r], span * np.arange(n)) or n * span != rows:
+            return None  # not the whole source in order (or under vmap): sliced inside the body
+        return jax.tree.map(lambda a: a.reshape(n, span, *a.shape[1:]), source)
+
+    xs = [scanned(src, r, span) for r, (src, (_, _, span)) in enumerate(zip(sources, ranges))]
     stacked = {b for b, _, _ in first.row_blocks}
     plain = {p: theta[p] for p in first.net.param_names if p not in stacked}
     whole = tuple(given[x] for x in first.whole)
