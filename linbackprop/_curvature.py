@@ -212,45 +212,50 @@ class _Calls:
 
     def __init__(self, split: _Split, engine: str):
         self.plans: list[Plan] = []
-        self.nets: list[Network] = []
-
-        self.placement: list[list[int | None]] = []  # per call, per θ leaf: the argument leaf it is
+        self.nets: list[Network] = []  # every call's network, in call order
+        self.solved: list[int] = []  # the calls that use a parameter (have a plan), by position
+        self.placement: list[list[int | None]] = []  # per solved call, per θ leaf: the argument leaf it is
 
         def route(*diff):
-            thetas, stored = [], []
+            thetas, stored, outputs = [], [], []
             position = {id(leaf): n for n, leaf in enumerate(jax.tree.leaves(diff))}
 
             def forward(net, params, inputs):
                 net.check_inputs(inputs)
+                self.nets.append(net)
                 live = net.live
-                if live is None:  # outputs are inputs only: no parameter is used
-                    return net.pick_outputs(dict(zip(net.inputs, inputs)))
+                if live is None:  # outputs are inputs only: no parameter is used, J is zero there
+                    out = net.pick_outputs(dict(zip(net.inputs, inputs)))
+                    outputs.append(out)
+                    return out
                 theta = {p: net.select_params(params)[p] for p in live.param_names}
                 plan, prim = prepare(live, jax.lax.stop_gradient(theta), tuple(jax.lax.stop_gradient(inputs)))
                 outs = outputs_of(plan, prim.states)
                 thetas.append(theta)
                 self.placement.append([position.get(id(leaf)) for leaf in jax.tree.leaves(theta)])
-                stored.append((prim, outs))
+                stored.append(prim)
+                self.solved.append(len(self.nets) - 1)
                 self.plans.append(plan)
-                self.nets.append(net)
-                return outs[0] if net.single_output else outs
+                out = outs[0] if net.single_output else outs
+                outputs.append(out)
+                return out
 
             split.run(forward, diff)
-            return thetas, stored
+            return thetas, (stored, outputs)
 
         self.diff = split.diff
-        self.thetas, self.vjp, self.stored = jax.vjp(solve_mode(route, engine=engine), *split.diff, has_aux=True)
-        self.outs = tuple(outs if not net.single_output else outs[0]
-                          for net, (_, outs) in zip(self.nets, self.stored))
+        self.thetas, self.vjp, (self.stored, outs) = jax.vjp(solve_mode(route, engine=engine), *split.diff,
+                                                             has_aux=True)
+        self.outs = tuple(outs)  # every call's outputs, as the call returned them
         _check_inputs_independent(split)
 
     def adjoints(self, g_outs: tuple, batch: int) -> list[list[Any]]:
         """Λ of each call: one back substitution ℒ*Λ = E* g for all examples at once; ``g_outs``:
         cotangents of the calls' outputs (checks the per-example assumption on the way)."""
         lams = []
-        for plan, net, (prim, _), g in zip(self.plans, self.nets, self.stored, g_outs):
+        for plan, call, prim in zip(self.plans, self.solved, self.stored):
             _check_per_example(plan, batch)
-            lams.append(back_substitution(plan, prim, self._rhs(plan, net, g)))
+            lams.append(back_substitution(plan, prim, self._rhs(plan, self.nets[call], g_outs[call])))
         return lams
 
     def per_example(self, lams: list, batch: int, examples: Any = None) -> tuple:
@@ -258,7 +263,7 @@ class _Calls:
         argument, a pytree with a leading axis of the examples (all, or those indexed by ``examples``)."""
         n = batch if examples is None else len(examples)
         theta_cts = []
-        for plan, (prim, _), theta, lam in zip(self.plans, self.stored, self.thetas, lams):
+        for plan, prim, theta, lam in zip(self.plans, self.stored, self.thetas, lams):
             unpack = self._unpack(plan, theta)
             bufs = param_adjoint_per_example(plan, prim, lam, batch, examples)
             theta_cts.append(jax.vmap(lambda b, unpack=unpack: unpack(b)[0])(bufs))
@@ -274,7 +279,7 @@ class _Calls:
         formed there, once: :class:`ParamSquares`). Only where each argument leaf is one parameter
         block of one call, as it is (:attr:`placed`: squares then commute with the map from the
         arguments to the blocks)."""
-        maps = [ParamSquares(plan, prim, batch) for plan, (prim, _) in zip(self.plans, self.stored)]
+        maps = [ParamSquares(plan, prim, batch) for plan, prim in zip(self.plans, self.stored)]
 
         def parts(lams: list, weights: jax.Array) -> list:
             return [m.parts(lam, weights) for m, lam in zip(maps, lams)]
@@ -585,7 +590,7 @@ def kfac_factors(fun: Callable, argnums: int | Sequence[int] = 0, *, engine: str
                 "kfac_factors needs each differentiated argument leaf to be one parameter block of one network "
                 "call, as it is (here parameters are transformed or shared between calls before the network "
                 "uses them); use diag_ggn or gauss_newton for such parameters.")
-        maps = [ParamFactors(plan, prim, batch) for plan, (prim, _) in zip(calls.plans, calls.stored)]
+        maps = [ParamFactors(plan, prim, batch) for plan, prim in zip(calls.plans, calls.stored)]
         share = lambda s, weights: [m.parts(lam_c, weights)
                                     for m, lam_c in zip(maps, calls.adjoints(unflatten(s), batch))]
         summed = _over_columns(share, lam, vecs, samples, key, "kfac_factors")

@@ -367,3 +367,30 @@ def test_monte_carlo_ggn_diagonal_estimates_the_exact_one():
     assert not np.allclose(one, exact, rtol=1e-3)
     with pytest.raises(ValueError, match="PRNG key"):
         lbp.diag_ggn(loss, samples=2)(params, *inputs)
+
+
+def test_calls_whose_outputs_are_inputs_give_zeros_beside_the_others():
+    """A network whose outputs are only its inputs uses no parameter (J = 0 there): the
+    per-example quantities, the GGN diagonal and K-FAC give what plain JAX gives — zeros for it,
+    the other call's values beside — instead of a bare StopIteration (the call was not recorded)."""
+    rng = np.random.default_rng(3)
+    passthrough = lbp.Network([lbp.Layer("h", lambda th, x: x @ th[0], ("x",), ("V",))], ["x"], "x")
+    dense = lbp.Network([lbp.Layer("y", lambda th, x: jnp.tanh(x @ th[0]), ("x",), ("W",))], ["x"], "y")
+    params = {"V": jnp.asarray(rng.standard_normal((2, 2))), "W": jnp.asarray(rng.standard_normal((2, 3)))}
+    x = jnp.asarray(rng.standard_normal((4, 2)))
+    losses = lambda p, x: jnp.sum(passthrough(p, x) ** 2, axis=1) + jnp.sum(jnp.sin(dense(p, x)), axis=1)
+    loss = lambda p, x: jnp.sum(losses(p, x))
+    one = lambda p, xb: losses(p, xb[None])[0]
+    reference = jax.vmap(jax.grad(one), (None, 0))(params, x)
+    close(lbp.per_example_grads(losses)(params, x), reference)
+    norms = jnp.sqrt(sum(jnp.sum(g.reshape(4, -1) ** 2, axis=1) for g in jax.tree.leaves(reference)))
+    close(lbp.per_example_grad_norms(losses)(params, x), norms)
+    flat, unravel = ravel_pytree(params)
+    jac = jax.jacfwd(lambda f: jnp.ravel(dense(unravel(f), x)))(flat)
+    outs = dense(params, x)
+    h = jax.hessian(lambda o: jnp.sum(jnp.sin(o)))(outs).reshape(outs.size, outs.size)
+    close(lbp.diag_ggn(loss)(params, x), unravel(jnp.diag(jac.T @ h @ jac)))
+    factors = lbp.kfac_factors(loss)(params, x)
+    assert factors["V"] is None and isinstance(factors["W"], lbp.Kronecker)
+    alone = lambda p, x: jnp.sum(passthrough(p, x) ** 2)  # no call uses a parameter at all
+    close(lbp.diag_ggn(alone)(params, x), jax.tree.map(jnp.zeros_like, params))
