@@ -1,6 +1,6 @@
 """Benchmarks: grad_by_solve against jax.grad, side by side in one process.
 
-    python benchmarks/run.py [--repeats 15] [--write-docs] [--quick] [--rows {all,gradients,curvature,headline}]
+    python benchmarks/run.py [--repeats 15] [--write-docs] [--quick] [--rows {all,gradients,curvature,headline,eager}]
 
 Every timing row runs jit(grad_by_solve) and its reference jit(jax.grad) interleaved (medians of
 ``--repeats`` runs each) and prints the ratio: absolute times are not comparable across runs on a
@@ -499,6 +499,45 @@ def per_example_rows(repeats: int) -> list[tuple[str, str, str]]:
     return rows
 
 
+def eager_rows(repeats: int) -> list[tuple[str, str, str]]:
+    """Outside the user's jit every call that enters the solve traces each kind of layer once
+    more, to find a stale plan (a global a layer reads changed): that check's time against an
+    eager grad_by_solve step (no jit of the user's) and an eager jax.grad step."""
+    from linbackprop import _traced, _transforms
+
+    rows = []
+    for name, made in (("chain 16×64×32", lambda: chain(16, 64, 32)),
+                       ("deep chain 128×128×64", lambda: chain(128, 128, 64)),
+                       ("character-level GPT, 12 blocks", lambda: transformer(12, 128, 64, 16))):
+        loss, args, ref_loss, ref_args = made()
+        ours, ref = lbp.grad_by_solve(loss), jax.grad(ref_loss)
+        plans = []
+        original = _transforms.current_plan  # the plan each network call checks, as network_call finds it
+
+        def spy(net, theta, inputs, engine="auto"):
+            plan = original(net, theta, inputs, engine)
+            plans.append(plan)
+            return plan
+
+        _transforms.current_plan = spy
+        try:
+            jax.block_until_ready(ours(*args))
+        finally:
+            _transforms.current_plan = original
+        plan = plans[-1]
+
+        def check():
+            return [_traced.computation_of(layer, th, ins) != was for layer, th, ins, was in plan.computations]
+
+        t_check, t_ours, t_ref = interleaved([(check, ()), (ours, args), (ref, ref_args)], repeats)
+        kinds = len(plan.computations)
+        rows.append((f"{name}: the check, {kinds} kind{'s' * (kinds > 1)}", f"{t_check * 1e3:.1f} ms",
+                     f"{t_check / t_ours:.0%} of an eager grad_by_solve step ({t_ours * 1e3:.0f} ms; "
+                     f"eager jax.grad {t_ref * 1e3:.0f} ms)"))
+        print(rows[-1], flush=True)
+    return rows
+
+
 def tables(timing: list[dict], compile_: list[tuple[str, str, str]]) -> str:
     lines = ["| network | reference | run ratio | solve ms | ref ms | compile s (solve / ref) | peak memory ratio "
              "| temp memory ratio | grad / forward |", "|---|---|---|---|---|---|---|---|---|"]
@@ -511,8 +550,8 @@ def tables(timing: list[dict], compile_: list[tuple[str, str, str]]) -> str:
     return "\n".join(lines)
 
 
-def small_table(title: str, rows: list[tuple[str, str, str]]) -> str:
-    return "\n".join([f"| {title} | measured | target |", "|---|---|---|",
+def small_table(title: str, rows: list[tuple[str, str, str]], third: str = "target") -> str:
+    return "\n".join([f"| {title} | measured | {third} |", "|---|---|---|",
                       *(f"| {a} | {b} | {c} |" for a, b, c in rows)])
 
 
@@ -523,7 +562,7 @@ def main() -> None:
                         help="write the tables into docs/performance.md, docs/guides/curvature.md and README.md "
                              "(on an accelerator: README's accelerator rows only)")
     parser.add_argument("--quick", action="store_true", help="smaller compile-scaling rows (a smoke test)")
-    parser.add_argument("--rows", choices=["all", "gradients", "curvature", "headline"], default="all",
+    parser.add_argument("--rows", choices=["all", "gradients", "curvature", "headline", "eager"], default="all",
                         help="which tables to measure (and write); headline: README's rows and where ℳ after the "
                              "loop stops paying, the short list for an accelerator")
     args = parser.parse_args()
@@ -535,6 +574,13 @@ def main() -> None:
         if args.write_docs:
             _write_headline(timing, threshold, args.rows, on_cpu)
         return
+    if args.rows in ("all", "eager"):
+        text = small_table("the staleness check outside jit", eager_rows(r), "against")
+        print(text)
+        if args.write_docs and on_cpu:
+            _write_between(ROOT / "docs" / "performance.md", "eager table", text, args.rows)
+        if args.rows == "eager":
+            return
     if args.rows in ("all", "curvature"):
         curvature = gauss_newton_rows(r) + per_example_rows(r)
         text = small_table("curvature", curvature)

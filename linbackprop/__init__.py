@@ -20,7 +20,8 @@ from ._graph import GraphError, Layer, Network, Row, Stack
 from ._interop import Functional, functional
 from ._operators import Block, Linearization, LinearOperator, ParamOperator, StateOperator, linearize
 from ._pictures import plot_network, spy
-from ._transforms import grad_by_solve, jvp_by_solve, solving, value_and_grad_by_solve
+from ._settings import solving
+from ._transforms import grad_by_solve, jvp_by_solve, value_and_grad_by_solve
 
 __version__ = "0.1.0"
 

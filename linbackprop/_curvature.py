@@ -29,7 +29,8 @@ from ._engine import ParamFactors, ParamSquares, back_substitution, param_adjoin
 from ._graph import Network, Stack
 from ._operators import LinearOperator
 from ._outer import weighted_square_sum
-from ._plan import Plan, differentiable_dtype
+from ._plan import Plan, current_plan, differentiable_dtype
+from ._settings import current
 from ._transforms import calls_intercepted, output_tangents, outputs_of, prepare, solve_mode
 
 
@@ -229,6 +230,7 @@ class _Calls:
                     outputs.append(out)
                     return out
                 theta = {p: net.select_params(params)[p] for p in live.param_names}
+                current_plan(live, theta, tuple(inputs), current().engine)  # anew where a layer's computation changed
                 plan, prim = prepare(live, jax.lax.stop_gradient(theta), tuple(jax.lax.stop_gradient(inputs)))
                 outs = outputs_of(plan, prim.states)
                 thetas.append(theta)

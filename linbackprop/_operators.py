@@ -18,8 +18,9 @@ from jax.flatten_util import ravel_pytree
 
 from ._engine import Primal, back_substitution, forward_substitution, param_adjoint, param_forward, state_product
 from ._graph import Network, Row, block_of, call_layer, layer_theta, resolve
-from ._plan import Plan, plan_for
+from ._plan import Plan, current_plan
 from ._render import block_matrix_text
+from ._settings import Settings, using
 from ._transforms import prepare
 
 
@@ -385,9 +386,12 @@ class Linearization:
     def __init__(self, net: Network, params: Mapping, inputs: tuple[Any, ...]):
         net.check_inputs(inputs)
         self.params = net.select_params(params)
-        self._plan = plan_for(net, self.params, tuple(inputs))
+        # the default settings, whatever transform linearize is called in: the plan and the
+        # forward pass must agree on the engine (and keep residuals)
+        with using(Settings()):
+            self._plan = current_plan(net, self.params, tuple(inputs))
+            self._prim = jax.jit(lambda theta, inputs: prepare(net, theta, inputs)[1])(self.params, tuple(inputs))
         self._jitted: dict = {}
-        self._prim = jax.jit(lambda theta, inputs: prepare(net, theta, inputs)[1])(self.params, tuple(inputs))
         self.states = {**dict(zip(net.inputs, inputs)),
                        **self._plan.unpack(self._prim.states, net.order, self._plan.state_loc)}
         self.L = StateOperator(self, adjoint=False)

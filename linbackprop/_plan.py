@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import threading
 import types
 from collections.abc import Callable, Hashable
 from typing import Any, NamedTuple
@@ -26,6 +27,7 @@ from jax.extend.core import Literal
 
 from ._graph import Layer, Network, Row, Stack, call_layer
 from ._stacking import explicit_sharding, mesh_of, place, take, zeros_of
+from ._traced import computation_of
 
 Aval = jax.ShapeDtypeStruct
 
@@ -330,6 +332,8 @@ class Plan:
     unrolled: bool = False  # the substitutions as straight-line code (shallow networks, see loop_pays)
     full: Plan | None = None  # for a compact plan (see ``compact``): the plan it was made from
     to_compact: tuple[np.ndarray, ...] | None = None  # ... and per state group, its row of each full row
+    # per kind: (its first layer, θ avals, input avals, what it computed there: computation_of)
+    computations: tuple[tuple[Layer, tuple, tuple, Hashable], ...] = ()
 
     @functools.cached_property
     def compact(self) -> Plan:
@@ -746,8 +750,11 @@ def periodic_segments(step_kind: np.ndarray, kinds: int) -> list[tuple[int, int,
 
 
 @functools.lru_cache(maxsize=32)
-def make_plan(net: Network, param_structs: tuple, input_structs: tuple, engine: str = "auto") -> Plan:
-    """The layout for ``net`` at the given shapes (``param_structs`` follows ``net.param_names``)."""
+def make_plan(net: Network, param_structs: tuple, input_structs: tuple, engine: str = "auto",
+              generation: int = 0) -> Plan:
+    """The layout for ``net`` at the given shapes (``param_structs`` follows ``net.param_names``);
+    ``generation`` (:func:`plans_generation`) keys the cache only."""
+    _plans_made.count += 1
     params = {p: _unstruct(s) for p, s in zip(net.param_names, param_structs)}
     plain = [(p, a) for p, a in params.items() if p not in net.stacked_blocks]
     param_groups, param_loc = _group(plain, pad=False)
@@ -766,6 +773,7 @@ def make_plan(net: Network, param_structs: tuple, input_structs: tuple, engine: 
 
     avals: dict[Hashable, Any] = {name: _unstruct(s) for name, s in zip(net.inputs, input_structs)}
     kind_info: dict[Any, tuple] = {}
+    computations: list[tuple[Layer, tuple, tuple, Hashable]] = []
     layer_kind: list[Any] = []
     for layer in net.layers:
         theta = tuple(_row_aval(params, p) for p in layer.params)
@@ -774,6 +782,7 @@ def make_plan(net: Network, param_structs: tuple, input_structs: tuple, engine: 
                tuple(isinstance(r, Row) and r.block for r in layer.reads))
         if key not in kind_info:
             kind_info[key] = _analyse_kind(layer, theta, ins)
+            computations.append((layer, theta, ins, computation_of(layer, theta, ins)))
         avals[layer.name] = kind_info[key][0]
         layer_kind.append(key)
 
@@ -811,7 +820,8 @@ def make_plan(net: Network, param_structs: tuple, input_structs: tuple, engine: 
     unrolled = engine == "unrolled" or (engine == "auto" and not loop_pays(len(net.layers), len(kinds)))
     return Plan(net=net, state_groups=state_groups, param_groups=param_groups, state_loc=state_loc,
                 param_loc=param_loc, kinds=tuple(kinds), step_kind=step_kind, res_avals=tuple(residuals.avals),
-                res_rows=tuple(residuals.rows), res_as_rows=tuple(residuals.as_rows), unrolled=unrolled)
+                res_rows=tuple(residuals.rows), res_as_rows=tuple(residuals.as_rows), unrolled=unrolled,
+                computations=tuple(computations))
 
 
 def _straight_line_kinds(step_kind: np.ndarray, kinds: int) -> frozenset[int]:
@@ -956,7 +966,45 @@ def plan_for(net: Network, theta: dict[Hashable, Any], inputs: tuple[Any, ...], 
     param_structs = tuple(_struct_of(theta[p], f"Parameter block {p!r}") for p in net.param_names)
     input_structs = tuple(_struct_of(x, f"Network input {name!r}") for name, x in zip(net.inputs, inputs))
     with mesh_of((theta, inputs)):  # the layers' analysis types its arrays on the arguments' mesh
-        return make_plan(net, param_structs, input_structs, engine)
+        return make_plan(net, param_structs, input_structs, engine, _generation[0])
+
+
+# Bumped whenever a plan is found stale: every plan and compiled solve is then made anew (what
+# changed — a global a layer reads — may be read by any network's layers, and by the segments
+# of checkpointed calls, which are networks of their own).
+_generation = [0]
+_generation_lock = threading.Lock()
+
+
+class _Counter(threading.local):
+    count = 0
+
+
+_plans_made = _Counter()  # plans made by this thread (make_plan runs in the thread that asks)
+
+
+def plans_generation() -> int:
+    """The generation of the plans: caches of what is compiled from plans key on it too."""
+    return _generation[0]
+
+
+def current_plan(net: Network, theta: dict[Hashable, Any], inputs: tuple[Any, ...], engine: str = "auto") -> Plan:
+    """:func:`plan_for`, made anew — with every cached plan and compiled solve — where a layer
+    computes something other than when its plan was made (a Python global it reads changed:
+    ``computation_of`` differs). Called where a network call enters the solve from user code
+    (once per trace: each kind's layer traced once more), so that outside the user's ``jit`` a
+    result is always what ``jax.grad`` gives; under it, JAX's own caching holds."""
+    made = _plans_made.count
+    plan = plan_for(net, theta, inputs, engine)
+    if _plans_made.count != made:  # made just now, from what the layers compute now
+        return plan
+    with mesh_of((theta, inputs)):
+        stale = any(computation_of(layer, th, ins) != was for layer, th, ins, was in plan.computations)
+    if stale:
+        with _generation_lock:
+            _generation[0] += 1
+        plan = plan_for(net, theta, inputs, engine)
+    return plan
 
 
 def _struct_of(tree: Any, where: str) -> Any:

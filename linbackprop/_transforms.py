@@ -42,88 +42,10 @@ from ._engine import (
     read_rows,
 )
 from ._graph import Network, Stack, set_call
-from ._plan import Plan, differentiable_dtype, leaf_aval, plan_for
+from ._plan import Plan, current_plan, differentiable_dtype, leaf_aval, plan_for, plans_generation
+from ._settings import Settings, current, settings_changed, solving, solving_with
 from ._solve import solve
 from ._stacking import explicit_sharding, mesh_of, under_vmap, zeros_of
-
-
-class _ThreadLocalMode(threading.local):
-    """The fallback where JAX lacks the private config API: a per-thread value whose default holds
-    in every thread (``threading.local`` runs ``__init__`` again in each new thread). It is not
-    part of jit's key: there ``grad_by_solve(jax.jit(f))`` reuses a plain trace (see README)."""
-
-    def __init__(self, default: Any):
-        self.value = default
-
-    @contextlib.contextmanager
-    def __call__(self, value: Any):
-        old, self.value = self.value, value
-        try:
-            yield
-        finally:
-            self.value = old
-
-
-def _jax_config() -> Any:
-    """JAX's private config module (states keyed into jit's cache), or None without it."""
-    try:
-        from jax._src import config as jax_config
-    except ImportError:  # pragma: no cover - another JAX layout
-        return None
-    needed = ("bool_state", "enum_state", "int_state")
-    return jax_config if all(hasattr(jax_config, n) for n in needed) else None
-
-
-def _mode(name: str, help_text: str, values: tuple[str, ...] | type | None = None) -> Any:
-    """A state keyed into jit's cache (boolean, one of ``values``, or an int for ``values=int``):
-    a mode changes what a trace contains."""
-    default = False if values is None else 0 if values is int else values[0]
-    jax_config = _jax_config()
-    if jax_config is None:
-        return _ThreadLocalMode(default)
-    keyed = dict(include_in_jit_key=True, include_in_trace_context=True)
-    try:
-        if values is int:
-            return jax_config.int_state(name, 0, help_text, **keyed)
-        if values is None:
-            return jax_config.bool_state(name, False, help_text, **keyed)
-        return jax_config.enum_state(name, values, values[0], help_text, **keyed)
-    except TypeError:  # pragma: no cover - the private API changed its signature
-        return _ThreadLocalMode(default)
-
-
-_SOLVE_MODE = _mode("linbackprop_differentiate_by_solve",
-                    "Inside linbackprop's transforms: differentiate Network calls by the linear solve.")
-_REMAT = _mode("linbackprop_rematerialise",
-               "linbackprop: keep only the states; re-linearise each layer in the substitutions and products.")
-ENGINES = ("auto", "loop", "unrolled")
-_ENGINE = _mode("linbackprop_engine", "linbackprop: how the substitutions run.", ENGINES)
-_FORWARD_ONLY = _mode("linbackprop_forward_only",
-                      "linbackprop: jvp_by_solve, whose tangents are not transposed: one fused forward sweep.")
-_CHECKPOINTS = _mode("linbackprop_checkpoints", "linbackprop: states kept by checkpointed calls (0: all).", int)
-_SEGMENTS = _mode("linbackprop_checkpointed_segments",
-                  "linbackprop: the calls traced are segments of a checkpointed call (memory asked for).")
-SCHEDULES = ("even", "nested")
-_SCHEDULE = _mode("linbackprop_checkpoint_schedule", "linbackprop: how checkpointed calls place their states.",
-                  SCHEDULES)
-PARAM_PRODUCTS = ("auto", "after", "in_loop")
-_PARAM_PRODUCTS = _mode("linbackprop_param_products", "linbackprop: where ℳΛ is formed.", PARAM_PRODUCTS)
-_PRODUCTS = _mode("linbackprop_operator_products",
-                  "linbackprop: the calls are linearised once for products with their Jacobians (gauss_newton).")
-
-
-def solving() -> bool:
-    """True inside grad_by_solve / value_and_grad_by_solve / jvp_by_solve, where a Network call
-    is differentiated by the solve (elsewhere it is plain JAX code).
-
-    Examples:
-        >>> import linbackprop as lbp
-        >>> seen = []
-        >>> _ = lbp.grad_by_solve(lambda x: seen.append(lbp.solving()) or x * x)(1.0)
-        >>> lbp.solving(), seen
-        (False, [True])
-    """
-    return bool(_SOLVE_MODE.value)
 
 
 class _Interceptor(threading.local):
@@ -163,15 +85,16 @@ def network_call(net: Network, params: Any, inputs: tuple[Any, ...]) -> Any:
     if live is None:  # the outputs are network inputs: nothing to solve (JAX differentiates them)
         return net.pick_outputs(dict(zip(net.inputs, inputs)))
     theta = {p: theta[p] for p in live.param_names}
-    k = _CHECKPOINTS.value
-    if k and not _FORWARD_ONLY.value and k < len(live.layers) - 1:
+    plan = current_plan(live, theta, inputs, current().engine)  # made anew where a layer's computation changed
+    k = current().checkpoints
+    if k and not current().forward_only and k < len(live.layers) - 1:
         levels = (k,)
-        if _SCHEDULE.value == "nested":
-            state = _state_bytes(plan_for(live, theta, inputs, _ENGINE.value))
+        if current().schedule == "nested":
+            state = _state_bytes(plan)
             level_cost = _nbytes(theta) / max(sum(state.values()) / len(state), 1)
             levels = nested_levels(len(live.layers), k, level_cost)
         if checkpoints_keep_less(live, theta, inputs, levels):
-            with mesh_of((theta, inputs)), _SEGMENTS(True):
+            with mesh_of((theta, inputs)), settings_changed(segments=True):
                 # Nested: stacked inputs go down whole, each level adding its offset (a cut per
                 # segment would copy the rows of every level).
                 whole = {x: 0 for x in live.stacked_inputs} if len(levels) > 1 else {}
@@ -302,7 +225,7 @@ def checkpoint_memory_ratio(net: Network, theta: dict, inputs: tuple,
     example, ``param_products="in_loop"``: 1.26× before). Both are rough — XLA's buffer
     assignment decides — and were checked against ``memory_analysis()`` over random networks
     (``benchmarks/profile.py checkpoint-memory --sweep``)."""
-    plan = plan_for(net, theta, inputs, _ENGINE.value)
+    plan = plan_for(net, theta, inputs, current().engine)
     state = _state_bytes(plan)
     # Products with the Jacobians of a checkpointed call (gauss_newton) transpose the scan over
     # its segments once per product, each into a parameter-sized cotangent stack of zeros that XLA
@@ -310,8 +233,8 @@ def checkpoint_memory_ratio(net: Network, theta: dict, inputs: tuple,
     # program; counted as two (a solver's loop, CG, holds one product in its body). Under vmap the
     # scan's parameter cotangents are stacked per example and then moved into the result's layout
     # (a 24-layer chain, 4 examples: 2.3× the plain call's temporaries): counted the same.
-    param_cotangents = 2 * _nbytes(theta) if _PRODUCTS.value or under_vmap() else 0
-    residuals = 0 if _REMAT.value else sum(_nbytes(a) * (n + 1) for a, n in zip(plan.res_avals, plan.res_rows))
+    param_cotangents = 2 * _nbytes(theta) if current().products or under_vmap() else 0
+    residuals = 0 if current().remat else sum(_nbytes(a) * (n + 1) for a, n in zip(plan.res_avals, plan.res_rows))
     layers = [layer.name for layer in net.layers]
     states = sum(state[name] for name in layers)
     plain = 2 * states + residuals
@@ -328,7 +251,7 @@ def checkpoint_memory_ratio(net: Network, theta: dict, inputs: tuple,
         cut += 2 * _nbytes(source) * rows // max(jax.tree.leaves(source)[0].shape[0], 1)
     checkpointed = 2 * kept + below + 2 * leaf * plain / len(layers) + cut + param_cotangents
     segment_rows = 2 * leaf * _own_param_row_bytes(plan) / len(layers)
-    least = states + residuals if params_in_loop(_PARAM_PRODUCTS.value, _REMAT.value, plan) else plain
+    least = states + residuals if params_in_loop(current().param_products, current().remat, plan) else plain
     return checkpointed / plain, (checkpointed + segment_rows) / least
 
 
@@ -388,8 +311,8 @@ def _stack(values: list[Any]) -> Any:
 
 def prepare(net: Network, theta: dict[Hashable, Any], inputs: tuple[Any, ...]) -> tuple[Plan, Primal]:
     """The plan at these shapes and the forward pass with every layer's residuals."""
-    plan = plan_for(net, theta, inputs, _ENGINE.value)
-    prim = _forward_pass(plan, not _REMAT.value, plan.pack_params(theta),
+    plan = plan_for(net, theta, inputs, current().engine)
+    prim = _forward_pass(plan, not current().remat, plan.pack_params(theta),
                          plan.pack_states(dict(zip(net.inputs, inputs))))
     return plan, prim
 
@@ -490,7 +413,7 @@ def solve_forward(plan: Plan, prim: Primal, rhs: list[Any], compact: bool = Fals
 
 def _call_by_solve(net: Network, theta: dict, inputs: tuple) -> tuple[Any, ...]:
     """The call's outputs (the primal of the custom JVP made per network in ``_jitted_call_by_solve``)."""
-    plan = plan_for(net, theta, inputs, _ENGINE.value).compact
+    plan = plan_for(net, theta, inputs, current().engine).compact
     prim = forward(plan, plan.pack_params(theta), plan.pack_states(dict(zip(net.inputs, inputs))),
                    residuals=False)
     return _outputs(plan, prim.states)
@@ -522,11 +445,11 @@ def _call_by_solve_jvp(net: Network, primals: tuple, tangents: tuple) -> tuple:
     """The JVP rule of a network call: the outputs and their tangents 𝒫 Z, where ℒ Z = ℳ* h + E₀ dU₀."""
     theta, inputs = primals
     dtheta, dinputs = tangents
-    plan = plan_for(net, theta, inputs, _ENGINE.value)
+    plan = plan_for(net, theta, inputs, current().engine)
     anchor = _anchor(dtheta, dinputs)
     if anchor is None:  # no tangent of floats anywhere: the outputs' tangents are zeros
         return _call_by_solve(net, theta, inputs), tuple(_zero_tangent(plan, o) for o in net.output_spec)
-    if _FORWARD_ONLY.value:
+    if current().forward_only:
         return _jvp_in_forward_sweep(plan.compact, theta, inputs, dtheta, dinputs)
     return _jvp_by_linear_solve(plan, theta, inputs, dtheta, dinputs)
 
@@ -585,7 +508,7 @@ def _jvp_by_linear_solve(plan: Plan, theta: dict, inputs: tuple, dtheta: dict, d
     net = plan.net
     prim = prepare(net, theta, inputs)[1]
     moves_params = _moves_params(net, dtheta)
-    in_loop = (moves_params and params_in_loop(_PARAM_PRODUCTS.value, _REMAT.value, plan, _SEGMENTS.value)
+    in_loop = (moves_params and params_in_loop(current().param_products, current().remat, plan, current().segments)
                and all(g.differentiable for g in plan.param_groups))
     # The solve keeps Z only where it is read again or returned (plan.compact): a chain carries
     # Z_i from step to step instead of writing a [depth, batch, width] buffer for every product.
@@ -650,7 +573,7 @@ def _zero_tangent(plan: Plan, item: Hashable | Stack) -> Any:
 # (One global custom_jvp with the network as a static argument kept every network until JAX's
 # own LRU caches evicted it: ~4 MB per network, up to thousands of networks.)
 JITTED_NETWORKS = 32
-_jitted: collections.OrderedDict[Network, Callable] = collections.OrderedDict()
+_jitted: collections.OrderedDict[tuple[Network, int], Callable] = collections.OrderedDict()
 _jitted_lock = threading.Lock()
 
 
@@ -676,14 +599,17 @@ def _rule_with_zeros(net: Network, layout: tuple, primals: tuple, given: list) -
 
 
 def _jitted_call_by_solve(net: Network, theta: dict, inputs: tuple) -> tuple[Any, ...]:
+    key = (net, plans_generation())  # a new generation of plans: compiled anew (see current_plan)
     with _jitted_lock:
-        call = _jitted.get(net)
+        call = _jitted.get(key)
         if call is None:
-            call = _jitted[net] = _solver_of(net)
+            for old in [k for k in _jitted if k[1] != key[1]]:
+                del _jitted[old]
+            call = _jitted[key] = _solver_of(net)
             if len(_jitted) > JITTED_NETWORKS:
                 _jitted.popitem(last=False)
         else:
-            _jitted.move_to_end(net)
+            _jitted.move_to_end(key)
     return call(theta, inputs)
 
 
@@ -691,36 +617,18 @@ def _jitted_call_by_solve(net: Network, theta: dict, inputs: tuple) -> tuple[Any
 set_call(network_call)  # Network.__call__ runs network_call from now on (see _graph.set_call)
 
 
-def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise ValueError(f"{name} must be one of {choices}, got {value!r}.")
-
-
-def solve_mode(fun: Callable, *, remat: bool = False, checkpoints: int | None = None, schedule: str = "even",
-               param_products: str = "auto", engine: str = "auto", products: bool = False) -> Callable:
+def solve_mode(fun: Callable, settings: Settings | None = None, /, **options: Any) -> Callable:
     """``fun`` run with Network calls differentiated by the solve (any JAX transform of it, e.g.
-    ``jax.linearize``, then uses the solve's rules), with these settings (see grad_by_solve);
-    ``products``: linearised once for many products (the memory rule for checkpoints)."""
-    return _in_solve_mode(fun, fun, remat, param_products, engine, checkpoints, schedule, products)
+    ``jax.linearize``, then uses the solve's rules), with ``settings`` (or ``Settings.of(**options)``:
+    the keywords of grad_by_solve, and ``products``: linearised once for many products, which the
+    memory rule for checkpoints counts)."""
+    return _in_solve_mode(fun, fun, Settings.of(**options) if settings is None else settings)
 
 
-def _in_solve_mode(transformed: Callable, fun: Callable, remat: bool, param_products: str,
-                   engine: str, checkpoints: int | None = None, schedule: str = "even",
-                   products: bool = False) -> Callable:
-    _check_choice("param_products", param_products, PARAM_PRODUCTS)
-    _check_choice("engine", engine, ENGINES)
-    _check_choice("schedule", schedule, SCHEDULES)
-    if schedule != "even" and checkpoints is None:
-        raise ValueError(f"schedule={schedule!r} places checkpoints: give their number, checkpoints=k.")
-    if checkpoints is not None and (not isinstance(checkpoints, int) or isinstance(checkpoints, bool)
-                                    or checkpoints < 1):
-        raise ValueError(f"checkpoints must be a positive int (the number of states kept) or None, "
-                         f"got {checkpoints!r}.")
-
+def _in_solve_mode(transformed: Callable, fun: Callable, settings: Settings) -> Callable:
     @functools.wraps(fun)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
-        with (_SOLVE_MODE(True), _FORWARD_ONLY(False), _REMAT(bool(remat)), _PARAM_PRODUCTS(param_products),
-              _ENGINE(engine), _CHECKPOINTS(checkpoints or 0), _SCHEDULE(schedule), _PRODUCTS(products)):
+        with solving_with(settings):
             return transformed(*args, **kwargs)
 
     return wrapped
@@ -776,8 +684,9 @@ def grad_by_solve(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool
         >>> bool(jnp.allclose(g["W"], jax.grad(loss)(p, x)["W"]))
         True
     """
-    return _in_solve_mode(jax.grad(fun, argnums=argnums, has_aux=has_aux, **grad_kwargs), fun, remat,
-                          param_products, engine, checkpoints, schedule)
+    settings = Settings.of(remat=remat, checkpoints=checkpoints, schedule=schedule, param_products=param_products,
+                           engine=engine)
+    return _in_solve_mode(jax.grad(fun, argnums=argnums, has_aux=has_aux, **grad_kwargs), fun, settings)
 
 
 def value_and_grad_by_solve(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool = False, *,
@@ -793,8 +702,9 @@ def value_and_grad_by_solve(fun: Callable, argnums: int | Sequence[int] = 0, has
         >>> float(value), float(grads["a"])
         (6.0, 2.0)
     """
-    return _in_solve_mode(jax.value_and_grad(fun, argnums=argnums, has_aux=has_aux, **grad_kwargs), fun, remat,
-                          param_products, engine, checkpoints, schedule)
+    settings = Settings.of(remat=remat, checkpoints=checkpoints, schedule=schedule, param_products=param_products,
+                           engine=engine)
+    return _in_solve_mode(jax.value_and_grad(fun, argnums=argnums, has_aux=has_aux, **grad_kwargs), fun, settings)
 
 
 def jvp_by_solve(fun: Callable, primals: Sequence[Any], tangents: Sequence[Any], has_aux: bool = False, *,
@@ -814,7 +724,5 @@ def jvp_by_solve(fun: Callable, primals: Sequence[Any], tangents: Sequence[Any],
         >>> float(y), float(dy)
         (6.0, 2.0)
     """
-    _check_choice("engine", engine, ENGINES)
-    with (_SOLVE_MODE(True), _FORWARD_ONLY(True), _REMAT(False), _PARAM_PRODUCTS("auto"), _ENGINE(engine),
-          _CHECKPOINTS(0)):
+    with solving_with(Settings(engine=engine, forward_only=True)):
         return jax.jvp(fun, primals, tangents, has_aux=has_aux)

@@ -14,6 +14,7 @@ from jax.test_util import check_grads
 from networks import REGISTRY
 
 import linbackprop as lbp
+from linbackprop import _settings
 
 SETTINGS = [dict(engine="unrolled"), dict(engine="loop"), dict(engine="unrolled", param_products="after"),
             dict(engine="loop", param_products="in_loop"), dict(engine="loop", remat=True),
@@ -233,7 +234,7 @@ def test_weakly_typed_and_repeated_arguments_still_reuse_the_forward_linearisati
 
     def traced(p, x):
         theta = net.select_params(p)
-        with lbp._transforms._ENGINE(engine):
+        with _settings.using(_settings.Settings(engine=engine)):
             prim = lbp._transforms.prepare(net, theta, (x,))[1]
         seen.append(prim.residuals is not None)
         return prim.states
@@ -307,3 +308,72 @@ def test_straight_through_rounding_and_gradient_reversal_layers():
     loss = lambda p, x: jnp.sum(net(p, x) ** 2)
     for settings in SETTINGS[:3]:
         assert_trees_close(lbp.grad_by_solve(loss, **settings)(p, x), jax.grad(loss)(p, x))
+
+
+# -- 2. a layer whose computation changed between calls (a Python global it reads) ----------------
+SCALE = [3.0]  # read by the layers below; changed between calls
+TABLE = [np.ones(3)]  # a closed-over array constant, replaced between calls
+
+
+def _scaled(th, x):
+    return jnp.tanh(SCALE[0] * th[0] * x + jnp.asarray(TABLE[0]) @ th[1])
+
+
+def _global_network(depth):
+    layers = [lbp.Layer(i, _scaled, (i - 1,), (lbp.Row("w", i - 1), "v")) for i in range(1, depth + 1)]
+    return lbp.Network(layers, [0], depth)
+
+
+@pytest.mark.parametrize("depth", [2, 17])  # unrolled, and a loop over one kind
+def test_a_changed_global_is_seen_by_every_transform_outside_jit(depth):
+    """Outside the user's jit the result is what jax.grad gives now: a layer reading a global
+    that changed is planned and compiled again (value_and_grad_by_solve returned the old value and
+    gradient, silently). Every entry point: the transforms, checkpoints, the curvature transforms
+    and linearize."""
+    net = _global_network(depth)
+    p = {"w": 0.3 * jnp.ones((depth, 4)), "v": 0.1 * jnp.ones((3, 4))}
+    x = jnp.ones((2, 4))
+    loss = lambda p, x: jnp.sum(net(p, x) ** 2)
+    losses = lambda p, x: jnp.sum(net(p, x) ** 2, axis=1)
+    saved = SCALE[0], TABLE[0]
+    try:
+        for scale, table in ((3.0, np.ones(3)), (15.0, np.ones(3)), (15.0, np.arange(3.0)), (3.0, np.ones(3))):
+            SCALE[0], TABLE[0] = scale, table
+            value, grads = lbp.value_and_grad_by_solve(loss)(p, x)
+            ref_value, ref_grads = jax.value_and_grad(loss)(p, x)
+            np.testing.assert_allclose(value, ref_value, rtol=1e-12)
+            assert_trees_close(grads, ref_grads)
+            assert_trees_close(lbp.grad_by_solve(loss, checkpoints=2)(p, x), ref_grads)
+            tangent = jax.tree.map(jnp.ones_like, p)
+            assert_trees_close(lbp.jvp_by_solve(loss, (p, x), (tangent, jnp.zeros_like(x))),
+                               jax.jvp(loss, (p, x), (tangent, jnp.zeros_like(x))))
+            _, g, G = lbp.gauss_newton(loss)(p, x)
+            assert_trees_close(g, ref_grads)
+            _, jv = jax.jvp(lambda q: net(q, x), (p,), (tangent,))
+            assert_trees_close(G.mv(tangent), jax.vjp(lambda q: net(q, x), p)[1](2 * jv)[0])  # H = 2 I
+            assert_trees_close(lbp.per_example_grads(losses)(p, x),
+                               jax.vmap(jax.grad(lambda p, xb: losses(p, xb[None])[0]), (None, 0))(p, x))
+            lin = lbp.linearize(net, p, x)
+            assert_trees_close(lin.states[depth], net.states(p, x)[depth])
+    finally:
+        SCALE[0], TABLE[0] = saved
+
+
+def test_under_the_users_jit_a_changed_global_is_jaxs_semantics():
+    """Inside the user's jit, JAX's caching holds: a compiled step keeps the value it was traced
+    with, for jax.grad and for grad_by_solve alike; a new trace sees the new value."""
+    net = _global_network(3)
+    p, x = {"w": 0.3 * jnp.ones((3, 4)), "v": 0.1 * jnp.ones((3, 4))}, jnp.ones((2, 4))
+    loss = lambda p, x: jnp.sum(net(p, x) ** 2)
+    saved = SCALE[0]
+    try:
+        SCALE[0] = 3.0
+        ours, theirs = jax.jit(lbp.grad_by_solve(loss)), jax.jit(jax.grad(loss))
+        first = ours(p, x)
+        assert_trees_close(first, theirs(p, x))
+        SCALE[0] = 15.0
+        assert_trees_close(ours(p, x), first)  # compiled: as jax.jit(jax.grad) keeps it
+        assert_trees_close(theirs(p, x), first)
+        assert_trees_close(jax.jit(lbp.grad_by_solve(loss))(p, x), jax.grad(loss)(p, x))  # traced now
+    finally:
+        SCALE[0] = saved

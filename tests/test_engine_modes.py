@@ -83,3 +83,48 @@ def test_one_row_forms_the_products_in_the_loop():
     assert ours <= 1.1 * temp(jax.grad(scan), p["W"], x) and ours < p["W"].nbytes / 8
     program = lambda **kw: str(jax.make_jaxpr(lbp.grad_by_solve(loss, engine="loop", **kw))(p, x))
     assert program() == program(param_products="in_loop")
+
+
+def test_every_transform_and_linearize_see_the_settings_they_were_given(monkeypatch):
+    """Each transform enters its settings whole (one frozen value): inside another transform's
+    context nothing of the outer options leaks in, and every plan is made with the engine the
+    settings name (``linearize`` planned with "auto" while its forward pass read the engine of
+    the enclosing mode; ``jvp_by_solve`` set 6 of the 9 modes)."""
+    from linbackprop import _plan, _settings, _transforms
+
+    seen = []
+    make_plan = _plan.make_plan
+
+    def recording(net, params, inputs, engine="auto", generation=0):
+        seen.append((engine, _settings.current()))
+        return make_plan(net, params, inputs, engine, generation)
+
+    monkeypatch.setattr(_plan, "make_plan", recording)
+    layers = [lbp.Layer(i, lambda th, u: jnp.tanh(u @ th[0]), (i - 1,), (lbp.Row("W", i - 1),)) for i in range(1, 5)]
+    net = lbp.Network(layers, [0], 4)
+    p, x = {"W": 0.5 * jnp.ones((4, 3, 3))}, jnp.ones((2, 3))
+    loss = lambda p, x: jnp.sum(net(p, x) ** 2)
+    losses = lambda p, x: jnp.sum(net(p, x) ** 2, axis=1)
+    S = _settings.Settings
+    cases = [
+        (lambda: lbp.jvp_by_solve(loss, (p, x), (p, x), engine="loop"), S(engine="loop", forward_only=True)),
+        (lambda: lbp.grad_by_solve(loss, engine="unrolled", param_products="after")(p, x),
+         S(engine="unrolled", param_products="after")),
+        (lambda: lbp.value_and_grad_by_solve(loss, remat=True, engine="loop")(p, x), S(engine="loop", remat=True)),
+        (lambda: lbp.gauss_newton(loss, engine="loop")(p, x)[2].mv(p), S(engine="loop", products=True)),
+        (lambda: lbp.per_example_grads(losses, engine="unrolled")(p, x), S(engine="unrolled")),
+        (lambda: lbp.per_example_grad_norms(losses, engine="loop")(p, x), S(engine="loop")),
+        (lambda: lbp.diag_ggn(loss, engine="unrolled")(p, x), S(engine="unrolled")),
+        (lambda: lbp.kfac_factors(loss, engine="loop")(p, x), S(engine="loop")),
+        (lambda: lbp.linearize(net, p, x).L.T.solve({i: jnp.ones((2, 3)) for i in range(1, 5)}), S()),
+    ]
+    outer = dict(engine="unrolled", remat=True, checkpoints=2, schedule="nested", param_products="in_loop",
+                 products=True)
+    for run, expected in cases:
+        for context in (lambda f: f(), lambda f: _transforms.solve_mode(f, **outer)()):
+            seen.clear()
+            make_plan.cache_clear()  # every plan made anew, under the eyes of `recording`
+            jax.block_until_ready(context(run))
+            assert seen, expected
+            assert {s for _, s in seen} == {expected}, (expected, seen)
+            assert {e for e, _ in seen} == {expected.engine}, (expected, seen)

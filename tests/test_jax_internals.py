@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import linbackprop as lbp
-from linbackprop import _plan, _stacking, _transforms
+from linbackprop import _plan, _settings, _stacking
 
 UNCHANGED = """
 import jax
@@ -64,29 +64,29 @@ def test_custom_linear_solve_of_jax_still_rejects_what_it_rejected():
 
 
 def test_thread_local_fallback_has_its_default_in_every_thread():
-    """Without JAX's private config API, each mode is a thread-local value whose default holds in
-    threads other than the importing one."""
-    modes = [_transforms._ThreadLocalMode(d) for d in (False, 0, "auto")]
+    """Without ``jax.make_user_context``, the solve mode and the settings are thread-local values
+    whose default holds in threads other than the importing one."""
+    modes = [_settings._ThreadLocal(d) for d in (False, 0, _settings.Settings())]
     seen = []
     thread = threading.Thread(target=lambda: seen.extend(m.value for m in modes))
     thread.start()
     thread.join()
-    assert seen == [False, 0, "auto"]
-    with modes[2]("in_loop"):
-        assert modes[2].value == "in_loop"
+    assert seen == [False, 0, _settings.Settings()]
+    loop = _settings.Settings(engine="loop")
+    with modes[2](loop):
+        assert modes[2].value == loop
         other = []
         t = threading.Thread(target=lambda: other.append(modes[2].value))
         t.start()
         t.join()
-        assert other == ["auto"]  # a mode entered in one thread is not seen in another
-    assert modes[2].value == "auto"
+        assert other == [_settings.Settings()]  # a mode entered in one thread is not seen in another
+    assert modes[2].value == _settings.Settings()
 
 
-def test_modes_fall_back_to_thread_locals_without_the_private_config(monkeypatch):
-    monkeypatch.setattr(_transforms, "_jax_config", lambda: None)
-    for values, default in ((None, False), (int, 0), (("auto", "loop"), "auto")):
-        mode = _transforms._mode("linbackprop_test_fallback", "test", values)
-        assert isinstance(mode, _transforms._ThreadLocalMode) and mode.value == default
+def test_context_values_fall_back_to_thread_locals_without_make_user_context(monkeypatch):
+    monkeypatch.delattr(jax, "make_user_context")
+    value = _settings.context_value(_settings.Settings())
+    assert isinstance(value, _settings._ThreadLocal) and value.value == _settings.Settings()
 
 
 def _scalar_network():
@@ -128,8 +128,9 @@ def test_without_the_jaxpr_analysis_every_residual_is_stored(monkeypatch, engine
 
 def test_the_forward_pass_replays_the_analysed_linearisation():
     """Residuals are rebuilt into the VJP the plan analysed: the forward pass replays that
-    analysis's jaxpr (so the residuals always fit), and a layer's Python runs once per kind — the
-    analysis — not once more per step."""
+    analysis's jaxpr (so the residuals always fit), and a layer's Python runs per kind, not per
+    step: the analysis and the trace of what it computes when the plan is made, then once per
+    call that enters the solve (the check that the plan is not stale)."""
     calls = []
 
     def layer(th, u):
@@ -140,9 +141,13 @@ def test_the_forward_pass_replays_the_analysed_linearisation():
     p, x = {"W": 0.4 * jnp.ones((5, 2, 2))}, jnp.ones((3, 2))
     loss = lambda p, x: jnp.sum(net(p, x) ** 2)
     got = lbp.grad_by_solve(loss, engine="unrolled")(p, x)
-    assert len(calls) == 1  # five layers of one kind, unrolled: the analysis's trace only
+    assert len(calls) == 2  # five layers of one kind, unrolled: the analysis and computation_of
+    again = lbp.grad_by_solve(loss, engine="unrolled")(p, x)
+    assert len(calls) == 3  # the plan's computation compared, nothing traced per step
     for a, e in zip(jax.tree.leaves(got), jax.tree.leaves(jax.grad(loss)(p, x))):
         np.testing.assert_allclose(a, e, rtol=1e-12)
+    for a, e in zip(jax.tree.leaves(again), jax.tree.leaves(got)):
+        np.testing.assert_array_equal(a, e)
 
 
 def test_without_the_jaxpr_evaluation_the_ggn_diagonal_forms_every_cotangent(monkeypatch):

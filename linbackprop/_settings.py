@@ -1,0 +1,150 @@
+"""How a solve runs: one frozen value of options, and whether Network calls are solved at all.
+
+Both are context values that JAX keys its caches on (``jax.make_user_context``: part of jit's key
+and of the trace context), so ``grad_by_solve(jax.jit(f))`` traces ``f`` again in solve mode
+instead of reusing a plain trace, and a function traced with one set of options is not reused
+for another. A transform enters both once (:func:`solving_with`); everything below reads
+:func:`current` — the one place options come from.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+from collections.abc import Iterator
+from typing import Any, Literal, get_args
+
+import jax
+
+Engine = Literal["auto", "loop", "unrolled"]
+Schedule = Literal["even", "nested"]
+ParamProducts = Literal["auto", "after", "in_loop"]
+ENGINES: tuple[str, ...] = get_args(Engine)
+SCHEDULES: tuple[str, ...] = get_args(Schedule)
+PARAM_PRODUCTS: tuple[str, ...] = get_args(ParamProducts)
+
+
+def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}.")
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """The options of a solve (see ``grad_by_solve`` for the public ones).
+
+    Attributes:
+        engine: how the substitutions run: ``lax.fori_loop`` s over kinds, straight-line code, or
+            chosen from the shapes.
+        remat: keep only the states; re-linearise each layer in the substitutions and products.
+        checkpoints: states kept by checkpointed calls (0: every state).
+        schedule: how checkpointed calls place their states.
+        param_products: where ℳΛ (and ℳ* h) is formed.
+        forward_only: ``jvp_by_solve``, whose tangents are never transposed: one fused forward sweep.
+        products: the calls are linearised once for many products with their Jacobians
+            (``gauss_newton``; the checkpoint memory rule counts them).
+        segments: the calls traced are segments of a checkpointed call (memory was asked for).
+    """
+
+    engine: Engine = "auto"
+    remat: bool = False
+    checkpoints: int = 0
+    schedule: Schedule = "even"
+    param_products: ParamProducts = "auto"
+    forward_only: bool = False
+    products: bool = False
+    segments: bool = False
+
+    def __post_init__(self) -> None:
+        _check_choice("param_products", self.param_products, PARAM_PRODUCTS)
+        _check_choice("engine", self.engine, ENGINES)
+        _check_choice("schedule", self.schedule, SCHEDULES)
+        k = self.checkpoints
+        if not isinstance(k, int) or isinstance(k, bool) or k < 0:
+            raise ValueError(f"checkpoints must be a positive int (the number of states kept) or None, got {k!r}.")
+        object.__setattr__(self, "remat", bool(self.remat))
+
+    @classmethod
+    def of(cls, *, checkpoints: int | None = None, schedule: str = "even", **options: Any) -> Settings:
+        """Settings from a transform's keywords (``checkpoints=None``: every state kept)."""
+        if schedule != "even" and checkpoints is None:
+            raise ValueError(f"schedule={schedule!r} places checkpoints: give their number, checkpoints=k.")
+        if checkpoints is not None and (not isinstance(checkpoints, int) or isinstance(checkpoints, bool)
+                                        or checkpoints < 1):
+            raise ValueError(f"checkpoints must be a positive int (the number of states kept) or None, "
+                             f"got {checkpoints!r}.")
+        return cls(checkpoints=checkpoints or 0, schedule=schedule, **options)
+
+    def replace(self, **changes: Any) -> Settings:
+        return dataclasses.replace(self, **changes)
+
+
+class _ThreadLocal(threading.local):
+    """The fallback where JAX lacks ``make_user_context``: a per-thread value whose default holds
+    in every thread (``threading.local`` runs ``__init__`` again in each new thread). It is not
+    part of jit's key: there ``grad_by_solve(jax.jit(f))`` reuses a plain trace (see README)."""
+
+    def __init__(self, default: Any):
+        self.value = default
+
+    @contextlib.contextmanager
+    def __call__(self, value: Any) -> Iterator[None]:
+        old, self.value = self.value, value
+        try:
+            yield
+        finally:
+            self.value = old
+
+
+def context_value(default: Any) -> Any:
+    """A value keyed into JAX's caches (``jax.make_user_context``), or a thread-local without it."""
+    make = getattr(jax, "make_user_context", None)
+    if make is None:
+        return _ThreadLocal(default)
+    return make(default)
+
+
+_SOLVING = context_value(False)
+_SETTINGS = context_value(Settings())
+
+
+def solving() -> bool:
+    """True inside grad_by_solve / value_and_grad_by_solve / jvp_by_solve, where a Network call
+    is differentiated by the solve (elsewhere it is plain JAX code).
+
+    Examples:
+        >>> import linbackprop as lbp
+        >>> seen = []
+        >>> _ = lbp.grad_by_solve(lambda x: seen.append(lbp.solving()) or x * x)(1.0)
+        >>> lbp.solving(), seen
+        (False, [True])
+    """
+    return bool(_SOLVING.value)
+
+
+def current() -> Settings:
+    """The settings of the solve being traced (the defaults outside every transform)."""
+    return _SETTINGS.value
+
+
+@contextlib.contextmanager
+def solving_with(settings: Settings) -> Iterator[None]:
+    """Network calls solved, with ``settings`` (all of them: nothing of an enclosing transform's
+    options leaks in)."""
+    with _SOLVING(True), _SETTINGS(settings):
+        yield
+
+
+@contextlib.contextmanager
+def using(settings: Settings) -> Iterator[None]:
+    """``settings`` for what is traced inside, solving or not as around it."""
+    with _SETTINGS(settings):
+        yield
+
+
+@contextlib.contextmanager
+def settings_changed(**changes: Any) -> Iterator[None]:
+    """The current settings with ``changes`` (a checkpointed call's segments: ``segments=True``)."""
+    with _SETTINGS(current().replace(**changes)):
+        yield
