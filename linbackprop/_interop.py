@@ -40,7 +40,13 @@ class Functional:
             linen: the variables dict for ``module.apply``) — e.g. after training.
         layer: ``layer(theta, *states) = apply(theta[0], *states)``: a layer function whose one
             parameter block is ``params`` or a ``Row`` of them. One object per split, so the
-            layers built from it are one kind of layer.
+            layers built from it are one kind of layer. A module that draws random numbers
+            (dropout) raises here: a layer function is pure, so its mask would be the same at
+            every call.
+        keyed_layer: ``keyed_layer(theta, key, *states) = apply(theta[0], *states, key=key)``: the
+            layer function of a module that draws random numbers, from ``key`` (a PRNG key read
+            as the layer's first state: a network input with a fresh key per step, or a ``Row``
+            of ``jax.random.split(step_key, n)`` for n layers).
 
     Example (any pure function of parameters works the same way):
         >>> import jax.numpy as jnp, linbackprop as lbp
@@ -54,6 +60,7 @@ class Functional:
     params: Any
     rebuild: Callable[[Any], Any]
     layer: Callable[..., Any] = dataclasses.field(init=False, repr=False)
+    keyed_layer: Callable[..., Any] = dataclasses.field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         apply = self.apply
@@ -61,21 +68,30 @@ class Functional:
         def layer(theta: tuple, *states: Any) -> Any:
             return apply(theta[0], *states)
 
-        layer.__name__ = layer.__qualname__ = getattr(apply, "__name__", "module")
+        def keyed_layer(theta: tuple, key: Any, *states: Any) -> Any:
+            return apply(theta[0], *states, key=key)
+
+        for fn in (layer, keyed_layer):
+            fn.__name__ = fn.__qualname__ = getattr(apply, "__name__", "module")
         object.__setattr__(self, "layer", layer)
+        object.__setattr__(self, "keyed_layer", keyed_layer)
 
 
-def functional(model: Any, variables: Any = None, *, method: str | None = None) -> Functional:
+def functional(model: Any, variables: Any = None, *, method: str | None = None,
+               rng_streams: tuple[str, ...] = ("dropout",)) -> Functional:
     """Split a flax or equinox model into the arrays to differentiate and a pure function of them.
 
     - **equinox** ``eqx.Module``: the inexact (floating) arrays, as ``eqx.partition`` with
       ``eqx.is_inexact_array`` gives them; the rest is held fixed.
     - **flax nnx** ``nnx.Module``: its ``nnx.Param`` state (``nnx.split(model, nnx.Param, ...)``);
-      other state (batch statistics, RNG streams) is held fixed at its value now, and mutations
-      of it during a call are dropped: every call draws the same dropout mask (pass a key as a
-      network input for a fresh one per step).
+      other state (batch statistics) is held fixed at its value now. A module whose call draws
+      random numbers from its RNG streams (``nnx.Dropout``) raises in ``layer`` — the mask would
+      be the same at every call — and runs in ``keyed_layer`` / ``apply(..., key=key)``, which
+      reseed stream n with ``jax.random.fold_in(key, n)`` (streams sorted by name; as
+      ``nnx.reseed``) before the call: a fresh key per step, a fresh mask.
     - **flax linen** ``nn.Module`` with its ``variables``: ``variables["params"]``; other
-      collections are held fixed. ``apply`` is ``module.apply``.
+      collections are held fixed. ``apply`` is ``module.apply``; with ``key``, the RNG streams
+      ``rng_streams`` get ``jax.random.fold_in(key, n)`` (``module.apply(..., rngs=...)``).
 
     ``method`` names a method to call instead of ``__call__``. Stacked models (``filter_vmap``,
     ``nnx.vmap``, ``jax.vmap(module.init)``) split the same way; pass ``Row`` s of ``params`` to
@@ -103,11 +119,22 @@ def functional(model: Any, variables: Any = None, *, method: str | None = None) 
         _no_variables(model, variables)
         graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 
-        def apply_nnx(p: Any, *args: Any, **kwargs: Any) -> Any:
+        def apply_nnx(p: Any, *args: Any, key: Any = None, **kwargs: Any) -> Any:
             # fresh Variables for the fixed state: a call may mutate them (an RNG count), and
             # nnx forbids mutating, inside a trace, Variables made outside it
             fixed = jax.tree.map(lambda x: x, rest)
-            return _method(nnx.merge(graphdef, p, fixed), method)(*args, **kwargs)
+            module = nnx.merge(graphdef, p, fixed)
+            if key is not None:
+                tags = sorted({stream.key.tag for _, stream in nnx.iter_graph(module)
+                               if isinstance(stream, nnx.RngStream)})
+                nnx.reseed(module, policy="match_shape",
+                           **{tag: jax.random.fold_in(key, n) for n, tag in enumerate(tags)})
+            counts = lambda: jax.tree.leaves(nnx.state(module, nnx.RngCount))
+            before = counts()
+            out = _method(module, method)(*args, **kwargs)
+            if key is None and any(a is not b for a, b in zip(before, counts())):  # a stream advanced
+                raise TypeError(_needs_key(model, "model.eval() before functional()"))
+            return out
 
         return Functional(_named(apply_nnx, model), params, lambda p: nnx.merge(graphdef, p, rest))
     if linen is not None and isinstance(model, linen.Module):
@@ -117,13 +144,27 @@ def functional(model: Any, variables: Any = None, *, method: str | None = None) 
         rest = {k: v for k, v in variables.items() if k != "params"}
         kw = {} if method is None else {"method": method}
 
-        def apply_linen(p: Any, *args: Any, **kwargs: Any) -> Any:
-            return model.apply({"params": p, **rest}, *args, **kw, **kwargs)
+        def apply_linen(p: Any, *args: Any, key: Any = None, **kwargs: Any) -> Any:
+            rngs = {} if key is None else {"rngs": {s: jax.random.fold_in(key, n) for n, s in enumerate(rng_streams)}}
+            try:
+                return model.apply({"params": p, **rest}, *args, **kw, **rngs, **kwargs)
+            except Exception as err:
+                if key is None and type(err).__name__ == "InvalidRngError":  # flax's: a stream was asked for
+                    raise TypeError(f"{_needs_key(model, 'deterministic=True in the call')}\n({err})") from err
+                raise
 
         return Functional(_named(apply_linen, model), variables["params"], lambda p: {"params": p, **rest})
     raise TypeError(f"functional() takes an equinox Module, a flax nnx Module or a flax linen Module (with its "
                     f"variables), got {type(model).__module__}.{type(model).__qualname__}. A plain function of "
                     "its parameters needs no wrapping: use fn(theta, *states) as the layer function.")
+
+
+def _needs_key(model: Any, deterministic: str) -> str:
+    return (f"functional({type(model).__name__}): its call draws random numbers (dropout), but a layer function is "
+            "pure: every call would draw the same mask. Pass a PRNG key: Layer(name, blocks.keyed_layer, "
+            "reads=(key_input, *states), ...) with a fresh key per step (a network input, or Row(keys, i) of "
+            f"jax.random.split(step_key, n) for n layers), or apply(params, x, key=key); or {deterministic} for a "
+            "deterministic call.")
 
 
 def _no_variables(model: Any, variables: Any) -> None:

@@ -174,19 +174,57 @@ class NnxAttentionWithDropout(nnx.Module):
         return self.dropout(self.attention(x))
 
 
-def test_nnx_module_that_mutates_rng_state_during_a_call():
+def test_nnx_dropout_draws_a_fresh_mask_from_each_key_and_never_a_held_one():
+    """A module whose call advances its RNG streams: ``layer`` raises (a pure layer function would
+    hold one mask for every call), ``keyed_layer`` reseeds the streams from a key read as a state
+    (as ``nnx.reseed`` with ``fold_in(key, n)``): the output and the gradient are the nnx call's
+    and ``nnx.grad``'s after that reseeding, and another key draws another mask."""
     model = NnxAttentionWithDropout(nnx.Rngs(0, dropout=1))
-    layer = lbp.functional(model)
-    net = lbp.Network([lbp.Layer("y", layer.layer, ("x",), ("attention",))], ["x"], "y")
+    blocks = lbp.functional(model)
     x = jax.random.normal(jax.random.PRNGKey(3), (B, 5, D))
-    loss = lambda p, x: jnp.sum(jnp.sin(net(p, x)))
-    params = {"attention": layer.params}
-    expected = jax.grad(lambda p, x: jnp.sum(jnp.sin(layer.apply(p["attention"], x))))(params, x)
-    # nnx makes float32 parameters even under x64: float32 rounding (the key bias's gradient is 0 + noise)
-    close(lbp.grad_by_solve(loss)(params, x), expected, tol=1e-5)
-    close(jax.jit(lbp.grad_by_solve(loss))(params, x), expected, tol=1e-5)
-    assert jnp.any(net(params, x) == 0)  # the dropout mask is applied: held fixed, one mask per call
+    held = lbp.Network([lbp.Layer("y", blocks.layer, ("x",), ("attention",))], ["x"], "y")
+    with pytest.raises(TypeError, match="draws random numbers.*keyed_layer.*model.eval"):
+        held({"attention": blocks.params}, x)
+    with pytest.raises(TypeError, match="draws random numbers"):
+        lbp.grad_by_solve(lambda p, x: jnp.sum(held(p, x)))({"attention": blocks.params}, x)
+    net = lbp.Network([lbp.Layer("y", blocks.keyed_layer, ("key", "x"), ("attention",))], ["key", "x"], "y")
+    loss = lambda p, key, x: jnp.sum(jnp.sin(net(p, key, x)))
+    params = {"attention": blocks.params}
+
+    masks = []
+    for seed in (5, 6):
+        key = jax.random.key(seed)
+        copy = nnx.clone(model)
+        nnx.reseed(copy, dropout=jax.random.fold_in(key, 0))
+        close(net(params, key, x), copy(x), tol=1e-6)
+        copy = nnx.clone(model)
+        nnx.reseed(copy, dropout=jax.random.fold_in(key, 0))
+        expected = nnx.grad(lambda m: jnp.sum(jnp.sin(m(x))))(copy)
+        # nnx makes float32 parameters even under x64: float32 rounding
+        close(lbp.grad_by_solve(loss)(params, key, x)["attention"], expected, tol=1e-5)
+        close(jax.jit(lbp.grad_by_solve(loss))(params, key, x)["attention"], expected, tol=1e-5)
+        masks.append(net(params, key, x) == 0)
+    assert jnp.any(masks[0]) and jnp.any(masks[0] != masks[1])  # dropout applied, another key another mask
     assert [int(c) for c in jax.tree.leaves(nnx.state(model, nnx.RngCount))] == [0]  # the model is untouched
+
+
+def test_linen_dropout_asks_for_a_key_and_draws_from_it():
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dropout(0.5, deterministic=False)(nn.Dense(D)(x))
+
+    module, x = Block(), jnp.ones((B, D))
+    variables = module.init(jax.random.PRNGKey(0), x)
+    blocks = lbp.functional(module, variables)
+    with pytest.raises(TypeError, match="draws random numbers.*keyed_layer"):
+        blocks.apply(blocks.params, x)
+    key = jax.random.key(7)
+    net = lbp.Network([lbp.Layer("y", blocks.keyed_layer, ("key", "x"), ("block",))], ["key", "x"], "y")
+    plain = lambda p: jnp.sum(jnp.sin(module.apply({"params": p}, x, rngs={"dropout": jax.random.fold_in(key, 0)})))
+    close(lbp.grad_by_solve(lambda p: jnp.sum(jnp.sin(net({"block": p}, key, x))))(blocks.params), jax.grad(plain)(
+        blocks.params))
+    assert jnp.any(net({"block": blocks.params}, key, x) != net({"block": blocks.params}, jax.random.key(8), x))
 
 
 class NnxModel(nnx.Module):
