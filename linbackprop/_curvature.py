@@ -87,7 +87,7 @@ class GaussNewton(LinearOperator):
     linearisation: ``mv(v)`` is J v (a forward substitution and ℳ*), H (J v) (the loss's Hessian
     w.r.t. the outputs, linearised once) and J* (a back substitution and ℳ). Symmetric:
     ``G.T`` is ``G``. A pytree (its leaves are the stored residuals), so it can cross ``jax.jit``.
-    Made by :func:`gauss_newton`.
+    Made by [`gauss_newton`][linbackprop.gauss_newton].
 
     Examples:
         >>> import jax.numpy as jnp, linbackprop as lbp
@@ -152,11 +152,11 @@ def gauss_newton(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool 
                  remat: bool = False, checkpoints: int | None = None, schedule: str = "even",
                  param_products: str = "auto", engine: str = "auto") -> Callable:
     """``(value, grad, G)`` of ``fun`` at its arguments: value and gradient as
-    :func:`value_and_grad_by_solve`, and the generalised Gauss–Newton matrix
+    [`value_and_grad_by_solve`][linbackprop.value_and_grad_by_solve], and the generalised Gauss–Newton matrix
 
         G = J* H J,   J = ∂(network outputs)/∂θ = E ℒ⁻¹ ℳ*,   H = ∂²ℓ/∂(outputs)²
 
-    as a :class:`GaussNewton` operator on pytrees shaped like the arguments ``argnums`` names.
+    as a [`GaussNewton`][linbackprop.GaussNewton] operator on pytrees shaped like the arguments ``argnums`` names.
     The Network calls in ``fun`` are the model; everything else in ``fun`` is the loss ℓ of their
     outputs. ``G.mv(v)`` runs one forward substitution, one product with H, one back substitution
     and ℳ on the linearisation stored by the one forward pass made here: no forward pass per
@@ -170,7 +170,7 @@ def gauss_newton(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool 
     λ‖θ‖²) are in ``value`` and ``grad`` but not in G: H is the Hessian w.r.t. the outputs with
     the arguments held fixed; add their curvature yourself (2λ I for that weight decay).
     ``G.T`` is ``G``; ``G.todense()`` for tiny networks. ``remat``, ``checkpoints``, ``schedule``
-    and ``engine`` as in :func:`grad_by_solve` (checkpoints only where they save memory with the
+    and ``engine`` as in [`grad_by_solve`][linbackprop.grad_by_solve] (checkpoints only where they save memory with the
     products counted: each product keeps a parameter-sized cotangent of the segments' scan), with
     the same rule for ``param_products="auto"``: ℳ* h and ℳΛ batched after the loops where steps
     are latency-bound, formed in the loops (from the same linearisation of each layer as the
@@ -261,7 +261,7 @@ class _Calls:
         return lams
 
     def per_example(self, lams: list, batch: int, examples: Any = None) -> tuple:
-        """J* g split by example from the calls' adjoints Λ (:meth:`adjoints`): per differentiated
+        """J* g split by example from the calls' adjoints Λ (`adjoints`): per differentiated
         argument, a pytree with a leading axis of the examples (all, or those indexed by ``examples``)."""
         n = batch if examples is None else len(examples)
         theta_cts = []
@@ -278,8 +278,8 @@ class _Calls:
         """Σ_k Σ_b w_kb (J_b* g_k)², elementwise, per differentiated argument, in two parts:
         ``parts(lams, weights)`` for one k (from the calls' adjoints Λ_k), added up over k by the
         caller, and ``total(parts)`` once (outer products' λ-free factors and matrix products are
-        formed there, once: :class:`ParamSquares`). Only where each argument leaf is one parameter
-        block of one call, as it is (:attr:`placed`: squares then commute with the map from the
+        formed there, once: `ParamSquares`). Only where each argument leaf is one parameter
+        block of one call, as it is (`placed`: squares then commute with the map from the
         arguments to the blocks)."""
         maps = [ParamSquares(plan, prim, batch) for plan, prim in zip(self.plans, self.stored)]
 
@@ -457,9 +457,9 @@ def per_example_grads(fun: Callable, argnums: int | Sequence[int] = 0, *, engine
 def per_example_grad_norms(fun: Callable, argnums: int | Sequence[int] = 0, *, engine: str = "auto",
                            chunk: int = 16) -> Callable:
     """The (B,) Euclidean norms of the per-example gradients (over every argument ``argnums``
-    names), as ``jnp.linalg.norm`` of :func:`per_example_grads` flattened — without holding all
-    per-example gradients at once: after the one back substitution, ℳ runs on ``chunk`` examples at
-    a time (``lax.map``), keeping only their norms. For DP-SGD clipping.
+    names), as ``jnp.linalg.norm`` of [`per_example_grads`][linbackprop.per_example_grads]
+    flattened — without holding all per-example gradients at once: after the one back
+    substitution, ℳ runs on ``chunk`` examples at a time (``lax.map``), keeping only their norms. For DP-SGD clipping.
 
     Examples:
         >>> import jax.numpy as jnp, linbackprop as lbp
@@ -560,7 +560,7 @@ class Kronecker(NamedTuple):
 def kfac_factors(fun: Callable, argnums: int | Sequence[int] = 0, *, engine: str = "auto",
                  samples: int | None = None, key: jax.Array | None = None) -> Callable:
     """K-FAC factors of G = J* H J, shaped like the arguments ``argnums`` names: a
-    :class:`Kronecker` pair at each parameter leaf whose every use is a dense product (its
+    [`Kronecker`][linbackprop.Kronecker] pair at each parameter leaf whose every use is a dense product (its
     per-example cotangent x_bᵀ δ_b, a ``dot_general`` of one example's operands, contracted
     positions of a sequence summed), None at other leaves (biases, norms: ``diag_ggn`` gives
     their diagonal).
@@ -569,7 +569,7 @@ def kfac_factors(fun: Callable, argnums: int | Sequence[int] = 0, *, engine: str
 
     over the examples b, the layers and positions t that use W (N terms: K-FAC "expand", for
     shared weights, RNNs and tied embeddings alike) and the columns of each example's factored H
-    (as :func:`diag_ggn`: λ_bk, s_bk from ``eigh``, δ_bk from one back substitution for all
+    (as [`diag_ggn`][linbackprop.diag_ggn]: λ_bk, s_bk from ``eigh``, δ_bk from one back substitution for all
     examples per k; with ``samples=M`` and a PRNG ``key``, M sampled columns instead). Exact for
     one example and one use. ``fun`` returns a scalar loss that is a sum (or mean) over examples;
     each argument leaf must be one parameter block as it is (not transformed before the network
@@ -618,7 +618,7 @@ def kfac_factors(fun: Callable, argnums: int | Sequence[int] = 0, *, engine: str
 
 
 def _hessian_blocks(fun: Callable, args: tuple, nums: tuple[int, ...], engine: str, name: str) -> tuple:
-    """The forward pass of ``fun``'s network calls with residuals (:class:`_Calls`), the batch, the
+    """The forward pass of ``fun``'s network calls with residuals (`_Calls`), the batch, the
     map from [B, C] matrices to the calls' outputs, and each example's C × C block of H
     factored: eigenvalues [B, C] and eigenvectors [B, C, C] (``eigh``: exact for indefinite H)."""
     split = _Split(fun, args, nums, False)

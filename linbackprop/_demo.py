@@ -133,15 +133,30 @@ def figure(path: str, seed_lin: Any, net: Network, losses: list[float]) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from ._pictures import plot_network, spy
-
-    fig, axes = plt.subplots(2, 2, figsize=(11, 10))
-    spy(seed_lin.L, axes[0, 0], title="ℒ of the seed network (entries; blue lines: blocks)")
-    spy(seed_lin.M.T, axes[0, 1], title="ℳ* of the seed network (entries)")
-    plot_network(net, axes[1, 0], title="digits network: skips (orange), shared block R, c")
-    axes[1, 1].plot(np.arange(1, len(losses) + 1), losses, marker=".")
-    axes[1, 1].set(xlabel="epoch", ylabel="training loss (cross entropy)", yscale="log",
-                   title="training with optax.adam on grad_by_solve")
-    fig.tight_layout()
+    fig = demo_figure(seed_lin, net, losses)
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def demo_figure(seed_lin: Any, net: Network, losses: list[float]) -> Any:
+    """The demo's matplotlib figure (see `figure`)."""
+    import matplotlib.pyplot as plt
+
+    from ._pictures import plot_network, spy
+
+    fig = plt.figure(figsize=(11, 8.6))
+    grid = fig.add_gridspec(2, 2, height_ratios=[5, 2.6])
+    bottom = grid[1, :].subgridspec(1, 2, width_ratios=[1.5, 1], wspace=0.15)
+    spy(seed_lin.L, fig.add_subplot(grid[0, 0]), title="ℒ of the seed network (entries; blue lines: blocks)")
+    m_star = spy(seed_lin.M.T, fig.add_subplot(grid[0, 1]), title="ℳ* of the seed network (entries)")
+    m_star.set_xticks(m_star.get_xticks(), [f"θ{k}" for k in seed_lin.net.param_names], fontsize=7, rotation=90)
+    m_star.set_xlabel("columns: blocks θₖ in order of first use along the layers\n"
+                      "(weights θ1–θ8, biases θ9–θ13, numbered as in the seed)", fontsize=8)
+    dag = plot_network(net, fig.add_subplot(bottom[0]), title="digits network: skips (orange), shared block R, c")
+    dag.set_ylim(-0.75, dag.get_ylim()[1])  # the blocks listed under each layer, and no more
+    curve = fig.add_subplot(bottom[1])
+    curve.plot(np.arange(1, len(losses) + 1), losses, marker=".")
+    curve.set(xlabel="epoch", ylabel="training loss (cross entropy)", yscale="log",
+              title="training with optax.adam on grad_by_solve")
+    fig.tight_layout()
+    return fig

@@ -58,7 +58,7 @@ def _cast(value: Any, like: Any) -> Any:
 
 
 def read_row(buf: Any, i: Any, written: bool = False) -> Any:
-    """Row i; ``written``: of a buffer the loop also writes (see :func:`_scalar`)."""
+    """Row i; ``written``: of a buffer the loop also writes (see `_scalar`)."""
     i = _scalar(i, affine=not written)
     if isinstance(buf, RowList):
         return buf.rows[int(i)]
@@ -135,10 +135,10 @@ def _zeros_like_aval(tree: Any, lead: tuple[int, ...] = ()) -> Any:
 class Index:
     """A step-dependent index inside a loop: ``values[t]`` for the loop counter ``t``.
 
-    Lookups through the plan's tables compose in numpy at trace time (:func:`_at`), so the
+    Lookups through the plan's tables compose in numpy at trace time (`_at`), so the
     program computes each index it uses once, from ``t``: as c + d·t where the values are affine
     in t — the usual case, and then reads of different blocks at the same row are one and the
-    same XLA kernel (compile time) — else by one gather from a constant (:func:`_scalar`).
+    same XLA kernel (compile time) — else by one gather from a constant (`_scalar`).
     """
 
     __slots__ = ("t", "values")
@@ -157,7 +157,7 @@ class Index:
 
 
 def _at(table: np.ndarray, i: Any) -> Any:
-    """Entry i of a static table (i: an int when unrolled, or an :class:`Index`)."""
+    """Entry i of a static table (i: an int when unrolled, or an `Index`)."""
     return Index(i.t, table[i.values]) if isinstance(i, Index) else table[i]
 
 
@@ -179,7 +179,7 @@ def _scalar(i: Any, affine: bool = True) -> Any:
 
 
 class Step(NamedTuple):
-    """A step of a substitution: its index (an int when unrolled, else an :class:`Index`) and its
+    """A step of a substitution: its index (an int when unrolled, else an `Index`) and its
     kind when known at trace time (unrolled, one kind, or inside a periodic segment)."""
 
     index: Any
@@ -268,7 +268,7 @@ class LayerMaps:
     """The blocks of one layer i: ∂Φ_i/∂U (ℒ, negated) and ∂Φ_i/∂θ (ℳ*), with adjoints.
 
     (Co)tangents come in and go out in the tangent layout of their group (None at leaves without
-    tangents, see :class:`Group`); the layer's VJP sees JAX's float0 zeros there.
+    tangents, see `Group`); the layer's VJP sees JAX's float0 zeros there.
     """
 
     def __init__(self, plan: Plan, kind: Kind, vjp: Callable):
@@ -303,7 +303,7 @@ class LayerMaps:
         return self._of_reads(cts), self._of_params(cts)
 
     def state_forward(self, z_reads: tuple, h: tuple | None = None) -> Any:
-        """Σ_j ∂Φ_i/∂U_j Z_j, the transpose of :meth:`state_adjoint`; with ``h`` (one tangent per
+        """Σ_j ∂Φ_i/∂U_j Z_j, the transpose of `state_adjoint`; with ``h`` (one tangent per
         parameter slot) plus ∂Φ_i/∂θ h, both from one transposed VJP."""
         keep = [r for r, (z, d) in enumerate(zip(z_reads, self.diff_reads)) if d and z is not None]
         if not keep and h is None:
@@ -320,7 +320,7 @@ class LayerMaps:
         return self._transpose(adjoint, z if h is None else (z, h))
 
     def param_forward(self, h: tuple) -> Any:
-        """∂Φ_i/∂θ h_{S_i}, the transpose of :meth:`param_adjoint`."""
+        """∂Φ_i/∂θ h_{S_i}, the transpose of `param_adjoint`."""
         return self._transpose(self.param_adjoint, h)
 
     def _transpose(self, adjoint: Callable, x: Any) -> Any:
@@ -630,7 +630,7 @@ def back_substitution(plan: Plan, prim: Primal, rhs: list[Any], grads: list[Any]
     With ``grads`` (parameter-layout buffers), ℳΛ is also added into them inside the loop, from
     the same linearisation of each layer; returns (Λ, grads + ℳΛ) then.
 
-    ``compact``: the transpose of :func:`forward_substitution`'s. rhs and Λ in the layout of
+    ``compact``: the transpose of `forward_substitution`'s. rhs and Λ in the layout of
     ``plan.compact``; the cotangent of a read the forward substitution carried goes to the
     previous step in the loop's carry (for a state without a row, its Λ), into the buffer only
     at the start of the stretch. Λ is returned at the input rows, zeros elsewhere (the forward
@@ -909,13 +909,13 @@ def _member_vjp(plan: Plan, prim: Primal, kind: Kind, batch: int) -> tuple:
 
 class ParamSquares:
     """Σ_k Σ_b w_kb (ℳ Λ_k restricted to example b)², elementwise, in the parameter layout (no
-    batch axis): what the GGN diagonal sums over its adjoints Λ_k. :meth:`parts` takes one (Λ_k,
-    w_k); the caller adds the parts up over k and calls :meth:`total` once.
+    batch axis): what the GGN diagonal sums over its adjoints Λ_k. `parts` takes one (Λ_k,
+    w_k); the caller adds the parts up over k and calls `total` once.
 
     Where a row of a block is used by one layer only, its per-example cotangents are squared and
     summed over the examples as they are formed (no [batch, parameters] buffer), and an outer
     product a_bᵀ δ_kb keeps Σ_k w_k δ_k² in its part: (a²)ᵀ(·) is one matrix product at the end
-    (:class:`SquareSums`). Rows used by several layers (shared blocks) first add the layers'
+    (`SquareSums`). Rows used by several layers (shared blocks) first add the layers'
     contributions per example, then square, per k."""
 
     def __init__(self, plan: Plan, prim: Primal, batch: int):
@@ -932,7 +932,7 @@ class ParamSquares:
 
     def _members(self, kind: Kind) -> tuple:
         """The kind's θ and input leaves (members stacked), their vmap axes, the
-        :class:`SquareSums` of one member's per-example VJP, and zeros for its Λ leaves."""
+        `SquareSums` of one member's per-example VJP, and zeros for its Λ leaves."""
         per_example, example, varying, th_leaves, leaves, axes, lam_zeros = _member_vjp(
             self.plan, self.prim, kind, self.batch)
         squared = [g in self.exclusive for g in kind.param_groups
@@ -940,7 +940,7 @@ class ParamSquares:
         return th_leaves, leaves, axes, SquareSums(per_example, example, squared, varying), lam_zeros
 
     def parts(self, lam: list[Any], weights: jax.Array) -> tuple[list, list]:
-        """One adjoint's share: per kind, its members' :meth:`SquareSums.parts` of the leaves of
+        """One adjoint's share: per kind, its members' `SquareSums.parts` of the leaves of
         unshared rows (None for shared ones); per shared group, its squares (complete)."""
         plan = self.plan
         shared = {g: jax.tree.map(lambda z: jnp.zeros((self.batch, *z.shape), z.dtype),
@@ -988,13 +988,13 @@ class ParamSquares:
 
 class ParamFactors:
     """K-FAC factors in the parameter layout, from the adjoints Λ_k and weights w_k of the GGN's
-    columns (:meth:`parts` for one, added up over k by the caller; :meth:`total` once).
+    columns (`parts` for one, added up over k by the caller; `total` once).
 
     Per parameter group and leaf whose every use is a product x_bᵀ y_b of one example's operands
     (a dense layer; positions of a sequence summed), the rows' factors (A/N, Γ) stacked — A = Σ
     x_bᵀ x_b over the examples and every layer (and position) using the row, Γ = Σ_k Σ_b w_kb
     y_kbᵀ y_kb, N the number of (example, layer, position) terms — in the order of the leaf's axes
-    (:class:`OuterFactors`): the GGN block of a row ≈ left ⊗ right. None elsewhere. A row used by
+    (`OuterFactors`): the GGN block of a row ≈ left ⊗ right. None elsewhere. A row used by
     several layers sums their factors (K-FAC "expand" for shared weights)."""
 
     def __init__(self, plan: Plan, prim: Primal, batch: int):
@@ -1065,6 +1065,6 @@ class ParamFactors:
 
 def param_adjoint_squares(plan: Plan, prim: Primal, lam: list[Any], batch: int, weights: jax.Array) -> list[Any]:
     """Σ_b w_b (ℳ Λ restricted to example b)², elementwise, in the parameter layout: one adjoint's
-    :class:`ParamSquares`."""
+    `ParamSquares`."""
     squares = ParamSquares(plan, prim, batch)
     return squares.total(squares.parts(lam, weights))

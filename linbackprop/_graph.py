@@ -1,9 +1,9 @@
 """Layers and networks: the static DAG U_i = Φ_i(S_i(θ), U_j for j in reads(i)).
 
-A :class:`Network` only knows names and functions; shapes are looked at when it is called.
+A [`Network`][linbackprop.Network] only knows names and functions; shapes are looked at when it is called.
 Called plainly it is ordinary JAX code (a Python loop over its layers in topological order),
 so ``jax.grad`` of a function that calls it is the independent reference for the solve.
-Inside :func:`linbackprop.grad_by_solve` and friends the same call is differentiated by
+Inside [`grad_by_solve`][linbackprop.grad_by_solve] and friends the same call is differentiated by
 solving with ℒ = I − D_UΦ instead (see ``_transforms.py``).
 """
 
@@ -22,7 +22,7 @@ __all__ = ["GraphError", "Layer", "Network", "Row", "Stack"]
 
 
 class GraphError(ValueError):
-    """An invalid network graph, raised at :class:`Network` construction.
+    """An invalid network graph, raised at [`Network`][linbackprop.Network] construction.
 
     Examples:
         >>> import linbackprop as lbp
@@ -122,7 +122,7 @@ def resolve(p: Hashable, theta: Mapping[Hashable, Any]) -> Any:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Layer:
-    """One layer U_name = fn(theta, *inputs) of a :class:`Network`.
+    """One layer U_name = fn(theta, *inputs) of a [`Network`][linbackprop.Network].
 
     Args:
         name: any hashable, unique among the network's inputs and layers.
@@ -213,12 +213,12 @@ class Network:
     """A static DAG of layers: U_i = Φ_i(S_i(θ), U_j for j in reads(i)).
 
     Args:
-        layers: :class:`Layer` objects in any order; they are sorted topologically (ties keep
+        layers: [`Layer`][linbackprop.Layer] objects in any order; they are sorted topologically (ties keep
             the order given).
         inputs: names of the input states (U_0 of the seed); several are allowed.
         outputs: a single name (``net(...)`` returns that state) or a sequence of names
             (``net(...)`` returns a tuple). A tuple that is itself the name of a state is that
-            single name; write ``[name]`` for a 1-tuple of outputs. A :class:`Stack` of names
+            single name; write ``[name]`` for a 1-tuple of outputs. A [`Stack`][linbackprop.Stack] of names
             (alone or in the sequence) returns those states stacked on a new leading axis.
 
     Raises:
@@ -325,17 +325,17 @@ class Network:
 
     @property
     def param_names(self) -> tuple[Hashable, ...]:
-        """Parameter block names in order of first use along :attr:`order`."""
+        """Parameter block names in order of first use along `order`."""
         return self._param_names
 
     @property
     def stacked_blocks(self) -> frozenset:
-        """The blocks that layers use by rows (:class:`Row`)."""
+        """The blocks that layers use by rows ([`Row`][linbackprop.Row])."""
         return self._stacked
 
     @property
     def stacked_inputs(self) -> frozenset:
-        """The network inputs that layers read by rows (:class:`Row` in ``reads``)."""
+        """The network inputs that layers read by rows ([`Row`][linbackprop.Row] in ``reads``)."""
         return self._stacked_inputs
 
     @property
@@ -344,12 +344,12 @@ class Network:
 
     @property
     def outputs(self) -> tuple[Hashable, ...]:
-        """The names of the states the network returns (those of a :class:`Stack` in order)."""
+        """The names of the states the network returns (those of a [`Stack`][linbackprop.Stack] in order)."""
         return self._outputs
 
     @property
     def output_spec(self) -> tuple[Hashable | Stack, ...]:
-        """What a call returns, item by item: a state's name or a :class:`Stack` of names."""
+        """What a call returns, item by item: a state's name or a [`Stack`][linbackprop.Stack] of names."""
         return self._output_spec
 
     @property
@@ -458,7 +458,7 @@ class Network:
         return _call(self, params, inputs)
 
     def pick_outputs(self, states: Mapping[Hashable, Any]) -> Any:
-        """What a call returns, from all states by name (a :class:`Stack` stacked leaf by leaf)."""
+        """What a call returns, from all states by name (a [`Stack`][linbackprop.Stack] stacked leaf by leaf)."""
         outs = tuple(stack_states(item, [states[n] for n in item.names]) if isinstance(item, Stack)
                      else states[item] for item in self._output_spec)
         return outs[0] if self._single_output else outs

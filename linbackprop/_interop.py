@@ -1,7 +1,7 @@
 """Models from flax (nnx, linen) and equinox as layers.
 
 A layer function is pure: ``fn(theta, *states)`` with ``theta`` the tuple of its parameter
-blocks. A module is not: it holds its arrays. :func:`functional` splits a module once into the
+blocks. A module is not: it holds its arrays. [`functional`][linbackprop.functional] splits a module once into the
 arrays to differentiate — in the framework's own pytree (an ``eqx.Module`` with ``None`` where
 equinox keeps static fields, an ``nnx.State``, a linen ``params`` dict) — and a pure function of
 them, so that gradients come back in that pytree and go straight into optax:
@@ -30,7 +30,7 @@ import jax
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Functional:
-    """A module split into its arrays and a pure function of them (see :func:`functional`).
+    """A module split into its arrays and a pure function of them (see [`functional`][linbackprop.functional]).
 
     Attributes:
         apply: ``apply(params, *args, **kwargs)`` is ``model(*args, **kwargs)`` with ``params``

@@ -85,9 +85,9 @@ class SquareSums:
 
         Σ_k Σ_b w_kb (a_bᵀ δ_kb)²  =  (a²)ᵀ (Σ_k w_k δ_k²)
 
-    :meth:`parts` evaluates, per (adjoint, weights), what varies with them — Σ_b w_b leaf² for
+    `parts` evaluates, per (adjoint, weights), what varies with them — Σ_b w_b leaf² for
     leaves formed per example, w δ² [B, ...] for outer products, the per-example leaves [B, ...]
-    where not ``squared`` — parts add up over k, and :meth:`total` finishes once. ``varying``
+    where not ``squared`` — parts add up over k, and `total` finishes once. ``varying``
     marks the arguments the adjoint is (the cotangent is linear in them)."""
 
     def __init__(self, per_example: Callable[..., list], example_args: list, squared: list[bool],
@@ -203,8 +203,8 @@ class OuterFactors:
         Σ_b vec(x_bᵀ y_b) vec(x_bᵀ y_b)ᵀ  ≈  (1/N) (Σ_b x_bᵀ x_b) ⊗ (Σ_b y_bᵀ y_b)
 
     (K-FAC; exact for one example and one position; N counts the (example, position) terms).
-    :meth:`parts` forms Σ_b w_b y_bᵀ y_b for one (adjoint, weights) — parts add up over the GGN's
-    columns k — and :meth:`total` the λ-free Σ_b x_bᵀ x_b once; :meth:`layout` says in which
+    `parts` forms Σ_b w_b y_bᵀ y_b for one (adjoint, weights) — parts add up over the GGN's
+    columns k — and `total` the λ-free Σ_b x_bᵀ x_b once; `layout` says in which
     order they make the leaf's Kronecker product. Leaves that are no such product (and all
     leaves, should JAX's jaxpr internals change) get no factors."""
 

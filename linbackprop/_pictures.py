@@ -102,7 +102,7 @@ def plot_network(net: Network, ax: Any = None, title: str | None = None) -> Any:
     Blue arrows read the state just before, orange arcs above are skip connections (reads of any
     other state). Small networks list each layer's parameter blocks under it, so shared blocks
     are visible. Networks with more than 12 states or with two or more repeating kinds of layer
-    (see :func:`layout`: a transformer's attention and MLP layers on lanes of their own) are
+    (see `layout`: a transformer's attention and MLP layers on lanes of their own) are
     drawn compactly: one colour per repeating kind with its blocks in the legend, names under
     the nodes, and a dashed purple arc below for each block shared across kinds (tied
     embeddings). Returns the axes.
@@ -141,15 +141,17 @@ def _draw_line(net: Network, ax: Any, names: list[Hashable]) -> float:
             ax.annotate("", xy=(x[layer.name], 0), xytext=(x[r], 0),
                         arrowprops={"arrowstyle": "->", "color": "tab:blue" if gap == 1 else "tab:orange",
                                     "connectionstyle": f"arc3,rad={0.0 if gap == 1 else -0.35}",
-                                    "shrinkA": 9, "shrinkB": 9})
+                                    "shrinkA": 12, "shrinkB": 12})
     blocks = {layer.name: (*layer.params, *_row_reads(layer)) for layer in net.layers}
     for name in names:
         is_input = name in net.inputs
         text = label(name)
-        ax.plot(x[name], 0, "o", ms=max(16, 4.5 * len(text)), color="tab:green" if is_input else "white", mec="black")
-        ax.text(x[name], 0, text, ha="center", va="center", fontsize=7)
+        # the node is the label's own box: a long name widens it instead of overflowing a circle
+        ax.text(x[name], 0, text, ha="center", va="center", fontsize=9, zorder=3,
+                bbox={"boxstyle": "circle,pad=0.35" if len(text) <= 2 else "round,pad=0.45",
+                      "fc": "tab:green" if is_input else "white", "ec": "black"})
         if not is_input and blocks[name]:
-            ax.text(x[name], -0.12, "\n".join(label(b) for b in blocks[name]), ha="center", va="top", fontsize=6)
+            ax.text(x[name], -0.14, "\n".join(label(b) for b in blocks[name]), ha="center", va="top", fontsize=8)
     longest = max((x[layer.name] - x[r] for layer in net.layers for r in _state_reads(layer)), default=1)
     return 0.3 + 0.2 * longest
 

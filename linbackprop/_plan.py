@@ -83,8 +83,8 @@ class Group:
 
     Buffers of (co)tangents — Z, Λ, h, ℳΛ — have the *tangent layout*: the same pytree with None
     at the leaves that have no tangent (integer, bool, PRNG key), so a state {"h": floats, "key":
-    key} carries Λ for "h" alone. :meth:`tangent` converts a member's (co)tangent into that
-    layout, :meth:`full_tangent` back into JAX's (float0 zeros at those leaves).
+    key} carries Λ for "h" alone. `tangent` converts a member's (co)tangent into that
+    layout, `full_tangent` back into JAX's (float0 zeros at those leaves).
     """
 
     treedef: Any
@@ -155,7 +155,7 @@ class Group:
               tangent: bool = False) -> Any:
         """The members ``values`` at rows ``slots`` (default: all members, in order), zeros in the
         other rows (and in the pad row where the group has one); with ``as_rows`` a
-        :class:`RowList`; with ``tangent`` in the tangent layout."""
+        `RowList`; with ``tangent`` in the tangent layout."""
         if self.stacked_rows is not None:
             (value,) = values
             return self.cast(value, tangent)
@@ -753,7 +753,7 @@ def periodic_segments(step_kind: np.ndarray, kinds: int) -> list[tuple[int, int,
 def make_plan(net: Network, param_structs: tuple, input_structs: tuple, engine: str = "auto",
               generation: int = 0) -> Plan:
     """The layout for ``net`` at the given shapes (``param_structs`` follows ``net.param_names``);
-    ``generation`` (:func:`plans_generation`) keys the cache only."""
+    ``generation`` (`plans_generation`) keys the cache only."""
     _plans_made.count += 1
     params = {p: _unstruct(s) for p, s in zip(net.param_names, param_structs)}
     plain = [(p, a) for p, a in params.items() if p not in net.stacked_blocks]
@@ -905,7 +905,7 @@ def _row_aval(avals: dict[Hashable, Any], p: Hashable) -> Any:
 
 
 def _check_stacks(net: Network, groups: tuple[Group, ...], loc: dict[Hashable, tuple[int, Any]]) -> None:
-    """Every :class:`Stack` output holds states of one structure, shape and dtype (one group)."""
+    """Every [`Stack`][linbackprop.Stack] output holds states of one structure, shape and dtype (one group)."""
     for item in net.output_spec:
         if isinstance(item, Stack):
             first = item.names[0]
@@ -961,7 +961,7 @@ def _group(items: list[tuple[Hashable, Any]], pad: bool) -> tuple[tuple[Group, .
 def plan_for(net: Network, theta: dict[Hashable, Any], inputs: tuple[Any, ...], engine: str = "auto") -> Plan:
     """Validate the arguments' leaves and return the (cached) plan for their shapes.
 
-    ``engine``: "loop" (``lax.fori_loop`` substitutions), "unrolled", or "auto" (:func:`loop_pays`).
+    ``engine``: "loop" (``lax.fori_loop`` substitutions), "unrolled", or "auto" (`loop_pays`).
     """
     param_structs = tuple(_struct_of(theta[p], f"Parameter block {p!r}") for p in net.param_names)
     input_structs = tuple(_struct_of(x, f"Network input {name!r}") for name, x in zip(net.inputs, inputs))
@@ -989,7 +989,7 @@ def plans_generation() -> int:
 
 
 def current_plan(net: Network, theta: dict[Hashable, Any], inputs: tuple[Any, ...], engine: str = "auto") -> Plan:
-    """:func:`plan_for`, made anew — with every cached plan and compiled solve — where a layer
+    """`plan_for`, made anew — with every cached plan and compiled solve — where a layer
     computes something other than when its plan was made (a Python global it reads changed:
     ``computation_of`` differs). Called where a network call enters the solve from user code
     (once per trace: each kind's layer traced once more), so that outside the user's ``jit`` a

@@ -3,8 +3,8 @@
 Both are context values that JAX keys its caches on (``jax.make_user_context``: part of jit's key
 and of the trace context), so ``grad_by_solve(jax.jit(f))`` traces ``f`` again in solve mode
 instead of reusing a plain trace, and a function traced with one set of options is not reused
-for another. A transform enters both once (:func:`solving_with`); everything below reads
-:func:`current` — the one place options come from.
+for another. A transform enters both once (`solving_with`); everything below reads
+`current` — the one place options come from.
 """
 
 from __future__ import annotations

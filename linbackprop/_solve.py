@@ -263,7 +263,7 @@ def solve(plan: Plan, prim: Primal, b: Any, joint: bool = False, compact: bool =
     """A⁻¹ b for A = ℒ (``joint``: [[I, 0], [−ℳ*, ℒ]] on b = (h, rhs)), by forward substitution,
     differentiable in b (transpose: the back substitution) and in the linearisation.
     ``compact``: rhs and the solution in the layout of ``plan.compact``; with ``rhs_full`` rhs in
-    the full layout (see :class:`System`)."""
+    the full layout (see `System`)."""
     prim_leaves, prim_tree = jax.tree.flatten(prim)
     b_leaves, b_tree = jax.tree.flatten(b)
     compact = compact and not plan.unrolled

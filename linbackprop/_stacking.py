@@ -10,7 +10,7 @@ layers. Two small linear primitives fix that:
     take(buf; slots)             = (buf[slots[0]], …, buf[slots[n-1]])
 
 each the other's transpose. ``take`` reads every row with a dynamic index whose value XLA
-cannot fold (:func:`opaque_rows`), so all the n reads are one and the same kernel.
+cannot fold (`opaque_rows`), so all the n reads are one and the same kernel.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ would compute the same thing: its jaxpr and the constants it closes over.
 Plans and compiled solves are cached per network and shapes, as ``jax.jit`` caches traces. A
 layer function that reads a Python global, or a mutable object it closes over, computes
 something else once that changes — which ``jax.grad`` of the plain call would see, and a cached
-solve would not. Comparing each kind's :func:`computation_of` with the one its plan was made
+solve would not. Comparing each kind's `computation_of` with the one its plan was made
 from tells a stale plan (``_plan.current_plan``) before it is used.
 """
 

@@ -199,14 +199,14 @@ CHECKPOINT_SAVING = 0.5
 def checkpoints_keep_less(net: Network, theta: dict, inputs: tuple, levels: tuple[int, ...]) -> bool:
     """Whether checkpointing with ``levels`` is predicted to keep at most ``CHECKPOINT_SAVING``
     of what the same call keeps without, and bound to keep no more
-    (:func:`checkpoint_memory_ratio`)."""
+    (`checkpoint_memory_ratio`)."""
     estimate, bound = checkpoint_memory_ratio(net, theta, inputs, levels)
     return estimate <= CHECKPOINT_SAVING and bound <= 1.0
 
 
 def checkpoint_memory_ratio(net: Network, theta: dict, inputs: tuple,
                             levels: tuple[int, ...]) -> tuple[float, float]:
-    """What checkpointing with ``levels`` (states per level, :func:`nested_levels`) is predicted
+    """What checkpointing with ``levels`` (states per level, `nested_levels`) is predicted
     to keep, as a fraction of the same call without (by the shapes alone): an estimate and a
     pessimistic bound.
 
@@ -368,7 +368,7 @@ def _largest_state(plan: Plan) -> tuple[int, int]:
 
 def params_in_loop(param_products: str, remat: bool, plan: Plan, checkpointed: bool = False) -> bool:
     """The rule for where ℳΛ is formed. After the loop, batched per kind, where that pays
-    (:func:`after_loop_pays`: latency-bound steps, of two rows or more on CPU) — in the loop
+    (`after_loop_pays`: latency-bound steps, of two rows or more on CPU) — in the loop
     with remat (re-linearising every layer a second time after the loop would cost a forward
     pass), when the solve is unrolled (few layers per kind: little to batch), when steps are
     compute-bound (batching saves nothing; keeping every Λ costs memory) or of one row (outer
@@ -652,8 +652,8 @@ def grad_by_solve(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool
     recomputed just before its back substitution. Memory O(k + N/k) states (k ≈ √N: O(√N)),
     time at most one forward pass more. Segments that repeat (an RNN, ``Row``-stacked blocks) run
     as one ``lax.scan``, so the program does not grow with k. ``schedule="nested"`` spends the k
-    states on levels of segments within segments instead (d levels of k/d states, d chosen by
-    :func:`nested_levels` from the shapes to keep least): at most k states kept plus a short
+    states on levels of segments within segments instead (d levels of k/d states, d chosen from
+    the shapes to keep least; the guide "Sequences and memory" shows how): at most k states kept plus a short
     leaf segment, each layer evaluated d + 1 times — memory like k and recomputations growing like
     log N, the trade-off of the binomial (revolve) schedule; the default ``"even"`` is faster
     where its O(k + N/k) fits. Checkpointing never costs memory:
@@ -693,7 +693,8 @@ def value_and_grad_by_solve(fun: Callable, argnums: int | Sequence[int] = 0, has
                             remat: bool = False, checkpoints: int | None = None, schedule: str = "even",
                             param_products: str = "auto", engine: str = "auto", **grad_kwargs: Any) -> Callable:
     """Drop-in for ``jax.value_and_grad``, differentiating Network calls by the solve
-    (``remat``, ``checkpoints``, ``schedule``, ``param_products`` and ``engine`` as in :func:`grad_by_solve`).
+    (``remat``, ``checkpoints``, ``schedule``, ``param_products`` and ``engine`` as in
+    [`grad_by_solve`][linbackprop.grad_by_solve]).
 
     Examples:
         >>> import jax.numpy as jnp, linbackprop as lbp
@@ -710,11 +711,12 @@ def value_and_grad_by_solve(fun: Callable, argnums: int | Sequence[int] = 0, has
 def jvp_by_solve(fun: Callable, primals: Sequence[Any], tangents: Sequence[Any], has_aux: bool = False, *,
                  engine: str = "auto"):
     """Drop-in for ``jax.jvp``: Network calls are differentiated by forward substitution
-    ℒ Z = ℳ* h (+ the input tangents), first layer to last (``engine`` as in :func:`grad_by_solve`).
+    ℒ Z = ℳ* h (+ the input tangents), first layer to last (``engine`` as in
+    [`grad_by_solve`][linbackprop.grad_by_solve]).
 
     Row i of the substitution needs only layer i's linearisation, so it runs inside the forward
     loop (one JVP per layer, nothing stored). Reverse mode of the result (``jax.grad`` of it)
-    differentiates that loop with JAX's rules; for gradients use :func:`grad_by_solve`, whose
+    differentiates that loop with JAX's rules; for gradients use [`grad_by_solve`][linbackprop.grad_by_solve], whose
     forward rule stays a transposable linear solve.
 
     Examples:

@@ -5,6 +5,7 @@ import pytest
 
 import linbackprop as lbp
 from linbackprop._demo import digits_network
+from linbackprop._graph import label
 from linbackprop._pictures import layout
 
 matplotlib.use("Agg")
@@ -72,3 +73,45 @@ def test_plot_network_of_an_rnn_reading_rows_of_a_stacked_input(steps):
     else:
         assert [t.get_text() for t in ax.get_legend().get_texts()] == ["attention ×30: A; reads xs[i]"]
     matplotlib.pyplot.close(ax.figure)
+
+
+def _extent(artist, renderer):
+    return artist.get_window_extent(renderer)
+
+
+def test_every_node_of_a_small_network_is_its_labels_own_box():
+    """A long state name ("logits") widens its node instead of overflowing a fixed circle."""
+    net = digits_network()
+    ax = lbp.plot_network(net)
+    ax.figure.canvas.draw()  # boxes take their size when drawn
+    renderer = ax.figure.canvas.get_renderer()
+    names = {label(n) for n in [*net.inputs, *net.order]}
+    nodes = [t for t in ax.texts if t.get_text() in names]
+    assert {t.get_text() for t in nodes} == names
+    for text in nodes:
+        box = text.get_bbox_patch()
+        assert box is not None, text.get_text()
+        inner, outer = _extent(text, renderer), _extent(box, renderer)
+        assert outer.x0 <= inner.x0 and inner.x1 <= outer.x1 and outer.y0 <= inner.y0 and inner.y1 <= outer.y1
+    matplotlib.pyplot.close(ax.figure)
+
+
+def test_the_demo_figure_fills_its_dag_panel_and_explains_the_columns_of_m_star():
+    from linbackprop._demo import demo_figure
+    from linbackprop._operators import linearize
+    from linbackprop._seed import seed_problem
+
+    net, theta, u0, _ = seed_problem()
+    fig = demo_figure(linearize(net, theta, u0), digits_network(), [1.0, 0.5, 0.25])
+    lower, m_star, dag = fig.axes[0], fig.axes[1], fig.axes[2]
+    assert "ℒ" in lower.get_title() and "ℳ*" in m_star.get_title()
+    assert [t.get_text() for t in m_star.get_xticklabels()] == [f"θ{k}" for k in net.param_names]
+    assert "order of first use" in m_star.get_xlabel()
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    drawn = [_extent(t, renderer) for t in dag.texts]
+    panel = dag.get_window_extent(renderer)
+    height = max(b.y1 for b in drawn) - min(b.y0 for b in drawn)
+    assert height >= 0.4 * panel.height  # the nodes, arcs' labels and blocks: not a line in a big empty square
+    assert panel.width >= 1.3 * panel.height  # a wide panel for a network drawn left to right
+    matplotlib.pyplot.close(fig)
