@@ -5,6 +5,7 @@
     python benchmarks/profile.py gn-temporaries            # one G·v, 64-layer chain
     perf record -g python benchmarks/profile.py xla ours   # XLA alone, to sample (also: scan)
     python benchmarks/profile.py checkpoint-memory [--sweep 100 --seed 2 --transforms gradient vmap products]
+    python benchmarks/profile.py engine-rule [--builds 2]  # loop or unrolled: compile and run time
 
 ``compile``: ``jit(grad_by_solve)`` of the GPT of ``examples/transformer_lm.py`` against
 ``jit(jax.grad)`` over ``lax.scan``, each phase of freshly built networks timed separately
@@ -24,6 +25,11 @@ random settings (chains, RNNs, every state an output, two kinds with skips × de
 k, remat, schedule, where ℳΛ is formed; ``--transforms``: of gradients by default, or drawn from
 gradients, gradients vmapped over 4 examples and two Gauss–Newton products) and lists every one
 where checkpointing kept more.
+``engine-rule``: compile time (lower + compile of fresh builds, medians) and run time (medians of
+interleaved runs) of ``jit(grad_by_solve)`` with ``engine="loop"`` against ``"unrolled"`` for
+networks of a few kinds and depths — a transformer with one layer per block (embedding, blocks,
+head: three kinds), residual chains (one kind), a shallow network of distinct layers — and what
+``engine="auto"`` picks for each: the measurement behind ``_plan.loop_pays``.
 """
 
 from __future__ import annotations
@@ -37,6 +43,64 @@ import numpy as np
 from run import _fresh, chain, compiled, interleaved, kinds_dag, memory, residual, rnn, transformer
 
 import linbackprop as lbp
+
+
+def _block_transformer(blocks: int, width: int = 128, context: int = 64, batch: int = 16):
+    """examples/transformer_lm.py's GPT with one layer per block (attention and MLP in one layer
+    function, as a flax or equinox Block is called): embedding, blocks, head — three kinds."""
+    import importlib.util
+
+    from run import ROOT
+
+    spec = importlib.util.spec_from_file_location("transformer_lm", ROOT / "examples" / "transformer_lm.py")
+    lm = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(lm)  # fresh layer functions: a cold compile
+    params = lm.init(jax.random.PRNGKey(4), 96, context, width, blocks)
+    tokens = jax.random.randint(jax.random.PRNGKey(5), (batch, context + 1), 0, 96)
+    block = lambda th, x: lm.mlp((th[1],), lm.attention((th[0],), x))
+    layers, previous = [lbp.Layer("embed", lm.embed, ("tokens",), ("wte", "wpe"))], "embed"
+    for i in range(blocks):
+        layers.append(lbp.Layer(i, block, (previous,), (lbp.Row("attn", i), lbp.Row("mlp", i))))
+        previous = i
+    layers.append(lbp.Layer("logits", lm.logits, (previous,), ("ln_f", "wte")))
+    net = lbp.Network(layers, inputs=["tokens"], outputs="logits")
+    return (lambda p, t: lm.cross_entropy(net, p, t)), (params, tokens)
+
+
+def _distinct(depth: int, width: int = 128, batch: int = 64):
+    """``depth`` residual layers, each a function of its own (a kind each)."""
+    params = {**{("W", i): jax.random.normal(jax.random.PRNGKey(i), (width, width)) * 0.5 / np.sqrt(width)
+                 for i in range(depth)}, **{("b", i): jnp.zeros(width) for i in range(depth)}}
+    layers = [lbp.Layer(i + 1, _fresh(residual), (i,), (("W", i), ("b", i))) for i in range(depth)]
+    net = lbp.Network(layers, [0], depth)
+    return (lambda p, x: jnp.sum(net(p, x) ** 2)), (params, jnp.ones((batch, width)))
+
+
+def engine_rule(builds: int, only: str | None = None) -> None:
+    from linbackprop import _plan
+
+    cases = [(f"transformer, {n} blocks (3 kinds, {n + 2} layers)", lambda n=n: _block_transformer(n), n + 2, 3)
+             for n in (2, 4, 8, 12)]
+    cases += [(f"chain {d}×128×64 (1 kind)", lambda d=d: chain(d, 128, 64)[:2], d, 1) for d in (4, 8, 12, 16)]
+    cases += [(f"chain {d}×32×8 (1 kind)", lambda d=d: chain(d, 32, 8)[:2], d, 1) for d in (4, 8, 12)]
+    cases += [(f"{d} distinct layers ({d} kinds)", lambda d=d: _distinct(d), d, d) for d in (4, 8)]
+    for name, build, depth, kinds in cases:
+        if only and only not in name:
+            continue
+        times, runs = {}, []
+        for engine in ("loop", "unrolled"):
+            spent = []
+            for _ in range(builds):
+                loss, args = build()
+                c, t = compiled(lbp.grad_by_solve(loss, engine=engine), args)
+                spent.append(t)
+            times[engine] = float(np.median(spent))
+            runs.append((c, args))
+        t_loop, t_unrolled = interleaved(runs, 9)
+        auto = "loop" if _plan.loop_pays(depth, kinds) else "unrolled"
+        print(f"{name:42s} compile loop {times['loop']:6.2f} s  unrolled {times['unrolled']:6.2f} s   "
+              f"run loop/unrolled {t_loop / t_unrolled:5.2f} ({t_loop * 1e3:7.2f} / {t_unrolled * 1e3:7.2f} ms)   "
+              f"auto: {auto}", flush=True)
 
 
 def compile_phases(builds: int) -> None:
@@ -238,13 +302,14 @@ def checkpoint_memory(sweep: int, seed: int = 0, transforms: tuple[str, ...] = (
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("what", choices=["compile", "gn-halves", "gn-temporaries", "xla",
-                                                    "checkpoint-memory"])
+    parser.add_argument("what", choices=["compile", "gn-halves", "gn-temporaries", "xla", "engine-rule",
+                                         "checkpoint-memory"])
     parser.add_argument("which", nargs="?", choices=["ours", "scan"], default="ours", help="xla: whose program")
     parser.add_argument("--builds", type=int, default=6)
     parser.add_argument("--shape", type=int, nargs=3, default=(128, 128, 64))
     parser.add_argument("--sweep", type=int, default=0, help="checkpoint-memory: random settings to add")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--only", default=None, help="engine-rule: the cases whose name contains this")
     parser.add_argument("--transforms", nargs="+", choices=list(TRANSFORMS), default=["gradient"],
                         help="checkpoint-memory --sweep: what to draw from (default: gradients)")
     options = parser.parse_args()
@@ -256,5 +321,7 @@ if __name__ == "__main__":
         checkpoint_memory(options.sweep, options.seed, tuple(options.transforms))
     elif options.what == "gn-halves":
         gauss_newton_halves(tuple(options.shape))
+    elif options.what == "engine-rule":
+        engine_rule(options.builds, options.only)
     else:
         gauss_newton_temporaries()

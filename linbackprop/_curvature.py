@@ -25,6 +25,7 @@ import numpy as np
 from jax.extend.core import Literal
 from jax.flatten_util import ravel_pytree
 
+from ._capture import rewrite
 from ._engine import ParamFactors, ParamSquares, back_substitution, param_adjoint_per_example
 from ._graph import Network, Stack
 from ._operators import LinearOperator
@@ -150,7 +151,7 @@ _gauss_newton_mv = jax.jit(lambda G, v: G.apply(v))
 
 def gauss_newton(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool = False, *,
                  remat: bool = False, checkpoints: int | None = None, schedule: str = "even",
-                 param_products: str = "auto", engine: str = "auto") -> Callable:
+                 param_products: str = "auto", engine: str = "auto", layers: Any = None) -> Callable:
     """``(value, grad, G)`` of ``fun`` at its arguments: value and gradient as
     [`value_and_grad_by_solve`][linbackprop.value_and_grad_by_solve], and the generalised Gauss–Newton matrix
 
@@ -189,18 +190,55 @@ def gauss_newton(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool 
                     engine=engine)
 
     def run(*args: Any) -> tuple[Any, Any, GaussNewton]:
-        split = _Split(fun, args, nums, has_aux)
+        if layers is None:
+            split, found = _Split(fun, args, nums, has_aux), None
+        else:  # the model as it is: its network found, G on the arguments' own types
+            found = rewrite(fun, args, nums, layers)
+            split = _Split(lambda *parts: found.fun(*parts)[0], found.args, tuple(range(len(nums))), has_aux)
         outs, jvp = jax.linearize(solve_mode(split.model, **settings, products=True), *split.diff)
         loss_args = tuple(range(1 + len(nums)))
         (value, aux), grads = jax.value_and_grad(split.loss, loss_args, has_aux=True)(outs, *split.diff)
         vjp = jax.linear_transpose(jvp, *split.diff)
         grad = tuple(_add(g, m) for g, m in zip(grads[1:], vjp(grads[0])))
         _, hvp = jax.linearize(jax.grad(lambda o: split.loss(o, *split.diff)[0]), outs)
-        leaves, treedef = jax.tree.flatten(split.diff[0] if single else split.diff)
+        if found is not None:
+            grad = found.gradient(grad, False)
+            on = _OnArguments(found.arguments)
+            jvp, vjp = jax.tree_util.Partial(on.jvp, jvp), jax.tree_util.Partial(on.vjp, vjp)
+        leaves, treedef = jax.tree.flatten(grad[0] if single else grad)
         example = (treedef, tuple((tuple(np.shape(x)), jnp.result_type(x)) for x in leaves))
         G = GaussNewton(jvp, vjp, hvp, single, example)
         value = (value, aux) if has_aux else value
         return value, grad[0] if single else grad, G
+
+    return run
+
+
+class _OnArguments:
+    """J and J* of a captured model on its arguments' own types (nnx.State, an equinox module, a
+    pytree) instead of the flat leaves the network's blocks are."""
+
+    def __init__(self, arguments: tuple):
+        self.arguments = arguments
+
+    def jvp(self, jvp: Callable, *vs: Any) -> Any:
+        return jvp(*[list(a.leaves_of(v)) for a, v in zip(self.arguments, vs)])
+
+    def vjp(self, vjp: Callable, cotangent: Any) -> tuple:
+        return tuple(a.gradient(list(g)) for a, g in zip(self.arguments, vjp(cotangent)))
+
+
+def _on_model(transform: Callable, fun: Callable, argnums: int | Sequence[int], layers: Any,
+              to_arguments: bool = True) -> Callable:
+    """``transform`` (a per-example or curvature transform taking ``(fun, argnums)``) of a model
+    as it is: its network found with ``layers=`` (``_capture.rewrite``), the result given back in
+    the arguments' own types (``to_arguments``: params-shaped results)."""
+    nums, single = _normalise(argnums)
+
+    def run(*args: Any) -> Any:
+        found = rewrite(fun, args, nums, layers)
+        result = transform(lambda *parts: found.fun(*parts)[0], tuple(range(len(nums))))(*found.args)
+        return found.gradient(result, single) if to_arguments else result
 
     return run
 
@@ -421,7 +459,8 @@ def _per_example_losses(split: _Split, outs: tuple, diff: tuple) -> jax.Array:
     return losses
 
 
-def per_example_grads(fun: Callable, argnums: int | Sequence[int] = 0, *, engine: str = "auto") -> Callable:
+def per_example_grads(fun: Callable, argnums: int | Sequence[int] = 0, *, engine: str = "auto",
+                      layers: Any = None) -> Callable:
     """The gradient of each example's loss, stacked on a leading axis — ``jax.jacrev(fun)``.
 
     ``fun`` returns per-example losses, shape (B,), and the leading axis of every network state
@@ -442,6 +481,8 @@ def per_example_grads(fun: Callable, argnums: int | Sequence[int] = 0, *, engine
         >>> g["w"].squeeze(-1).tolist()    # example b: (x_b·w) x_b
         [[1.0, 0.0], [0.0, 4.0]]
     """
+    if layers is not None:
+        return _on_model(lambda f, a: per_example_grads(f, a, engine=engine), fun, argnums, layers)
     nums, single = _normalise(argnums)
 
     def run(*args: Any) -> Any:
@@ -455,7 +496,7 @@ def per_example_grads(fun: Callable, argnums: int | Sequence[int] = 0, *, engine
 
 
 def per_example_grad_norms(fun: Callable, argnums: int | Sequence[int] = 0, *, engine: str = "auto",
-                           chunk: int = 16) -> Callable:
+                           chunk: int = 16, layers: Any = None) -> Callable:
     """The (B,) Euclidean norms of the per-example gradients (over every argument ``argnums``
     names), as ``jnp.linalg.norm`` of [`per_example_grads`][linbackprop.per_example_grads]
     flattened — without holding all per-example gradients at once: after the one back
@@ -468,6 +509,9 @@ def per_example_grad_norms(fun: Callable, argnums: int | Sequence[int] = 0, *, e
         >>> lbp.per_example_grad_norms(losses)({"w": jnp.ones((2, 1))}, jnp.array([[1.0, 0.0], [0.0, 2.0]])).tolist()
         [1.0, 4.0]
     """
+    if layers is not None:
+        return _on_model(lambda f, a: per_example_grad_norms(f, a, engine=engine, chunk=chunk), fun, argnums, layers,
+                         to_arguments=False)
     nums, _ = _normalise(argnums)
 
     def run(*args: Any) -> jax.Array:
@@ -490,7 +534,7 @@ def per_example_grad_norms(fun: Callable, argnums: int | Sequence[int] = 0, *, e
 
 
 def diag_ggn(fun: Callable, argnums: int | Sequence[int] = 0, *, engine: str = "auto", samples: int | None = None,
-             key: jax.Array | None = None) -> Callable:
+             key: jax.Array | None = None, layers: Any = None) -> Callable:
     """The exact diagonal of G = J* H J, shaped like the arguments ``argnums`` names (or, with
     ``samples=M`` and a PRNG ``key``, a Monte Carlo estimate from M back substitutions instead of C).
 
@@ -521,6 +565,8 @@ def diag_ggn(fun: Callable, argnums: int | Sequence[int] = 0, *, engine: str = "
         >>> lbp.diag_ggn(loss)({"W": jnp.ones((2, 1))}, jnp.array([[1.0, 0.0], [0.0, 2.0]]))["W"].tolist()
         [[1.0], [4.0]]
     """
+    if layers is not None:
+        return _on_model(lambda f, a: diag_ggn(f, a, engine=engine, samples=samples, key=key), fun, argnums, layers)
     nums, single = _normalise(argnums)
 
     def run(*args: Any) -> Any:
@@ -558,7 +604,7 @@ class Kronecker(NamedTuple):
 
 
 def kfac_factors(fun: Callable, argnums: int | Sequence[int] = 0, *, engine: str = "auto",
-                 samples: int | None = None, key: jax.Array | None = None) -> Callable:
+                 samples: int | None = None, key: jax.Array | None = None, layers: Any = None) -> Callable:
     """K-FAC factors of G = J* H J, shaped like the arguments ``argnums`` names: a
     [`Kronecker`][linbackprop.Kronecker] pair at each parameter leaf whose every use is a dense product (its
     per-example cotangent x_bᵀ δ_b, a ``dot_general`` of one example's operands, contracted
@@ -583,6 +629,9 @@ def kfac_factors(fun: Callable, argnums: int | Sequence[int] = 0, *, engine: str
         >>> f.left.tolist(), f.right.tolist()                   # one example: exact, x xᵀ ⊗ 1
         ([[1.0, 2.0], [2.0, 4.0]], [[1.0]])
     """
+    if layers is not None:
+        return _on_model(lambda f, a: kfac_factors(f, a, engine=engine, samples=samples, key=key), fun, argnums,
+                         layers)
     nums, single = _normalise(argnums)
 
     def run(*args: Any) -> Any:

@@ -24,6 +24,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.extend.core import Literal
 
+from ._traced import bind_equation
+
 # Operations that move or copy entries without combining them: squaring commutes with them, and so
 # does summing over the examples.
 LAYOUT = frozenset({"transpose", "reshape", "convert_element_type", "squeeze", "expand_dims", "broadcast_in_dim",
@@ -54,14 +56,6 @@ def _outer_source(jaxpr: Any, var: Any, summed: bool = False) -> tuple[Any, list
     return None
 
 
-def _bind(eqn: Any, args: list) -> Any:
-    """An equation applied to ``args``, as ``jax.core.eval_jaxpr`` applies it (bind parameters: a
-    dict, or in some JAX versions (sub-functions, dict))."""
-    params = eqn.primitive.get_bind_params(eqn.params)
-    subfuns, params = params if isinstance(params, tuple) else ((), params)
-    return eqn.primitive.bind(*subfuns, *args, **params)
-
-
 def _evaluate(jaxpr: Any, consts: list, args: list, wanted: list) -> list:
     """The values of ``wanted`` variables of ``jaxpr`` at ``args``, evaluating only what they need."""
     needed = {v for v in wanted if not isinstance(v, Literal)}
@@ -73,7 +67,7 @@ def _evaluate(jaxpr: Any, consts: list, args: list, wanted: list) -> list:
     env = dict(zip(jaxpr.constvars, consts)) | dict(zip(jaxpr.invars, args))
     read = lambda v: v.val if isinstance(v, Literal) else env[v]
     for eqn in reversed(eqns):
-        out = _bind(eqn, [read(v) for v in eqn.invars])
+        out = bind_equation(eqn, [read(v) for v in eqn.invars])
         env.update(zip(eqn.outvars, out if eqn.primitive.multiple_results else [out]))
     return [read(v) for v in wanted]
 
@@ -150,7 +144,7 @@ class SquareSums:
             value = lax.dot_general(*operands, (contract, ((), ())), precision=eqn.params.get("precision"),
                                     preferred_element_type=eqn.params.get("preferred_element_type"))
             for op in path:
-                value = _bind(op, [value])
+                value = bind_equation(op, [value])
             out.append(value)
         return out
 

@@ -708,9 +708,12 @@ def _analyse_kind(layer: Layer, theta_avals: tuple[Any, ...], input_avals: tuple
 
 # The loop pays when kinds of layer repeat: one compiled body then serves many steps. A shallow
 # network, or one whose layers are nearly all different, runs faster as straight-line code (no
-# switch, static indices), and its program is small anyway.
-LOOP_MIN_DEPTH = 16
-LOOP_MIN_LAYERS_PER_KIND = 4
+# switch, static indices), and its program is small anyway. Measured with `python
+# benchmarks/profile.py engine-rule` (compile and run time, loop against unrolled; the numbers
+# are in docs/performance.md): from 6 layers and 2 per kind on average the loop compiles in
+# less time and runs as fast or faster.
+LOOP_MIN_DEPTH = 6
+LOOP_MIN_LAYERS_PER_KIND = 2
 
 
 def loop_pays(depth: int, kinds: int) -> bool:
@@ -728,11 +731,14 @@ def periodic_segments(step_kind: np.ndarray, kinds: int) -> list[tuple[int, int,
     consecutive True from ``run_start`` means steps run_start .. run_start + r + p − 1 follow the
     pattern of their first p steps: r + p steps, cut to whole periods (and to the end), which is
     what ``covered`` counts. A stretch is worth a segment of its own from two whole periods on.
+    Shorter periods are tried first and win ties: a run of one kind between others (a
+    transformer's blocks between its embedding and head) is period 1, its layer compiled once in
+    the loop body, not twice as period 2 would (measured: `benchmarks/profile.py engine-rule`).
     """
     n = len(step_kind)
     best = (0, 0, 0)  # covered, start, period
     if kinds > 1:
-        for period in range(2, MAX_PERIOD + 1):
+        for period in range(1, MAX_PERIOD + 1):
             same = np.append(step_kind[period:] == step_kind[:-period], [False] * period)
             run_start = 0
             for m in range(n + 1):

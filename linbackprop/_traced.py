@@ -19,7 +19,7 @@ import numpy as np
 from ._graph import Layer, call_layer
 
 
-class _Constant:
+class Constant:
     """A constant of a jaxpr (a closed-over array), equal to another of the same shape, dtype and
     values: a new array with the same values computes the same thing."""
 
@@ -29,7 +29,7 @@ class _Constant:
         self.value = value
 
     def __eq__(self, other: object) -> bool:
-        if not isinstance(other, _Constant):
+        if not isinstance(other, Constant):
             return False
         a, b = self.value, other.value
         if a is b:
@@ -50,4 +50,12 @@ def computation_of(layer: Layer, theta_avals: tuple[Any, ...], input_avals: tupl
     nested jaxprs; variables are named in order, so equal programs print equal) and its
     constants, compared by value."""
     closed = jax.make_jaxpr(lambda t, *u: call_layer(layer, t, u))(theta_avals, *input_avals)
-    return str(closed.jaxpr), tuple(_Constant(c) for c in closed.consts)
+    return str(closed.jaxpr), tuple(Constant(c) for c in closed.consts)
+
+
+def bind_equation(eqn: Any, args: list) -> Any:
+    """An equation applied to ``args``, as ``jax.core.eval_jaxpr`` applies it (bind parameters: a
+    dict, or in some JAX versions (sub-functions, dict))."""
+    params = eqn.primitive.get_bind_params(eqn.params)
+    subfuns, params = params if isinstance(params, tuple) else ((), params)
+    return eqn.primitive.bind(*subfuns, *args, **params)

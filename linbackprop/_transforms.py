@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.custom_derivatives import SymbolicZero
 
+from ._capture import rewrite
 from ._checkpoint import checkpointed_call, row_spans, rows_cut, segment_length, split
 from ._engine import (
     Primal,
@@ -636,7 +637,8 @@ def _in_solve_mode(transformed: Callable, fun: Callable, settings: Settings) -> 
 
 def grad_by_solve(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool = False, *,
                   remat: bool = False, checkpoints: int | None = None, schedule: str = "even",
-                  param_products: str = "auto", engine: str = "auto", **grad_kwargs: Any) -> Callable:
+                  param_products: str = "auto", engine: str = "auto", layers: Any = None,
+                  **grad_kwargs: Any) -> Callable:
     """Drop-in for ``jax.grad``: every Network call in ``fun`` is differentiated by the solve.
 
     For a loss J(θ) = ℓ(U(θ), θ) the gradient is ∇_θJ = ℳ Λ + ∇_θℓ, where Λ solves the adjoint
@@ -672,7 +674,7 @@ def grad_by_solve(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool
 
     ``engine``: ``"loop"`` runs the substitutions as ``lax.fori_loop``s over the layers (compiled
     once per kind of layer), ``"unrolled"`` as straight-line code; ``"auto"`` (default) loops when
-    kinds repeat (at least 16 layers and 4 per kind on average), else unrolls.
+    kinds repeat (at least 6 layers and 2 per kind on average), else unrolls.
 
     Examples:
         >>> import jax, jax.numpy as jnp, linbackprop as lbp
@@ -686,12 +688,15 @@ def grad_by_solve(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool
     """
     settings = Settings.of(remat=remat, checkpoints=checkpoints, schedule=schedule, param_products=param_products,
                            engine=engine)
+    if layers is not None:
+        return _with_layers(fun, argnums, has_aux, layers, settings, grad_kwargs, with_value=False)
     return _in_solve_mode(jax.grad(fun, argnums=argnums, has_aux=has_aux, **grad_kwargs), fun, settings)
 
 
 def value_and_grad_by_solve(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool = False, *,
                             remat: bool = False, checkpoints: int | None = None, schedule: str = "even",
-                            param_products: str = "auto", engine: str = "auto", **grad_kwargs: Any) -> Callable:
+                            param_products: str = "auto", engine: str = "auto", layers: Any = None,
+                            **grad_kwargs: Any) -> Callable:
     """Drop-in for ``jax.value_and_grad``, differentiating Network calls by the solve
     (``remat``, ``checkpoints``, ``schedule``, ``param_products`` and ``engine`` as in
     [`grad_by_solve`][linbackprop.grad_by_solve]).
@@ -705,11 +710,43 @@ def value_and_grad_by_solve(fun: Callable, argnums: int | Sequence[int] = 0, has
     """
     settings = Settings.of(remat=remat, checkpoints=checkpoints, schedule=schedule, param_products=param_products,
                            engine=engine)
+    if layers is not None:
+        return _with_layers(fun, argnums, has_aux, layers, settings, grad_kwargs, with_value=True)
     return _in_solve_mode(jax.value_and_grad(fun, argnums=argnums, has_aux=has_aux, **grad_kwargs), fun, settings)
 
 
+def _with_layers(fun: Callable, argnums: int | Sequence[int], has_aux: bool, layers: Any, settings: Settings,
+                 grad_kwargs: dict, with_value: bool) -> Callable:
+    """grad_by_solve / value_and_grad_by_solve of a model as it is: ``fun`` traced with the calls
+    of ``layers`` as the layers of a network (``_capture.rewrite``), differentiated by the solve,
+    and the gradient given back in each argument's own type (an nnx module's Param state, an
+    equinox module, the pytree); an nnx module's other state (RNG counts) is updated as nnx.grad
+    updates it."""
+    single = isinstance(argnums, int)
+    nums = (argnums,) if single else tuple(argnums)
+
+    @functools.wraps(fun)
+    def run(*args: Any) -> Any:
+        found = rewrite(fun, args, nums, layers)
+
+        def split_aux(*parts: Any) -> tuple:
+            result, states = found.fun(*parts)
+            value, aux = result if has_aux else (result, None)
+            return value, (aux, states)
+
+        grad = jax.value_and_grad(split_aux, tuple(range(len(nums))), has_aux=True, **grad_kwargs)
+        (value, (aux, states)), grads = _in_solve_mode(grad, split_aux, settings)(*found.args)
+        found.write_back(states)
+        grads = found.gradient(grads, single)
+        if with_value:
+            return ((value, aux) if has_aux else value), grads
+        return (grads, aux) if has_aux else grads
+
+    return run
+
+
 def jvp_by_solve(fun: Callable, primals: Sequence[Any], tangents: Sequence[Any], has_aux: bool = False, *,
-                 engine: str = "auto"):
+                 engine: str = "auto", layers: Any = None):
     """Drop-in for ``jax.jvp``: Network calls are differentiated by forward substitution
     ℒ Z = ℳ* h (+ the input tangents), first layer to last (``engine`` as in
     [`grad_by_solve`][linbackprop.grad_by_solve]).
@@ -726,5 +763,12 @@ def jvp_by_solve(fun: Callable, primals: Sequence[Any], tangents: Sequence[Any],
         >>> float(y), float(dy)
         (6.0, 2.0)
     """
+    if layers is not None:
+        found = rewrite(fun, tuple(primals), tuple(range(len(primals))), layers)
+        rest = found.args[-1]
+        leaves = [list(a.leaves_of(t)) for a, t in zip(found.arguments, tangents)]
+        inner = lambda *diffs: found.fun(*diffs, rest)[0]
+        with solving_with(Settings(engine=engine, forward_only=True)):
+            return jax.jvp(inner, tuple(found.args[:-1]), tuple(leaves), has_aux=has_aux)
     with solving_with(Settings(engine=engine, forward_only=True)):
         return jax.jvp(fun, primals, tangents, has_aux=has_aux)

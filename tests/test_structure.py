@@ -146,6 +146,34 @@ def test_one_off_kinds_run_straight_line_without_a_switch():
     assert_loop_exact(loss, params, x)
 
 
+def test_blocks_between_an_embedding_and_a_head_loop_with_the_block_compiled_once():
+    """A transformer written with one layer per block (embedding, 12 blocks, head: 14 layers of
+    three kinds) compiled unrolled under engine="auto" (14.5 s against 6.3 s for jax.grad over
+    lax.scan), and looped with the blocks as period 2 — the block compiled twice in the loop body.
+    Now it loops, the blocks a period-1 stretch, and stays exact."""
+    from linbackprop._plan import plan_for
+
+    embed = lambda th, u: jnp.tanh(u @ th[0])
+    block = lambda th, u: u + jnp.tanh(jnp.tanh(u @ th[0]) @ th[1])
+    head = lambda th, u: u @ th[0]
+    layers = [lbp.Layer(0, embed, ("x",), ("E",))]
+    layers += [lbp.Layer(i, block, (i - 1,), (lbp.Row("A", i - 1), lbp.Row("B", i - 1))) for i in range(1, 13)]
+    layers += [lbp.Layer(13, head, (12,), ("H",))]
+    net = lbp.Network(layers, ["x"], 13)
+    rng = np.random.default_rng(1)
+    params = {"E": rng.standard_normal((3, 4)), "A": 0.3 * rng.standard_normal((12, 4, 4)),
+              "B": 0.3 * rng.standard_normal((12, 4, 4)), "H": rng.standard_normal((4, 2))}
+    params = jax.tree.map(jnp.asarray, params)
+    x = jnp.asarray(rng.standard_normal((2, 3)))
+    plan = plan_for(net, net.select_params(params), (x,), "auto")
+    assert not plan.unrolled
+    assert plan.segments == [(0, 1, 0), (1, 13, 1), (13, 14, 0)]
+    loss = lambda p, x: jnp.sum(jnp.sin(net(p, x)))
+    counts = counted(jax.make_jaxpr(lbp.grad_by_solve(loss))(params, x))
+    assert counts["cond"] == 0
+    assert_loop_exact(loss, params, x)
+
+
 def test_cheap_residuals_are_recomputed_not_stored():
     """tanh's VJP keeps t and 1 − t, sigmoid's s and s(1 − s): only t and s are stored; the
     weights and inputs are re-read, never stored again."""

@@ -1,0 +1,647 @@
+"""Networks found in models: ``layers=``, :func:`capture` and :func:`layer`.
+
+Users have models, not Networks. With ``layers=`` naming which calls of ``fun`` are the layers
+(classes whose instances' calls are layers, or functions decorated with :func:`layer`), ``fun``
+is traced once per shapes with each such call made opaque: a ``jax.jit`` of the call, named so
+that it is found again (``linbackprop_layer<k>``). The jaxpr then shows the DAG directly:
+
+- each marked call is a layer; its parameter blocks are the leaves of the differentiated
+  arguments it reads (a leaf read by two calls, or by a call and the code around it, is shared),
+  its states the values computed before it, its inputs the data;
+- the code between the calls that computes what a later call reads (residual adds, norms,
+  reshapes, an embedding lookup) is made of layers of its own (glue, one per run of equations
+  between two calls);
+- what follows — what no later call reads — is the loss ℓ of the network's outputs, as the code
+  around a Network call is in ``grad_by_solve``.
+
+The equations are split into three parts, evaluated in this order: before the network (data
+preparation, terms of the arguments alone), the network (one ``Network`` call, differentiated
+by the solve), after it (the loss). Layer functions are built from the jaxprs of the calls and
+of the glue; equal programs (same jaxpr text, constants and reads) share one function object,
+so that repeated blocks are one kind of layer and a Python loop over blocks does not grow the
+program. The Network is cached per captured program: tracing ``fun`` again with the same shapes
+finds the same Network, and the solve's caches hit.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import sys
+import threading
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.extend.core import ClosedJaxpr, Literal
+
+from ._graph import Layer, Network
+from ._traced import Constant, bind_equation
+
+MARK = "linbackprop_layer"
+
+
+# -- marking the calls ------------------------------------------------------------------------------
+class _Capturing(threading.local):
+    def __init__(self) -> None:
+        self.calls: list[str] | None = None  # while capturing: the display name of each marked call
+        self.inside = 0  # depth of marked calls being traced (a layer inside a layer is part of it)
+        self.functions: set = set()  # the @layer functions called while capturing
+
+
+_CAPTURING = _Capturing()
+
+
+def layer(fn: Callable) -> Callable:
+    """Mark a plain JAX function as a layer: inside ``fun`` of a transform given ``layers=`` that
+    names it (or any transform's ``layers=`` naming it), each call ``fn(...)`` is one layer of the
+    network found; elsewhere it is ``fn`` itself.
+
+    Examples:
+        >>> import jax.numpy as jnp, linbackprop as lbp
+        >>> @lbp.layer
+        ... def dense(W, x):
+        ...     return jnp.tanh(x @ W)
+        >>> loss = lambda p, x: jnp.sum(dense(p["W2"], dense(p["W1"], x)) ** 2)
+        >>> p, x = {"W1": jnp.eye(2), "W2": jnp.eye(2)}, jnp.ones((3, 2))
+        >>> cap = lbp.capture(loss, p, x, layers=dense)
+        >>> len(cap.net.layers), cap.net.param_names
+        (2, ("['W1']", "['W2']"))
+    """
+
+    @functools.wraps(fn)
+    def marked(*args: Any, **kwargs: Any) -> Any:
+        if _CAPTURING.calls is None or _CAPTURING.inside:
+            return fn(*args, **kwargs)
+        _CAPTURING.functions.add(marked)
+        return _opaque(lambda: fn(*args, **kwargs), getattr(fn, "__name__", "layer"))
+
+    marked.__linbackprop_layer__ = fn
+    return marked
+
+
+def _opaque(call: Callable[[], Any], name: str) -> Any:
+    """``call()`` as one equation of the trace: a ``jax.jit`` named after the call's index (the
+    values it closes over, traced, become the equation's operands)."""
+    calls = _CAPTURING.calls
+    index = len(calls)
+    calls.append(name)
+
+    def traced() -> Any:
+        _CAPTURING.inside += 1
+        try:
+            return call()
+        finally:
+            _CAPTURING.inside -= 1
+
+    traced.__name__ = traced.__qualname__ = f"{MARK}{index}"
+    return jax.jit(traced)()
+
+
+def _nnx_call(method: Callable, self: Any, args: tuple, kwargs: dict) -> Any:
+    """An nnx module's call, opaque: its state goes in as operands, and the state it leaves (an
+    RNG stream's count advanced by dropout) comes out and is written back, as nnx does."""
+    nnx = sys.modules["flax.nnx"]
+    graphdef, state = nnx.split(self)
+
+    def call(state: Any) -> Any:
+        module = nnx.merge(graphdef, state)
+        out = method(module, *args, **kwargs)
+        return out, nnx.split(module, nnx.Param, ...)[2]  # the state it leaves, but its parameters
+
+    out, new_state = _opaque_with_args(call, (state,), type(self).__name__)
+    nnx.update(self, new_state)
+    return out
+
+
+def _opaque_with_args(call: Callable, args: tuple, name: str) -> Any:
+    calls = _CAPTURING.calls
+    index = len(calls)
+    calls.append(name)
+
+    def traced(*a: Any) -> Any:
+        _CAPTURING.inside += 1
+        try:
+            return call(*a)
+        finally:
+            _CAPTURING.inside -= 1
+
+    traced.__name__ = traced.__qualname__ = f"{MARK}{index}"
+    return jax.jit(traced)(*args)
+
+
+class _Patched:
+    """For the duration of a capture, the ``__call__`` of each class in ``classes`` makes an
+    opaque call; and which of them (and of the marked functions) were called."""
+
+    def __init__(self, entries: tuple[Any, ...]):
+        self.classes = [e for e in entries if isinstance(e, type)]
+        self.functions = [e for e in entries if not isinstance(e, type)]
+        for f in self.functions:
+            if not hasattr(f, "__linbackprop_layer__"):
+                raise TypeError(f"layers= takes classes (whose instances' calls are layers) and functions decorated "
+                                f"with @lbp.layer; {f!r} is neither: decorate it, `@lbp.layer def "
+                                f"{getattr(f, '__name__', 'f')}(...)`, or name its class.")
+        self.saved: dict[type, Any] = {}
+        self.seen: set[Any] = set()
+
+    def __enter__(self) -> _Patched:
+        nnx = sys.modules.get("flax.nnx")
+        for cls in self.classes:
+            if "__call__" not in vars(cls) and not any("__call__" in vars(b) for b in cls.__mro__[1:-1]):
+                raise TypeError(f"layers= names {cls.__qualname__}, which has no __call__: name a class whose "
+                                "instances are called (or decorate a function with @lbp.layer).")
+            original = cls.__call__
+            self.saved[cls] = vars(cls).get("__call__", _MISSING)
+            is_nnx = nnx is not None and issubclass(cls, nnx.Module)
+
+            def patched(module: Any, *args: Any, __original=original, __cls=cls, __nnx=is_nnx, **kwargs: Any) -> Any:
+                if _CAPTURING.calls is None or _CAPTURING.inside:  # not capturing, or inside a marked call
+                    return __original(module, *args, **kwargs)
+                self.seen.add(__cls)
+                if __nnx:
+                    return _nnx_call(__original, module, args, kwargs)
+                return _opaque(lambda: __original(module, *args, **kwargs), type(module).__name__)
+
+            cls.__call__ = patched
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for cls, method in self.saved.items():
+            if method is _MISSING:
+                del cls.__call__
+            else:
+                cls.__call__ = method
+
+
+_MISSING = object()
+
+
+# -- the captured program -----------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Capture:
+    """A network found in a model by :func:`capture`.
+
+    Attributes:
+        net: the ``Network`` found: its layers are the marked calls and the glue between them.
+        params: its parameter blocks, ``{name: array}``, named by their paths in the
+            differentiated argument (``jax.tree_util.keystr``).
+        inputs: its inputs (the data it reads), in ``net.inputs`` order.
+
+    Example:
+        >>> import jax.numpy as jnp, linbackprop as lbp
+        >>> dense = lbp.layer(lambda W, x: jnp.tanh(x @ W))
+        >>> cap = lbp.capture(lambda p, x: jnp.sum(dense(p, x)), jnp.eye(2), jnp.ones((1, 2)), layers=dense)
+        >>> bool(jnp.allclose(cap.net(cap.params, *cap.inputs)[0], jnp.tanh(1.0)))
+        True
+    """
+
+    net: Network
+    params: dict[Hashable, Any]
+    inputs: tuple[Any, ...]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Program:
+    """``fun``'s jaxpr as before / network / after: ``run(diff, rest)`` evaluates it with the
+    network called once (differentiated by the solve inside the transforms)."""
+
+    net: Network
+    before: tuple  # equations evaluated before the network
+    after: tuple  # ... and after it
+    invars: tuple  # the jaxpr's invars: the differentiated leaves, then the others
+    constvars: tuple
+    consts: tuple
+    outvars: tuple
+    block_vars: tuple  # per block of net.param_names: its invar
+    input_atoms: tuple  # per network input: the atom it is
+    output_vars: tuple  # per network output (a state): the vars it holds
+    calls: tuple  # display names of the marked calls (for errors)
+
+    def blocks(self, diff: Sequence[Any]) -> dict[Hashable, Any]:
+        env = dict(zip(self.invars, diff))
+        return {name: env[v] for name, v in zip(self.net.param_names, self.block_vars)}
+
+    def run(self, leaves: Sequence[Any]) -> list[Any]:
+        env: dict[Any, Any] = dict(zip(self.constvars, self.consts))
+        env.update(zip(self.invars, leaves))
+        read = lambda a: a.val if isinstance(a, Literal) else env[a]
+        _evaluate(self.before, env)
+        inputs = [read(a) for a in self.input_atoms]
+        outs = self.net({name: env[v] for name, v in zip(self.net.param_names, self.block_vars)}, *inputs)
+        outs = (outs,) if self.net.single_output else outs
+        for state, vars_ in zip(outs, self.output_vars):
+            env.update(zip(vars_, state))
+        _evaluate(self.after, env)
+        return [read(a) for a in self.outvars]
+
+    def inputs_of(self, leaves: Sequence[Any]) -> tuple[Any, ...]:
+        env: dict[Any, Any] = dict(zip(self.constvars, self.consts))
+        env.update(zip(self.invars, leaves))
+        _evaluate(self.before, env)
+        return tuple(a.val if isinstance(a, Literal) else env[a] for a in self.input_atoms)
+
+
+def _evaluate(eqns: Sequence[Any], env: dict) -> None:
+    """Run equations in order in ``env`` (var -> value), as ``jax.core.eval_jaxpr`` does."""
+    for eqn in eqns:
+        outs = bind_equation(eqn, [a.val if isinstance(a, Literal) else env[a] for a in eqn.invars])
+        env.update(zip(eqn.outvars, outs if eqn.primitive.multiple_results else [outs]))
+
+
+def _marked_index(eqn: Any) -> int | None:
+    if eqn.primitive.name not in ("pjit", "jit"):
+        return None
+    name = str(eqn.params.get("name", ""))
+    return int(name[len(MARK):]) if name.startswith(MARK) and name[len(MARK):].isdigit() else None
+
+
+def _contains_marks(jaxpr: Any) -> bool:
+    for eqn in jaxpr.eqns:
+        if _marked_index(eqn) is not None:
+            return True
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            if _contains_marks(sub):
+                return True
+    return False
+
+
+def _inline(jaxpr: Any, consts: Sequence[Any]) -> tuple[list, list, list, list]:
+    """The equations with unmarked ``jit`` s that hold marked calls inlined (a ``jax.jit`` the user
+    put around part of the model). Returns (eqns, constvars, consts, outvars)."""
+    eqns: list = []
+    for eqn in jaxpr.eqns:
+        if _marked_index(eqn) is None and eqn.primitive.name in ("pjit", "jit") and \
+                _contains_marks(eqn.params["jaxpr"].jaxpr):
+            inner = eqn.params["jaxpr"]
+            mapping = dict(zip(inner.jaxpr.invars, eqn.invars))
+            mapping.update(zip(inner.jaxpr.constvars, [Literal(c, jax.typeof(c)) if np.ndim(c) == 0 else c
+                                                       for c in inner.consts]))
+            sub, _, _, _ = _inline(inner.jaxpr, inner.consts)
+            for e in sub:
+                e = e.replace(invars=[mapping.get(a, a) if not isinstance(a, Literal) else a for a in e.invars])
+                eqns.append(e)
+            for o_inner, o_outer in zip(inner.jaxpr.outvars, eqn.outvars):
+                eqns.append(_identity(mapping.get(o_inner, o_inner), o_outer))
+            continue
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            if _contains_marks(sub):
+                what = eqn.primitive.name
+                raise NotImplementedError(
+                    f"A layers= call runs inside `{what}` (a {what} of the model's code, e.g. jax.lax.scan, "
+                    "jax.checkpoint or a custom_jvp), which capture cannot see through yet: call the layers from "
+                    "Python (a for loop over the blocks), or build the Network by hand (lbp.Network).")
+        eqns.append(eqn)
+    return eqns, list(jaxpr.constvars), list(consts), list(jaxpr.outvars)
+
+
+def _identity(src: Any, dst: Any) -> Any:
+    """An equation dst = src (copy_p), keeping var names distinct after inlining."""
+    from jax._src.lax.lax import copy_p  # the identity primitive, as JAX's own inliner uses
+
+    return jax.extend.core.new_jaxpr_eqn([src], [dst], copy_p, {}, frozenset())
+
+
+# -- from the jaxpr to a Network ----------------------------------------------------------------
+_FUNCTIONS: collections.OrderedDict[Hashable, Callable] = collections.OrderedDict()
+_NETWORKS: collections.OrderedDict[Hashable, Program] = collections.OrderedDict()
+CACHED = 64
+
+
+def _shared(key: Hashable, make: Callable[[], Any], cache: collections.OrderedDict) -> Any:
+    if key in cache:
+        cache.move_to_end(key)
+        return cache[key]
+    value = cache[key] = make()
+    if len(cache) > CACHED:
+        cache.popitem(last=False)
+    return value
+
+
+def _layer_fn(eqns: tuple, operands: tuple, outs: tuple, specs: tuple) -> Callable:
+    """A layer function ``fn(theta, *states)`` running ``eqns`` with its operands taken from
+    ``specs`` (per operand: ("param", k) | ("read", r, j) | ("input", r) | ("literal", value)):
+    returns the tuple of ``outs``. Equal programs share one function object (one kind)."""
+    def raw(*values: Any) -> tuple:
+        env = dict(zip(operands, values))
+        for eqn in eqns:
+            if _marked_index(eqn) is not None:  # the call's own program, without its (numbered) jit
+                args = [a.val if isinstance(a, Literal) else env[a] for a in eqn.invars]
+                env.update(zip(eqn.outvars, jax.extend.core.jaxpr_as_fun(eqn.params["jaxpr"])(*args)))
+            else:
+                _evaluate([eqn], env)
+        return tuple(a.val if isinstance(a, Literal) else env[a] for a in outs)
+
+    avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, weak_type=v.aval.weak_type) for v in operands]
+    closed = jax.make_jaxpr(raw)(*avals)
+    key = (str(closed.jaxpr), tuple(Constant(c) for c in closed.consts), specs)
+
+    def make() -> Callable:
+        program = closed
+
+        def fn(theta: tuple, *states: Any) -> tuple:
+            values = []
+            for spec in specs:
+                if spec[0] == "param":
+                    values.append(theta[spec[1]])
+                elif spec[0] == "read":
+                    values.append(states[spec[1]][spec[2]])
+                elif spec[0] == "input":
+                    values.append(states[spec[1]])
+                else:
+                    values.append(spec[1])
+            return tuple(jax.extend.core.jaxpr_as_fun(program)(*values))
+
+        fn.__name__ = fn.__qualname__ = "layer"
+        return fn
+
+    return _shared(key, make, _FUNCTIONS)
+
+
+def build(closed: ClosedJaxpr, n_diff: int, block_names: Sequence[Hashable], calls: Sequence[str],
+          layer_names: Callable[[int], str] | None = None) -> Program:
+    """The Program of ``closed`` (``fun`` traced with its marked calls), whose first ``n_diff``
+    invars are the differentiated leaves named ``block_names``."""
+    eqns, constvars, consts, outvars = _inline(closed.jaxpr, closed.consts)
+    invars = list(closed.jaxpr.invars)
+    diff_vars = set(invars[:n_diff])
+    marked = [_marked_index(e) for e in eqns]
+    if not any(m is not None for m in marked):
+        raise ValueError("layers=: no call of the layers named was found in fun (check that fun calls them, "
+                         "with the classes or @lbp.layer functions passed to layers=).")
+    # which equations depend on a layer's output or a differentiated leaf, and which feed a layer
+    moving: set = set(diff_vars)
+    for e, m in zip(eqns, marked):
+        if m is not None or any(a in moving for a in e.invars if not isinstance(a, Literal)):
+            moving.update(e.outvars)
+    feeds = [False] * len(eqns)
+    needed: set = set()
+    for n in range(len(eqns) - 1, -1, -1):
+        e = eqns[n]
+        if marked[n] is not None or any(o in needed for o in e.outvars):
+            feeds[n] = True
+            needed.update(a for a in e.invars if not isinstance(a, Literal))
+    in_net = [m is not None or (feeds[n] and any(a in moving for a in e.invars if not isinstance(a, Literal)))
+              for n, (e, m) in enumerate(zip(eqns, marked))]
+    # before the network: what depends on none of its values; after it: the rest (the loss)
+    tainted: set = set()
+    before, after = [], []
+    for e, inside in zip(eqns, in_net):
+        if inside:
+            tainted.update(e.outvars)
+        elif any(a in tainted for a in e.invars if not isinstance(a, Literal)):
+            tainted.update(e.outvars)
+            after.append(e)
+        else:
+            before.append(e)
+    before, after = tuple(before), tuple(after)
+    # the network's nodes: each marked call, and each run of glue between them
+    nodes: list[tuple[str, list]] = []
+    for e, inside, m in zip(eqns, in_net, marked):
+        if not inside:
+            continue
+        if m is not None:
+            nodes.append((f"{calls[m]}{m}" if layer_names is None else layer_names(m), [e]))
+        elif nodes and nodes[-1][0].startswith("glue"):
+            nodes[-1][1].append(e)
+        else:
+            nodes.append((f"glue{sum(name.startswith('glue') for name, _ in nodes)}", [e]))
+    producer: dict = {}
+    used_later: set = set()
+    for e in after:
+        used_later.update(a for a in e.invars if not isinstance(a, Literal))
+    used_later.update(a for a in outvars if not isinstance(a, Literal))
+    readers: dict = collections.defaultdict(set)  # var -> the nodes that read it
+    for n, (_, node_eqns) in enumerate(nodes):
+        for e in node_eqns:
+            for a in e.invars:
+                if not isinstance(a, Literal):
+                    readers[a].add(n)
+    block_of_var = dict(zip(invars[:n_diff], block_names))
+    inputs: dict = {}  # atom -> input name
+    layers = []
+    output_vars: dict[Hashable, list] = {}
+    for n, (name, node_eqns) in enumerate(nodes):
+        defined = {o for e in node_eqns for o in e.outvars}
+        operands, specs, params, reads = [], [], [], []
+        for e in node_eqns:
+            for a in e.invars:
+                if isinstance(a, Literal) or a in defined or a in operands:
+                    continue
+                operands.append(a)
+                if a in block_of_var:
+                    if block_of_var[a] not in params:
+                        params.append(block_of_var[a])
+                    specs.append(("param", params.index(block_of_var[a])))
+                elif a in producer:
+                    src, j = producer[a]
+                    if src not in reads:
+                        reads.append(src)
+                    specs.append(("read", reads.index(src), j))
+                else:  # data: a value computed before the network, an argument, a constant
+                    if a not in inputs:
+                        inputs[a] = f"input{len(inputs)}"
+                    if inputs[a] not in reads:
+                        reads.append(inputs[a])
+                    specs.append(("input", reads.index(inputs[a])))
+        outs = [o for e in node_eqns for o in e.outvars if not isinstance(o, jax.extend.core.DropVar)]
+        outs = [o for o in outs if o in used_later or readers[o] - {n}] or outs[:1]
+        for j, o in enumerate(outs):
+            producer[o] = (name, j)
+        if any(o in used_later for o in outs):
+            output_vars[name] = outs
+        fn = _layer_fn(tuple(node_eqns), tuple(operands), tuple(outs), tuple(specs))
+        layers.append(Layer(name, fn, reads=tuple(reads), params=tuple(params)))
+    if not output_vars:
+        raise ValueError("layers=: the layers' outputs reach nothing fun returns.")
+    input_names = list(inputs.values())
+    if not input_names:  # a network needs an input: a dummy one nothing reads
+        input_names, inputs = ["input0"], {Literal(np.float32(0), jax.typeof(np.float32(0))): "input0"}
+    names = list(output_vars)
+    net = Network(layers, inputs=input_names, outputs=names[0] if len(names) == 1 else names)
+    block_vars = tuple(next(v for v, b in block_of_var.items() if b == p) for p in net.param_names)
+    return Program(net=net, before=before, after=after, invars=tuple(invars), constvars=tuple(constvars),
+                   consts=tuple(consts), outvars=tuple(outvars), block_vars=block_vars,
+                   input_atoms=tuple(inputs), output_vars=tuple(tuple(output_vars[n]) for n in names),
+                   calls=tuple(calls))
+
+
+# -- fun rewritten around the network found ----------------------------------------------------------
+def _is_array(x: Any) -> bool:
+    return isinstance(x, (jax.Array, np.ndarray, np.generic)) or isinstance(x, jax.core.Tracer)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Argument:
+    """One differentiated argument: its leaves to differentiate (with their block names), the
+    rest it holds (an nnx module's other state), and how to rebuild it and its gradient."""
+
+    leaves: list
+    names: list
+    treedef: Any
+    rest: list  # arrays beside the differentiated ones (nnx: RNG streams, batch statistics)
+    rebuild: Callable[[list, list], Any]  # (diff leaves, rest leaves) -> the argument for fun
+    gradient: Callable[[list], Any]  # diff-shaped leaves -> the gradient as the framework gives it
+    state_out: Callable[[Any], list] | None = None  # the argument after fun -> its rest leaves
+    write_back: Callable[[list], None] | None = None  # rest leaves -> the caller's module updated
+    leaves_of: Callable[[Any], list] = jax.tree.leaves  # a tangent (or like value) -> its diff leaves
+
+
+def _argument(arg: Any, prefix: str) -> _Argument:
+    nnx, eqx = sys.modules.get("flax.nnx"), sys.modules.get("equinox")
+    if nnx is not None and isinstance(arg, nnx.Module):
+        graphdef, params, rest = nnx.split(arg, nnx.Param, ...)
+        paths, treedef = jax.tree_util.tree_flatten_with_path(params)
+        rest_leaves, rest_def = jax.tree.flatten(rest)
+
+        def rebuild(d: list, r: list) -> Any:
+            return nnx.merge(graphdef, jax.tree.unflatten(treedef, d), jax.tree.unflatten(rest_def, r))
+
+        def state_out(module: Any) -> list:
+            return jax.tree.leaves(nnx.split(module, nnx.Param, ...)[2])
+
+        def write_back(r: list) -> None:
+            nnx.update(arg, jax.tree.unflatten(rest_def, r))
+
+        def leaves_of(t: Any) -> list:
+            return jax.tree.leaves(nnx.split(t, nnx.Param, ...)[1] if isinstance(t, nnx.Module) else t)
+
+        return _Argument([leaf for _, leaf in paths], [prefix + _path(p) for p, _ in paths], treedef, rest_leaves,
+                         rebuild, lambda g: jax.tree.unflatten(treedef, g), state_out, write_back, leaves_of)
+    if eqx is not None and isinstance(arg, eqx.Module):
+        diff, static = eqx.partition(arg, eqx.is_inexact_array)
+        paths, treedef = jax.tree_util.tree_flatten_with_path(diff)
+        return _Argument([leaf for _, leaf in paths], [prefix + _path(p) for p, _ in paths], treedef, [],
+                         lambda d, r: eqx.combine(jax.tree.unflatten(treedef, d), static),
+                         lambda g: jax.tree.unflatten(treedef, g),
+                         leaves_of=lambda t: jax.tree.leaves(eqx.filter(t, eqx.is_inexact_array)))
+    paths, treedef = jax.tree_util.tree_flatten_with_path(arg)
+    return _Argument([leaf for _, leaf in paths], [prefix + _path(p) for p, _ in paths], treedef, [],
+                     lambda d, r: jax.tree.unflatten(treedef, d), lambda g: jax.tree.unflatten(treedef, g))
+
+
+def _path(path: tuple) -> str:
+    """A block's name: its path in the argument, without nnx's trailing ``.value``."""
+    if path and isinstance(path[-1], jax.tree_util.GetAttrKey) and path[-1].name == "value":
+        path = path[:-1]
+    return jax.tree_util.keystr(path)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Rewritten:
+    """``fun`` at ``args`` as a function of flat leaves around one network call.
+
+    ``fun(*diff, rest)`` (``diff``: a list of leaves per differentiated argument, ``rest``: every
+    other array) returns ``(fun's result, states)``: states are the nnx modules' state after the
+    call, for :meth:`write_back`. ``gradient(per_argument)`` maps leaf lists back to each
+    argument's own gradient type (nnx.State, an equinox module, the pytree)."""
+
+    fun: Callable
+    args: tuple
+    program: Program
+    arguments: tuple
+
+    def gradient(self, grads: Sequence[list], single: bool) -> Any:
+        out = tuple(a.gradient(list(g)) for a, g in zip(self.arguments, grads))
+        return out[0] if single else out
+
+    def write_back(self, states: list) -> None:
+        start = 0
+        for a in self.arguments:
+            if a.write_back is not None:
+                a.write_back(states[start:start + len(a.rest)])
+                start += len(a.rest)
+
+
+def rewrite(fun: Callable, args: tuple, argnums: tuple[int, ...], layers: Any) -> Rewritten:
+    """Trace ``fun(*args)`` with the calls of ``layers`` made opaque, find the network, and
+    return ``fun`` as a function of the differentiated leaves around one call of it."""
+    entries = layers if isinstance(layers, tuple | list) else (layers,)
+    for i in argnums:
+        if not 0 <= i < len(args):
+            raise ValueError(f"argnums names argument {i}, but fun was called with {len(args)} arguments.")
+    arguments = [_argument(args[i], "" if len(argnums) == 1 else f"[{i}]") for i in argnums]
+    others = [(i, a) for i, a in enumerate(args) if i not in argnums]
+    other_leaves, other_def = jax.tree.flatten([a for _, a in others])
+    traced_pos = [n for n, leaf in enumerate(other_leaves) if _is_array(leaf)]
+    rest = [leaf for a in arguments for leaf in a.rest] + [other_leaves[n] for n in traced_pos]
+    sizes = [len(a.leaves) for a in arguments]
+
+    def flat(diff_leaves: list, rest_leaves: list) -> tuple:
+        full: list = [None] * len(args)
+        start, r = 0, 0
+        for i, a, size in zip(argnums, arguments, sizes):
+            full[i] = a.rebuild(diff_leaves[start:start + size], rest_leaves[r:r + len(a.rest)])
+            start, r = start + size, r + len(a.rest)
+        leaves = list(other_leaves)
+        for n, value in zip(traced_pos, rest_leaves[r:]):
+            leaves[n] = value
+        for (i, _), value in zip(others, jax.tree.unflatten(other_def, leaves)):
+            full[i] = value
+        result = fun(*full)
+        states = [leaf for i, a in zip(argnums, arguments) if a.state_out is not None for leaf in a.state_out(full[i])]
+        return result, states
+
+    diff = [leaf for a in arguments for leaf in a.leaves]
+    names = [n for a in arguments for n in a.names]
+    patched = _Patched(tuple(entries))
+    saved = _CAPTURING.calls, _CAPTURING.functions
+    _CAPTURING.calls, _CAPTURING.functions = [], set()
+    try:
+        with patched:
+            closed, shape = jax.make_jaxpr(flat, return_shape=True)(diff, rest)
+        calls, functions = tuple(_CAPTURING.calls), _CAPTURING.functions
+    finally:
+        _CAPTURING.calls, _CAPTURING.functions = saved
+    never = [c.__qualname__ for c in patched.classes if c not in patched.seen]
+    never += [getattr(f, "__qualname__", repr(f)) for f in patched.functions if f not in functions]
+    if never:
+        raise ValueError(f"layers= names {', '.join(never)}, but fun never called it (no instance's call, no "
+                         "call of the function): check what fun calls (a subclass or a wrapper is another class), "
+                         "or leave it out of layers=.")
+    key = (str(closed.jaxpr), tuple(Constant(c) for c in closed.consts), tuple(names), calls)
+    program = _shared(key, lambda: build(closed, len(diff), names, calls), _NETWORKS)
+    out_def = jax.tree.structure(shape)
+
+    def rewritten(*parts: Any) -> tuple:
+        *diffs, rest_leaves = parts
+        outs = program.run([leaf for d in diffs for leaf in d] + list(rest_leaves))
+        return jax.tree.unflatten(out_def, outs)
+
+    split = []
+    start = 0
+    for size in sizes:
+        split.append(list(diff[start:start + size]))
+        start += size
+    return Rewritten(rewritten, (*split, rest), program, tuple(arguments))
+
+
+def capture(fun: Callable, *args: Any, layers: Any, argnums: int | Sequence[int] = 0) -> Capture:
+    """The network ``fun`` calls, found by tracing ``fun(*args)`` with the calls of ``layers``
+    (classes, or functions decorated with [`layer`][linbackprop.layer]) as its layers.
+
+    ``cap.net`` is an ``lbp.Network`` (inspect it, ``lbp.linearize(cap.net, cap.params,
+    *cap.inputs)``, ``lbp.plot_network(cap.net)``); ``cap.params`` its blocks (the leaves of the
+    arguments ``argnums`` names, by path) and ``cap.inputs`` its inputs at ``args``.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp, linbackprop as lbp
+        >>> @lbp.layer
+        ... def block(p, h):
+        ...     return h + jnp.tanh(h @ p["W"])
+        >>> def loss(params, x):
+        ...     for p in params:                    # a Python loop over the blocks
+        ...         x = block(p, x)
+        ...     return jnp.sum(x ** 2)
+        >>> params = [{"W": 0.1 * jnp.eye(2)} for _ in range(3)]
+        >>> cap = lbp.capture(loss, params, jnp.ones((4, 2)), layers=block)
+        >>> [layer.name for layer in cap.net.layers], cap.net.param_names
+        (['block0', 'block1', 'block2'], ("[0]['W']", "[1]['W']", "[2]['W']"))
+    """
+    nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+    found = rewrite(fun, args, nums, layers)
+    leaves = [leaf for d in found.args[:-1] for leaf in d] + list(found.args[-1])
+    program = found.program
+    return Capture(program.net, program.blocks(leaves), program.inputs_of(leaves))

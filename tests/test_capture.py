@@ -1,0 +1,241 @@
+"""Models as they are (``layers=``): the network found by tracing, differentiated by the solve,
+against nnx.grad / eqx.filter_grad / jax.grad of the same model."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from networks import equations
+
+import linbackprop as lbp
+
+nnx = pytest.importorskip("flax.nnx", reason="pip install 'linbackprop[test]' installs flax")
+eqx = pytest.importorskip("equinox", reason="pip install 'linbackprop[test]' installs equinox")
+
+W = 6
+
+
+def close(a, b, tol=1e-9):
+    assert jax.tree.structure(a) == jax.tree.structure(b), (jax.tree.structure(a), jax.tree.structure(b))
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=tol, atol=tol)
+
+
+def solved(fun, *args):
+    """Whether the solve's primitive is in the program of ``fun(*args)``."""
+    return any(e.primitive.name == "linbackprop_solve" for e in equations(jax.make_jaxpr(fun)(*args)))
+
+
+# -- plain JAX: @lbp.layer -----------------------------------------------------------------------
+@lbp.layer
+def block(p, h):
+    return h + jnp.tanh(h @ p["W"] + p["b"])
+
+
+def blocks_loss(params, x, y):
+    h = x
+    for p in params["blocks"]:  # a Python loop over the blocks, glue between them
+        h = block(p, jnp.sin(h))
+    return jnp.mean((h @ params["head"] - y) ** 2)
+
+
+def blocks_params(depth, seed=0):
+    rng = np.random.default_rng(seed)
+    return {"blocks": [{"W": jnp.asarray(0.3 * rng.standard_normal((W, W))), "b": jnp.asarray(rng.standard_normal(W))}
+                       for _ in range(depth)], "head": jnp.asarray(rng.standard_normal((W, 2)))}
+
+
+def test_plain_jax_layers_give_jax_grad_through_the_solve():
+    params, x, y = blocks_params(5), jnp.ones((4, W)), jnp.zeros((4, 2))
+    grads = lbp.grad_by_solve(blocks_loss, layers=block)(params, x, y)
+    close(grads, jax.grad(blocks_loss)(params, x, y))
+    value, grads = lbp.value_and_grad_by_solve(blocks_loss, layers=block)(params, x, y)
+    close((value, grads), jax.value_and_grad(blocks_loss)(params, x, y))
+    close(jax.jit(lbp.grad_by_solve(blocks_loss, layers=block))(params, x, y), jax.grad(blocks_loss)(params, x, y))
+    assert solved(lbp.grad_by_solve(blocks_loss, layers=block), params, x, y)
+    t = jax.tree.map(jnp.ones_like, params)
+    close(lbp.jvp_by_solve(lambda p: blocks_loss(p, x, y), (params,), (t,), layers=block),
+          jax.jvp(lambda p: blocks_loss(p, x, y), (params,), (t,)))
+
+
+def test_capture_finds_the_blocks_the_glue_and_one_kind_for_repeated_blocks():
+    params, x, y = blocks_params(4), jnp.ones((4, W)), jnp.zeros((4, 2))
+    cap = lbp.capture(blocks_loss, params, x, y, layers=block)
+    # sin(x) before the first block reads the data alone: it is computed before the network (its input)
+    assert [layer.name for layer in cap.net.layers] == ["block0", "glue0", "block1", "glue1", "block2", "glue2",
+                                                        "block3"]
+    assert set(cap.net.param_names) == {f"['blocks'][{i}]['{k}']" for i in range(4) for k in "Wb"}
+    # one function for the blocks that read a glue layer, one for the glue: one kind each
+    assert len({layer.fn for layer in cap.net.layers[2::2]}) == 1
+    assert len({layer.fn for layer in cap.net.layers[1::2]}) == 1
+    lin = lbp.linearize(cap.net, cap.params, *cap.inputs)
+    assert lin.L.pattern.shape == (7, 7)
+    h = jnp.sin(x)
+    for p in params["blocks"][:3]:
+        h = jnp.sin(block(p, h))
+    close(cap.net(cap.params, *cap.inputs)[0], block(params["blocks"][3], h))
+
+
+@pytest.mark.parametrize("depth", [3, 9])
+def test_program_size_does_not_grow_with_depth(depth):
+    x, y = jnp.ones((4, W)), jnp.zeros((4, 2))
+    count = lambda d: sum(e.primitive.name == "tanh" for e in equations(
+        jax.make_jaxpr(lbp.grad_by_solve(blocks_loss, layers=block, engine="loop"))(blocks_params(d), x, y)))
+    assert count(depth) == count(12)
+
+
+# -- flax nnx ------------------------------------------------------------------------------------
+class Block(nnx.Module):
+    def __init__(self, rngs, dropout=0.0):
+        self.linear, self.norm = nnx.Linear(W, W, rngs=rngs), nnx.LayerNorm(W, rngs=rngs)
+        self.dropout = nnx.Dropout(dropout, rngs=rngs)
+
+    def __call__(self, x):
+        return self.dropout(jnp.tanh(self.linear(self.norm(x))))
+
+
+class Model(nnx.Module):
+    """An embedding, blocks in an nnx.List called in a Python loop with residual adds between
+    them, and a head tied to the embedding (embed.attend)."""
+
+    def __init__(self, rngs, depth=4, dropout=0.0):
+        self.embed = nnx.Embed(11, W, rngs=rngs)
+        self.blocks = nnx.List([Block(rngs, dropout) for _ in range(depth)])
+
+    def __call__(self, tokens):
+        h = self.embed(tokens)
+        for b in self.blocks:
+            h = h + b(h)
+        return self.embed.attend(h)
+
+
+def lm_loss(model, tokens, targets):
+    logits = model(tokens)
+    return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), targets[..., None], axis=-1))
+
+
+def _tokens(seed=0):
+    rng = np.random.default_rng(seed)
+    return jnp.asarray(rng.integers(0, 11, (3, 5))), jnp.asarray(rng.integers(0, 11, (3, 5)))
+
+
+def test_nnx_model_as_written_gives_nnx_grad_and_goes_to_its_optimizer():
+    model = Model(nnx.Rngs(0))
+    tokens, targets = _tokens()
+    grads = lbp.grad_by_solve(lm_loss, layers=Block)(model, tokens, targets)
+    expected = nnx.grad(lm_loss)(model, tokens, targets)
+    assert isinstance(grads, nnx.State)
+    close(grads, expected, tol=1e-5)  # nnx makes float32 parameters
+    assert solved(lambda m: lbp.grad_by_solve(lm_loss, layers=Block)(m, tokens, targets), model)
+    optimizer = nnx.Optimizer(model, __import__("optax").adam(1e-2), wrt=nnx.Param)
+    optimizer.update(model, grads)
+    cap = lbp.capture(lm_loss, model, tokens, targets, layers=Block)
+    names = [layer.name for layer in cap.net.layers]
+    assert names[:3] == ["glue0", "Block0", "glue1"] and sum(n.startswith("Block") for n in names) == 4
+    assert "['embed']['embedding']" in cap.net.param_names  # the tied embedding: read by the first glue layer
+
+
+def test_nnx_dropout_draws_fresh_masks_and_advances_the_rng_as_nnx_grad():
+    tokens, targets = _tokens(1)
+    ours, theirs = Model(nnx.Rngs(0, dropout=3), dropout=0.5), Model(nnx.Rngs(0, dropout=3), dropout=0.5)
+    for _ in range(2):  # the second call draws other masks, as nnx.grad's does
+        close(lbp.grad_by_solve(lm_loss, layers=Block)(ours, tokens, targets),
+              nnx.grad(lm_loss)(theirs, tokens, targets), tol=1e-5)
+        close(nnx.state(ours, nnx.RngCount), nnx.state(theirs, nnx.RngCount))
+    assert int(jax.tree.leaves(nnx.state(ours, nnx.RngCount))[0]) > 0
+
+
+def test_a_module_called_twice_shares_its_blocks():
+    class Twice(nnx.Module):
+        def __init__(self, rngs):
+            self.block = Block(rngs)
+
+        def __call__(self, x):
+            return self.block(self.block(x))
+
+    model, x = Twice(nnx.Rngs(1)), jnp.ones((2, W))
+    loss = lambda m, x: jnp.sum(m(x) ** 2)
+    close(lbp.grad_by_solve(loss, layers=Block)(model, x), nnx.grad(loss)(model, x), tol=1e-5)
+    cap = lbp.capture(loss, model, x, layers=Block)
+    assert [len(layer.params) for layer in cap.net.layers] == [4, 4]
+    assert cap.net.layers[0].params == cap.net.layers[1].params
+
+
+# -- equinox --------------------------------------------------------------------------------------
+class Mlp(eqx.Module):
+    layers: list
+
+    def __init__(self, key, depth=3):
+        keys = jax.random.split(key, depth)
+        self.layers = [eqx.nn.Linear(W, W, key=k) for k in keys]
+
+    def __call__(self, x):
+        for layer in self.layers:
+            x = jnp.tanh(layer(x))
+        return x
+
+
+def test_equinox_per_example_vmap_idiom_gives_filter_grad():
+    model = Mlp(jax.random.PRNGKey(0))
+    x = jax.random.normal(jax.random.PRNGKey(1), (5, W))
+    loss = lambda m, x: jnp.mean(jax.vmap(m)(x) ** 2)  # equinox's idiom: the model on one example, vmapped
+    grads = lbp.grad_by_solve(loss, layers=eqx.nn.Linear)(model, x)
+    expected = eqx.filter_grad(loss)(model, x)
+    close(grads, expected, tol=1e-5)
+    assert solved(lambda m: lbp.grad_by_solve(loss, layers=eqx.nn.Linear)(m, x), model)
+
+
+# -- curvature of a model as it is ---------------------------------------------------------------------
+def test_curvature_transforms_take_layers():
+    params, x, y = blocks_params(3, seed=2), jnp.asarray(np.random.default_rng(3).standard_normal((4, W))), \
+        jnp.zeros((4, 2))
+    losses = lambda p, x, y: jnp.mean((jnp.tanh(_forward(p, x)) @ p["head"] - y) ** 2, axis=1)
+    loss = lambda p, x, y: jnp.sum(losses(p, x, y))
+    one = lambda p, xb, yb: losses(p, xb[None], yb[None])[0]
+    ref = jax.vmap(jax.grad(one), (None, 0, 0))(params, x, y)
+    close(lbp.per_example_grads(losses, layers=block)(params, x, y), ref)
+    norms = lbp.per_example_grad_norms(losses, layers=block)(params, x, y)
+    close(norms, jnp.sqrt(sum(jnp.sum(g.reshape(4, -1) ** 2, axis=1) for g in jax.tree.leaves(ref))))
+    value, grad, G = lbp.gauss_newton(loss, layers=block)(params, x, y)
+    close((value, grad), jax.value_and_grad(loss)(params, x, y))
+    from jax.flatten_util import ravel_pytree
+
+    flat, unravel = ravel_pytree(params)
+    outs = lambda f: jnp.ravel(_forward(unravel(f), x))
+    jac = jax.jacfwd(outs)(flat)
+    h = jax.hessian(lambda o: loss_of_outs(o.reshape(4, W), params, y))(outs(flat))
+    dense = jac.T @ h @ jac
+    # the head is in the loss (it follows the last layer call): G is the GGN of the blocks' outputs
+    v = jax.tree.map(jnp.ones_like, params)
+    close(ravel_pytree(G.mv(v))[0], dense @ ravel_pytree(v)[0])
+    close(lbp.diag_ggn(loss, layers=block)(params, x, y), unravel(jnp.diag(dense)))
+    factors = lbp.kfac_factors(loss, layers=block)(params, x, y)
+    assert isinstance(factors["blocks"][0]["W"], lbp.Kronecker) and factors["head"] is None
+
+
+def _forward(p, x):
+    h = x
+    for b in p["blocks"]:
+        h = block(b, h)
+    return h
+
+
+def loss_of_outs(h, p, y):
+    return jnp.sum(jnp.mean((jnp.tanh(h) @ p["head"] - y) ** 2, axis=1))
+
+
+# -- errors -----------------------------------------------------------------------------------------
+def test_errors_name_the_call_and_the_fix():
+    params, x, y = blocks_params(2), jnp.ones((4, W)), jnp.zeros((4, 2))
+    with pytest.raises(ValueError, match="names Block, but fun never called it"):
+        lbp.grad_by_solve(blocks_loss, layers=(block, Block))(params, x, y)
+    with pytest.raises(TypeError, match="decorate it"):
+        lbp.grad_by_solve(blocks_loss, layers=jnp.tanh)(params, x, y)
+    with pytest.raises(ValueError, match="names block, but fun never called it"):
+        lbp.grad_by_solve(lambda p, x, y: jnp.sum(p["head"]), layers=block)(params, x, y)
+    stacked = jax.tree.map(lambda *a: jnp.stack(a), *params["blocks"])
+    scanned = lambda s, x: jnp.sum(jax.lax.scan(lambda h, p: (block(p, h), None), x, s)[0])
+    with pytest.raises(NotImplementedError, match="inside `scan`"):
+        lbp.grad_by_solve(scanned, layers=block)(stacked, x)
