@@ -1,7 +1,7 @@
-"""Networks found in models: ``layers=``, :func:`capture` and :func:`layer`.
+"""Networks found in models: ``layers=``, `capture` and `layer`.
 
 Users have models, not Networks. With ``layers=`` naming which calls of ``fun`` are the layers
-(classes whose instances' calls are layers, or functions decorated with :func:`layer`), ``fun``
+(classes whose instances' calls are layers, or functions decorated with `layer`), ``fun``
 is traced once per shapes with each such call made opaque: a ``jax.jit`` of the call, named so
 that it is found again (``linbackprop_layer<k>``). The jaxpr then shows the DAG directly:
 
@@ -28,6 +28,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import itertools
 import sys
 import threading
 from collections.abc import Callable, Hashable, Sequence
@@ -38,6 +39,7 @@ import numpy as np
 from jax.extend.core import ClosedJaxpr, Literal
 
 from ._graph import Layer, Network
+from ._settings import context_value
 from ._traced import Constant, bind_equation
 
 MARK = "linbackprop_layer"
@@ -52,6 +54,10 @@ class _Capturing(threading.local):
 
 
 _CAPTURING = _Capturing()
+# Each capture's own value in jit's key: a jax.jit of the user's around the model, traced before
+# without capturing (by jax.grad of the same loss, say), is traced again, its calls then marked.
+_CAPTURE_KEY = context_value(0)
+_captures = itertools.count(1)
 
 
 def layer(fn: Callable) -> Callable:
@@ -182,7 +188,7 @@ _MISSING = object()
 # -- the captured program -----------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class Capture:
-    """A network found in a model by :func:`capture`.
+    """A network found in a model by `capture`.
 
     Attributes:
         net: the ``Network`` found: its layers are the marked calls and the glue between them.
@@ -270,21 +276,24 @@ def _contains_marks(jaxpr: Any) -> bool:
 
 def _inline(jaxpr: Any, consts: Sequence[Any]) -> tuple[list, list, list, list]:
     """The equations with unmarked ``jit`` s that hold marked calls inlined (a ``jax.jit`` the user
-    put around part of the model). Returns (eqns, constvars, consts, outvars)."""
+    put around part of the model): their equations take their place, and what read their outputs
+    reads the inner values instead. Returns (eqns, constvars, consts, outvars)."""
     eqns: list = []
+    constvars, consts = list(jaxpr.constvars), list(consts)
+    rename: dict = {}
+    fix = lambda atoms: [a if isinstance(a, Literal) else rename.get(a, a) for a in atoms]
     for eqn in jaxpr.eqns:
+        eqn = eqn.replace(invars=fix(eqn.invars))
         if _marked_index(eqn) is None and eqn.primitive.name in ("pjit", "jit") and \
                 _contains_marks(eqn.params["jaxpr"].jaxpr):
             inner = eqn.params["jaxpr"]
-            mapping = dict(zip(inner.jaxpr.invars, eqn.invars))
-            mapping.update(zip(inner.jaxpr.constvars, [Literal(c, jax.typeof(c)) if np.ndim(c) == 0 else c
-                                                       for c in inner.consts]))
-            sub, _, _, _ = _inline(inner.jaxpr, inner.consts)
-            for e in sub:
-                e = e.replace(invars=[mapping.get(a, a) if not isinstance(a, Literal) else a for a in e.invars])
-                eqns.append(e)
-            for o_inner, o_outer in zip(inner.jaxpr.outvars, eqn.outvars):
-                eqns.append(_identity(mapping.get(o_inner, o_inner), o_outer))
+            sub, sub_constvars, sub_consts, sub_outvars = _inline(inner.jaxpr, inner.consts)
+            constvars += sub_constvars
+            consts += sub_consts
+            bound = dict(zip(inner.jaxpr.invars, eqn.invars))
+            bind = lambda atoms: [a if isinstance(a, Literal) else bound.get(a, a) for a in atoms]
+            eqns += [e.replace(invars=bind(e.invars)) for e in sub]
+            rename.update(zip(eqn.outvars, bind(sub_outvars)))
             continue
         for sub in jax.extend.core.jaxprs_in_params(eqn.params):
             if _contains_marks(sub):
@@ -294,14 +303,7 @@ def _inline(jaxpr: Any, consts: Sequence[Any]) -> tuple[list, list, list, list]:
                     "jax.checkpoint or a custom_jvp), which capture cannot see through yet: call the layers from "
                     "Python (a for loop over the blocks), or build the Network by hand (lbp.Network).")
         eqns.append(eqn)
-    return eqns, list(jaxpr.constvars), list(consts), list(jaxpr.outvars)
-
-
-def _identity(src: Any, dst: Any) -> Any:
-    """An equation dst = src (copy_p), keeping var names distinct after inlining."""
-    from jax._src.lax.lax import copy_p  # the identity primitive, as JAX's own inliner uses
-
-    return jax.extend.core.new_jaxpr_eqn([src], [dst], copy_p, {}, frozenset())
+    return eqns, constvars, consts, fix(jaxpr.outvars)
 
 
 # -- from the jaxpr to a Network ----------------------------------------------------------------
@@ -535,7 +537,7 @@ class Rewritten:
 
     ``fun(*diff, rest)`` (``diff``: a list of leaves per differentiated argument, ``rest``: every
     other array) returns ``(fun's result, states)``: states are the nnx modules' state after the
-    call, for :meth:`write_back`. ``gradient(per_argument)`` maps leaf lists back to each
+    call, for `write_back`. ``gradient(per_argument)`` maps leaf lists back to each
     argument's own gradient type (nnx.State, an equinox module, the pytree)."""
 
     fun: Callable
@@ -590,7 +592,7 @@ def rewrite(fun: Callable, args: tuple, argnums: tuple[int, ...], layers: Any) -
     saved = _CAPTURING.calls, _CAPTURING.functions
     _CAPTURING.calls, _CAPTURING.functions = [], set()
     try:
-        with patched:
+        with patched, _CAPTURE_KEY(next(_captures)):
             closed, shape = jax.make_jaxpr(flat, return_shape=True)(diff, rest)
         calls, functions = tuple(_CAPTURING.calls), _CAPTURING.functions
     finally:
