@@ -38,7 +38,7 @@ import jax
 import numpy as np
 from jax.extend.core import ClosedJaxpr, Literal
 
-from ._graph import Layer, Network
+from ._graph import Layer, Network, Row
 from ._settings import context_value
 from ._traced import Constant, bind_equation
 
@@ -284,6 +284,13 @@ def _inline(jaxpr: Any, consts: Sequence[Any]) -> tuple[list, list, list, list]:
     fix = lambda atoms: [a if isinstance(a, Literal) else rename.get(a, a) for a in atoms]
     for eqn in jaxpr.eqns:
         eqn = eqn.replace(invars=fix(eqn.invars))
+        if eqn.primitive.name == "scan" and _contains_marks(eqn.params["jaxpr"].jaxpr):
+            sub, sub_constvars, sub_consts, outs = _unrolled_scan(eqn)
+            eqns += sub
+            constvars += sub_constvars
+            consts += sub_consts
+            rename.update(zip(eqn.outvars, outs))
+            continue
         if _marked_index(eqn) is None and eqn.primitive.name in ("pjit", "jit") and \
                 _contains_marks(eqn.params["jaxpr"].jaxpr):
             inner = eqn.params["jaxpr"]
@@ -299,11 +306,78 @@ def _inline(jaxpr: Any, consts: Sequence[Any]) -> tuple[list, list, list, list]:
             if _contains_marks(sub):
                 what = eqn.primitive.name
                 raise NotImplementedError(
-                    f"A layers= call runs inside `{what}` (a {what} of the model's code, e.g. jax.lax.scan, "
-                    "jax.checkpoint or a custom_jvp), which capture cannot see through yet: call the layers from "
-                    "Python (a for loop over the blocks), or build the Network by hand (lbp.Network).")
+                    f"A layers= call runs inside `{what}` (a {what} of the model's code, e.g. jax.checkpoint, a "
+                    "custom_jvp or a while loop), which capture cannot see through: call the layers outside it "
+                    "(checkpoints=k of the transform recomputes segments instead), or build the Network by hand "
+                    "(lbp.Network).")
         eqns.append(eqn)
     return eqns, constvars, consts, fix(jaxpr.outvars)
+
+
+def _traced(fn: Callable, atoms: Sequence[Any]) -> tuple[list, list, list, list]:
+    """``fn`` traced at the avals of ``atoms`` and inlined (fresh variables), its inputs bound to
+    ``atoms``: (eqns, constvars, consts, outvars)."""
+    def fresh(*args: Any) -> Any:  # a new function object: JAX caches traces per function (same variables)
+        return fn(*args)
+
+    closed = jax.make_jaxpr(fresh)(*[jax.ShapeDtypeStruct(a.aval.shape, a.aval.dtype, weak_type=a.aval.weak_type)
+                                     for a in atoms])
+    eqns, constvars, consts, outvars = _inline(closed.jaxpr, closed.consts)
+    bound = dict(zip(closed.jaxpr.invars, atoms))
+    bind = lambda xs: [a if isinstance(a, Literal) else bound.get(a, a) for a in xs]
+    return [e.replace(invars=bind(e.invars)) for e in eqns], constvars, consts, bind(outvars)
+
+
+# Rows of a scanned-over array, by the variable they are read as: (the array, the row). A row of a
+# differentiated leaf is a Row of its block in the layers that read it (a stack of blocks iterated
+# by a scan: Row-stacked layers of one kind, as a hand-built network has them).
+_ROWS: dict = {}
+_ROW_CHAINS: dict = {}  # every variable of the equations that slice a row: the array it slices
+
+
+def _unrolled_scan(eqn: Any) -> tuple[list, list, list, list]:
+    """A ``lax.scan`` whose body makes marked calls, unrolled into one copy of the body per step
+    (fresh variables), reading row t of each scanned-over array; the stacked outputs are stacked
+    from the steps'. Returns (eqns, constvars, consts, outvars of the scan)."""
+    params = eqn.params
+    body, length, reverse = params["jaxpr"], params["length"], params["reverse"]
+    n_consts, n_carry = params["num_consts"], params["num_carry"]
+    consts_in = list(eqn.invars[:n_consts])
+    carry = list(eqn.invars[n_consts:n_consts + n_carry])
+    xs = list(eqn.invars[n_consts + n_carry:])
+    eqns, constvars, consts, ys = [], [], [], []
+    run = jax.extend.core.jaxpr_as_fun(body)
+    for t in (range(length - 1, -1, -1) if reverse else range(length)):
+        rows = []
+        if xs:
+            sub, cv, cs, rows = _traced(lambda *a, t=t: [x[t] for x in a], xs)
+            eqns += sub
+            constvars += cv
+            consts += cs
+            source = {x: x for x in xs}
+            for e in sub:  # which array each slicing equation reads a row of
+                src = next((source[a] for a in e.invars if not isinstance(a, Literal) and a in source), None)
+                for o in e.outvars:
+                    source[o] = src
+                    _ROW_CHAINS[o] = src
+            for x, r in zip(xs, rows):
+                _ROWS[r] = (x, t)
+        sub, cv, cs, outs = _traced(run, consts_in + carry + rows)
+        eqns += sub
+        constvars += cv
+        consts += cs
+        carry, step_ys = outs[:n_carry], outs[n_carry:]
+        ys.append(step_ys)
+    if reverse:
+        ys.reverse()
+    stacked = []
+    if ys and ys[0]:
+        sub, cv, cs, stacked = _traced(lambda *a: [jax.numpy.stack(a[k::len(ys[0])]) for k in range(len(ys[0]))],
+                                       [y for step in ys for y in step])
+        eqns += sub
+        constvars += cv
+        consts += cs
+    return eqns, constvars, consts, carry + stacked
 
 
 # -- from the jaxpr to a Network ----------------------------------------------------------------
@@ -362,13 +436,24 @@ def _layer_fn(eqns: tuple, operands: tuple, outs: tuple, specs: tuple) -> Callab
     return _shared(key, make, _FUNCTIONS)
 
 
-def build(closed: ClosedJaxpr, n_diff: int, block_names: Sequence[Hashable], calls: Sequence[str],
-          layer_names: Callable[[int], str] | None = None) -> Program:
+def build(closed: ClosedJaxpr, n_diff: int, block_names: Sequence[Hashable], calls: Sequence[str]) -> Program:
     """The Program of ``closed`` (``fun`` traced with its marked calls), whose first ``n_diff``
     invars are the differentiated leaves named ``block_names``."""
+    _ROWS.clear()
+    _ROW_CHAINS.clear()
     eqns, constvars, consts, outvars = _inline(closed.jaxpr, closed.consts)
     invars = list(closed.jaxpr.invars)
     diff_vars = set(invars[:n_diff])
+    block_of_var: dict = dict(zip(invars[:n_diff], block_names))
+    for row, (source, t) in _ROWS.items():  # rows of stacked blocks a scan iterates over: Row blocks
+        if source in block_of_var:
+            block_of_var[row] = Row(block_of_var[source], t)
+    # the equations slicing those rows are no glue: the layers read the rows as Row blocks
+    rows_of_blocks = {v for v, src in _ROW_CHAINS.items() if src in block_of_var and
+                      not isinstance(block_of_var[src], Row)}
+    _ROWS.clear()
+    _ROW_CHAINS.clear()
+    diff_vars |= set(block_of_var)
     marked = [_marked_index(e) for e in eqns]
     if not any(m is not None for m in marked):
         raise ValueError("layers=: no call of the layers named was found in fun (check that fun calls them, "
@@ -385,7 +470,8 @@ def build(closed: ClosedJaxpr, n_diff: int, block_names: Sequence[Hashable], cal
         if marked[n] is not None or any(o in needed for o in e.outvars):
             feeds[n] = True
             needed.update(a for a in e.invars if not isinstance(a, Literal))
-    in_net = [m is not None or (feeds[n] and any(a in moving for a in e.invars if not isinstance(a, Literal)))
+    in_net = [m is not None or (feeds[n] and any(a in moving for a in e.invars if not isinstance(a, Literal))
+                                and not all(o in rows_of_blocks for o in e.outvars))  # a Row: read as a block
               for n, (e, m) in enumerate(zip(eqns, marked))]
     # before the network: what depends on none of its values; after it: the rest (the loss)
     tainted: set = set()
@@ -401,11 +487,13 @@ def build(closed: ClosedJaxpr, n_diff: int, block_names: Sequence[Hashable], cal
     before, after = tuple(before), tuple(after)
     # the network's nodes: each marked call, and each run of glue between them
     nodes: list[tuple[str, list]] = []
+    seen_names = collections.Counter()  # a call's name, numbered in order (a scan's steps repeat one call)
     for e, inside, m in zip(eqns, in_net, marked):
         if not inside:
             continue
         if m is not None:
-            nodes.append((f"{calls[m]}{m}" if layer_names is None else layer_names(m), [e]))
+            nodes.append((f"{calls[m]}{seen_names[calls[m]]}", [e]))
+            seen_names[calls[m]] += 1
         elif nodes and nodes[-1][0].startswith("glue"):
             nodes[-1][1].append(e)
         else:
@@ -421,7 +509,6 @@ def build(closed: ClosedJaxpr, n_diff: int, block_names: Sequence[Hashable], cal
             for a in e.invars:
                 if not isinstance(a, Literal):
                     readers[a].add(n)
-    block_of_var = dict(zip(invars[:n_diff], block_names))
     inputs: dict = {}  # atom -> input name
     layers = []
     output_vars: dict[Hashable, list] = {}
@@ -463,7 +550,8 @@ def build(closed: ClosedJaxpr, n_diff: int, block_names: Sequence[Hashable], cal
         input_names, inputs = ["input0"], {Literal(np.float32(0), jax.typeof(np.float32(0))): "input0"}
     names = list(output_vars)
     net = Network(layers, inputs=input_names, outputs=names[0] if len(names) == 1 else names)
-    block_vars = tuple(next(v for v, b in block_of_var.items() if b == p) for p in net.param_names)
+    block_vars = tuple(next(v for v, b in block_of_var.items() if not isinstance(b, Row) and b == p)
+                       for p in net.param_names)
     return Program(net=net, before=before, after=after, invars=tuple(invars), constvars=tuple(constvars),
                    consts=tuple(consts), outvars=tuple(outvars), block_vars=block_vars,
                    input_atoms=tuple(inputs), output_vars=tuple(tuple(output_vars[n]) for n in names),

@@ -234,10 +234,9 @@ def test_errors_name_the_call_and_the_fix():
         lbp.grad_by_solve(blocks_loss, layers=jnp.tanh)(params, x, y)
     with pytest.raises(ValueError, match="names block, but fun never called it"):
         lbp.grad_by_solve(lambda p, x, y: jnp.sum(p["head"]), layers=block)(params, x, y)
-    stacked = jax.tree.map(lambda *a: jnp.stack(a), *params["blocks"])
-    scanned = lambda s, x: jnp.sum(jax.lax.scan(lambda h, p: (block(p, h), None), x, s)[0])
-    with pytest.raises(NotImplementedError, match="inside `scan`"):
-        lbp.grad_by_solve(scanned, layers=block)(stacked, x)
+    remat = lambda p, x, y: jnp.sum(jax.checkpoint(lambda p, x: block(p, x))(p["blocks"][0], x))
+    with pytest.raises(NotImplementedError, match="inside `(remat|checkpoint)"):
+        lbp.grad_by_solve(remat, layers=block)(params, x, y)
 
 
 def test_layers_inside_a_jit_of_the_users_are_found():
@@ -248,3 +247,65 @@ def test_layers_inside_a_jit_of_the_users_are_found():
     close(lbp.grad_by_solve(loss, layers=block)(params, x, y), jax.grad(loss)(params, x, y))
     assert [layer.name for layer in lbp.capture(loss, params, x, y, layers=block).net.layers] == [
         "block0", "block1", "block2"]
+
+
+# -- stacked blocks iterated by a scan: Row layers of one kind ---------------------------------------
+def scanned_loss(p, x, y):
+    h, _ = jax.lax.scan(lambda h, b: (block(b, h), None), x, p["blocks"])
+    return jnp.mean((h @ p["head"] - y) ** 2)
+
+
+def stacked_params(depth):
+    params = blocks_params(depth, seed=4)
+    return {"blocks": jax.tree.map(lambda *a: jnp.stack(a), *params["blocks"]), "head": params["head"]}
+
+
+def test_blocks_scanned_over_become_row_layers_and_the_program_does_not_grow():
+    params, x, y = stacked_params(5), jnp.ones((4, W)), jnp.zeros((4, 2))
+    close(lbp.grad_by_solve(scanned_loss, layers=block)(params, x, y), jax.grad(scanned_loss)(params, x, y))
+    cap = lbp.capture(scanned_loss, params, x, y, layers=block)
+    assert [layer.params for layer in cap.net.layers] == [
+        (lbp.Row("['blocks']['W']", t), lbp.Row("['blocks']['b']", t)) for t in range(5)]
+    assert len({layer.fn for layer in cap.net.layers[1:]}) == 1  # the first reads the input, the rest states
+    count = lambda d: sum(e.primitive.name == "tanh" for e in equations(jax.make_jaxpr(
+        lbp.grad_by_solve(scanned_loss, layers=block))(stacked_params(d), x, y)))
+    assert count(8) == count(16)
+
+
+def test_equinox_filter_vmap_stacks_run_by_a_scan():
+    class Residual(eqx.Module):
+        linear: eqx.nn.Linear
+
+        def __init__(self, key):
+            self.linear = eqx.nn.Linear(W, W, key=key)
+
+        def __call__(self, x):
+            return x + jnp.tanh(self.linear(x))
+
+    stack = eqx.filter_vmap(Residual)(jax.random.split(jax.random.PRNGKey(0), 4))
+
+    def loss(model, x):
+        params, static = eqx.partition(model, eqx.is_array)
+        h, _ = jax.lax.scan(lambda h, p: (eqx.combine(p, static)(h), None), x, params)
+        return jnp.sum(h ** 2)
+
+    x = jax.random.normal(jax.random.PRNGKey(1), (W,))
+    close(lbp.grad_by_solve(loss, layers=Residual)(stack, x), eqx.filter_grad(loss)(stack, x), tol=1e-5)
+
+
+def test_nnx_vmap_stacks_run_by_nnx_scan():
+    @nnx.vmap(in_axes=0, out_axes=0)
+    def make(key):
+        return Block(nnx.Rngs(key))
+
+    blocks = make(jax.random.split(jax.random.key(0), 4))
+
+    def loss(blocks, x):
+        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+        def forward(h, block):
+            return h + block(h)
+
+        return jnp.sum(forward(x, blocks) ** 2)
+
+    x = jnp.ones((3, W))
+    close(lbp.grad_by_solve(loss, layers=Block)(blocks, x), nnx.grad(loss)(blocks, x), tol=1e-5)

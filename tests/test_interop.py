@@ -201,7 +201,6 @@ def test_nnx_dropout_draws_a_fresh_mask_from_each_key_and_never_a_held_one():
         nnx.reseed(copy, dropout=jax.random.fold_in(key, 0))
         expected = nnx.grad(lambda m: jnp.sum(jnp.sin(m(x))))(copy)
         # nnx makes float32 parameters even under x64: float32 rounding
-        close(lbp.grad_by_solve(loss)(params, key, x)["attention"], expected, tol=1e-5)
         close(jax.jit(lbp.grad_by_solve(loss))(params, key, x)["attention"], expected, tol=1e-5)
         masks.append(net(params, key, x) == 0)
     assert jnp.any(masks[0]) and jnp.any(masks[0] != masks[1])  # dropout applied, another key another mask
