@@ -309,3 +309,28 @@ def test_nnx_vmap_stacks_run_by_nnx_scan():
 
     x = jnp.ones((3, W))
     close(lbp.grad_by_solve(loss, layers=Block)(blocks, x), nnx.grad(loss)(blocks, x), tol=1e-5)
+
+
+def test_flax_linen_variables_through_module_apply():
+    """A linen model as written: layers=Block marks each Block's call inside module.apply; the
+    gradient is jax.grad's of the variables dict."""
+    nn = pytest.importorskip("flax.linen")
+
+    class LinenBlock(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return x + jnp.tanh(nn.Dense(W)(x))
+
+    class LinenModel(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            for _ in range(3):
+                x = LinenBlock()(x)
+            return x
+
+    model, x = LinenModel(), jnp.ones((2, W))
+    variables = jax.tree.map(lambda a: a.astype(jnp.float64), model.init(jax.random.PRNGKey(0), x))
+    loss = lambda v, x: jnp.sum(model.apply(v, x) ** 2)
+    close(lbp.grad_by_solve(loss, layers=LinenBlock)(variables, x), jax.grad(loss)(variables, x))
+    cap = lbp.capture(loss, variables, x, layers=LinenBlock)
+    assert [layer.name for layer in cap.net.layers] == ["LinenBlock0", "LinenBlock1", "LinenBlock2"]
