@@ -257,6 +257,10 @@ def _evaluate(eqns: Sequence[Any], env: dict) -> None:
         env.update(zip(eqn.outvars, outs if eqn.primitive.multiple_results else [outs]))
 
 
+class _NoInput:
+    """The input of a network that reads no data (its every input differentiated): nothing reads it."""
+
+
 def _marked_index(eqn: Any) -> int | None:
     if eqn.primitive.name not in ("pjit", "jit"):
         return None
@@ -551,8 +555,10 @@ def build(closed: ClosedJaxpr, n_diff: int, block_names: Sequence[Hashable], cal
     if not output_vars:
         raise ValueError("layers=: the layers' outputs reach nothing fun returns.")
     input_names = list(inputs.values())
-    if not input_names:  # a network needs an input: a dummy one nothing reads
-        input_names, inputs = ["input0"], {Literal(np.float32(0), jax.typeof(np.float32(0))): "input0"}
+    if not input_names:  # a network needs an input: a dummy one nothing reads (a constant of the program)
+        dummy = _NoInput()
+        input_names, inputs = ["input0"], {dummy: "input0"}
+        constvars, consts = [*constvars, dummy], [*consts, np.float32(0)]
     names = list(output_vars)
     net = Network(layers, inputs=input_names, outputs=names[0] if len(names) == 1 else names)
     block_vars = tuple(next(v for v, b in block_of_var.items() if not isinstance(b, Row) and b == p)

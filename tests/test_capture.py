@@ -334,3 +334,12 @@ def test_flax_linen_variables_through_module_apply():
     close(lbp.grad_by_solve(loss, layers=LinenBlock)(variables, x), jax.grad(loss)(variables, x))
     cap = lbp.capture(loss, variables, x, layers=LinenBlock)
     assert [layer.name for layer in cap.net.layers] == ["LinenBlock0", "LinenBlock1", "LinenBlock2"]
+
+
+def test_has_aux_and_several_arguments_as_jax_grad():
+    params, x, y = blocks_params(2), jnp.ones((4, W)), jnp.zeros((4, 2))
+    with_aux = lambda p, x, y: (blocks_loss(p, x, y), {"mean": jnp.mean(x)})
+    close(lbp.value_and_grad_by_solve(with_aux, has_aux=True, layers=block)(params, x, y),
+          jax.value_and_grad(with_aux, has_aux=True)(params, x, y))
+    close(lbp.grad_by_solve(blocks_loss, argnums=(0, 1), layers=block)(params, x, y),
+          jax.grad(blocks_loss, argnums=(0, 1))(params, x, y))
