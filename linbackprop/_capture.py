@@ -89,21 +89,9 @@ def layer(fn: Callable) -> Callable:
 
 
 def _opaque(call: Callable[[], Any], name: str) -> Any:
-    """``call()`` as one equation of the trace: a ``jax.jit`` named after the call's index (the
-    values it closes over, traced, become the equation's operands)."""
-    calls = _CAPTURING.calls
-    index = len(calls)
-    calls.append(name)
-
-    def traced() -> Any:
-        _CAPTURING.inside += 1
-        try:
-            return call()
-        finally:
-            _CAPTURING.inside -= 1
-
-    traced.__name__ = traced.__qualname__ = f"{MARK}{index}"
-    return jax.jit(traced)()
+    """``call()`` as one equation of the trace (the values it closes over, traced, become the
+    equation's operands)."""
+    return _opaque_with_args(call, (), name)
 
 
 def _nnx_call(method: Callable, self: Any, args: tuple, kwargs: dict) -> Any:
@@ -123,6 +111,7 @@ def _nnx_call(method: Callable, self: Any, args: tuple, kwargs: dict) -> Any:
 
 
 def _opaque_with_args(call: Callable, args: tuple, name: str) -> Any:
+    """``call(*args)`` as one equation of the trace: a ``jax.jit`` named after the call's index."""
     calls = _CAPTURING.calls
     index = len(calls)
     calls.append(name)
@@ -230,11 +219,16 @@ class Program:
         env = dict(zip(self.invars, diff))
         return {name: env[v] for name, v in zip(self.net.param_names, self.block_vars)}
 
-    def run(self, leaves: Sequence[Any]) -> list[Any]:
+    def _before(self, leaves: Sequence[Any]) -> dict[Any, Any]:
+        """The values after the equations before the network, by variable."""
         env: dict[Any, Any] = dict(zip(self.constvars, self.consts))
         env.update(zip(self.invars, leaves))
-        read = lambda a: a.val if isinstance(a, Literal) else env[a]
         _evaluate(self.before, env)
+        return env
+
+    def run(self, leaves: Sequence[Any]) -> list[Any]:
+        env = self._before(leaves)
+        read = lambda a: a.val if isinstance(a, Literal) else env[a]
         inputs = [read(a) for a in self.input_atoms]
         outs = self.net({name: env[v] for name, v in zip(self.net.param_names, self.block_vars)}, *inputs)
         outs = (outs,) if self.net.single_output else outs
@@ -244,9 +238,7 @@ class Program:
         return [read(a) for a in self.outvars]
 
     def inputs_of(self, leaves: Sequence[Any]) -> tuple[Any, ...]:
-        env: dict[Any, Any] = dict(zip(self.constvars, self.consts))
-        env.update(zip(self.invars, leaves))
-        _evaluate(self.before, env)
+        env = self._before(leaves)
         return tuple(a.val if isinstance(a, Literal) else env[a] for a in self.input_atoms)
 
 
