@@ -270,7 +270,7 @@ def _contains_marks(jaxpr: Any) -> bool:
     return False
 
 
-def _inline(jaxpr: Any, consts: Sequence[Any]) -> tuple[list, list, list, list]:
+def _inline(jaxpr: Any, consts: Sequence[Any], rows: _Rows) -> tuple[list, list, list, list]:
     """The equations with unmarked ``jit`` s that hold marked calls inlined (a ``jax.jit`` the user
     put around part of the model): their equations take their place, and what read their outputs
     reads the inner values instead. Returns (eqns, constvars, consts, outvars)."""
@@ -281,7 +281,7 @@ def _inline(jaxpr: Any, consts: Sequence[Any]) -> tuple[list, list, list, list]:
     for eqn in jaxpr.eqns:
         eqn = eqn.replace(invars=fix(eqn.invars))
         if eqn.primitive.name == "scan" and _contains_marks(eqn.params["jaxpr"].jaxpr):
-            sub, sub_constvars, sub_consts, outs = _unrolled_scan(eqn)
+            sub, sub_constvars, sub_consts, outs = _unrolled_scan(eqn, rows)
             eqns += sub
             constvars += sub_constvars
             consts += sub_consts
@@ -290,7 +290,7 @@ def _inline(jaxpr: Any, consts: Sequence[Any]) -> tuple[list, list, list, list]:
         if _marked_index(eqn) is None and eqn.primitive.name in ("pjit", "jit") and \
                 _contains_marks(eqn.params["jaxpr"].jaxpr):
             inner = eqn.params["jaxpr"]
-            sub, sub_constvars, sub_consts, sub_outvars = _inline(inner.jaxpr, inner.consts)
+            sub, sub_constvars, sub_consts, sub_outvars = _inline(inner.jaxpr, inner.consts, rows)
             constvars += sub_constvars
             consts += sub_consts
             bound = dict(zip(inner.jaxpr.invars, eqn.invars))
@@ -310,7 +310,7 @@ def _inline(jaxpr: Any, consts: Sequence[Any]) -> tuple[list, list, list, list]:
     return eqns, constvars, consts, fix(jaxpr.outvars)
 
 
-def _traced(fn: Callable, atoms: Sequence[Any]) -> tuple[list, list, list, list]:
+def _traced(fn: Callable, atoms: Sequence[Any], rows: _Rows) -> tuple[list, list, list, list]:
     """``fn`` traced at the avals of ``atoms`` and inlined (fresh variables), its inputs bound to
     ``atoms``: (eqns, constvars, consts, outvars)."""
     def fresh(*args: Any) -> Any:  # a new function object: JAX caches traces per function (same variables)
@@ -318,20 +318,24 @@ def _traced(fn: Callable, atoms: Sequence[Any]) -> tuple[list, list, list, list]
 
     closed = jax.make_jaxpr(fresh)(*[jax.ShapeDtypeStruct(a.aval.shape, a.aval.dtype, weak_type=a.aval.weak_type)
                                      for a in atoms])
-    eqns, constvars, consts, outvars = _inline(closed.jaxpr, closed.consts)
+    eqns, constvars, consts, outvars = _inline(closed.jaxpr, closed.consts, rows)
     bound = dict(zip(closed.jaxpr.invars, atoms))
     bind = lambda xs: [a if isinstance(a, Literal) else bound.get(a, a) for a in xs]
     return [e.replace(invars=bind(e.invars)) for e in eqns], constvars, consts, bind(outvars)
 
 
-# Rows of a scanned-over array, by the variable they are read as: (the array, the row). A row of a
-# differentiated leaf is a Row of its block in the layers that read it (a stack of blocks iterated
-# by a scan: Row-stacked layers of one kind, as a hand-built network has them).
-_ROWS: dict = {}
-_ROW_CHAINS: dict = {}  # every variable of the equations that slice a row: the array it slices
+@dataclasses.dataclass
+class _Rows:
+    """Rows of scanned-over arrays found while inlining. ``rows``: the variable a row is read as ->
+    (the array, the row); a row of a differentiated leaf is a Row of its block in the layers that
+    read it (a stack of blocks iterated by a scan: Row-stacked layers of one kind, as a hand-built
+    network has them). ``chains``: every variable of the equations slicing a row -> the array."""
+
+    rows: dict = dataclasses.field(default_factory=dict)
+    chains: dict = dataclasses.field(default_factory=dict)
 
 
-def _unrolled_scan(eqn: Any) -> tuple[list, list, list, list]:
+def _unrolled_scan(eqn: Any, found: _Rows) -> tuple[list, list, list, list]:
     """A ``lax.scan`` whose body makes marked calls, unrolled into one copy of the body per step
     (fresh variables), reading row t of each scanned-over array; the stacked outputs are stacked
     from the steps'. Returns (eqns, constvars, consts, outvars of the scan)."""
@@ -351,7 +355,7 @@ def _unrolled_scan(eqn: Any) -> tuple[list, list, list, list]:
     for t in (range(length - 1, -1, -1) if reverse else range(length)):
         rows = []
         if xs:
-            sub, cv, cs, rows = _traced(lambda *a, t=t: [x[t] for x in a], xs)
+            sub, cv, cs, rows = _traced(lambda *a, t=t: [x[t] for x in a], xs, found)
             eqns += sub
             constvars += cv
             consts += cs
@@ -360,10 +364,10 @@ def _unrolled_scan(eqn: Any) -> tuple[list, list, list, list]:
                 src = next((source[a] for a in e.invars if not isinstance(a, Literal) and a in source), None)
                 for o in e.outvars:
                     source[o] = src
-                    _ROW_CHAINS[o] = src
+                    found.chains[o] = src
             for x, r in zip(xs, rows):
-                _ROWS[r] = (x, t)
-        sub, cv, cs, outs = _traced(run, consts_in + carry + rows)
+                found.rows[r] = (x, t)
+        sub, cv, cs, outs = _traced(run, consts_in + carry + rows, found)
         eqns += sub
         constvars += cv
         consts += cs
@@ -374,7 +378,7 @@ def _unrolled_scan(eqn: Any) -> tuple[list, list, list, list]:
     stacked = []
     if ys and ys[0]:
         sub, cv, cs, stacked = _traced(lambda *a: [jax.numpy.stack(a[k::len(ys[0])]) for k in range(len(ys[0]))],
-                                       [y for step in ys for y in step])
+                                       [y for step in ys for y in step], found)
         eqns += sub
         constvars += cv
         consts += cs
@@ -440,20 +444,17 @@ def _layer_fn(eqns: tuple, operands: tuple, outs: tuple, specs: tuple) -> Callab
 def build(closed: ClosedJaxpr, n_diff: int, block_names: Sequence[Hashable], calls: Sequence[str]) -> Program:
     """The Program of ``closed`` (``fun`` traced with its marked calls), whose first ``n_diff``
     invars are the differentiated leaves named ``block_names``."""
-    _ROWS.clear()
-    _ROW_CHAINS.clear()
-    eqns, constvars, consts, outvars = _inline(closed.jaxpr, closed.consts)
+    found = _Rows()
+    eqns, constvars, consts, outvars = _inline(closed.jaxpr, closed.consts, found)
     invars = list(closed.jaxpr.invars)
     diff_vars = set(invars[:n_diff])
     block_of_var: dict = dict(zip(invars[:n_diff], block_names))
-    for row, (source, t) in _ROWS.items():  # rows of stacked blocks a scan iterates over: Row blocks
+    for row, (source, t) in found.rows.items():  # rows of stacked blocks a scan iterates over: Row blocks
         if source in block_of_var:
             block_of_var[row] = Row(block_of_var[source], t)
     # the equations slicing those rows are no glue: the layers read the rows as Row blocks
-    rows_of_blocks = {v for v, src in _ROW_CHAINS.items() if src in block_of_var and
+    rows_of_blocks = {v for v, src in found.chains.items() if src in block_of_var and
                       not isinstance(block_of_var[src], Row)}
-    _ROWS.clear()
-    _ROW_CHAINS.clear()
     diff_vars |= set(block_of_var)
     marked = [_marked_index(e) for e in eqns]
     if not any(m is not None for m in marked):
