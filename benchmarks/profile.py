@@ -29,7 +29,8 @@ where checkpointing kept more.
 interleaved runs) of ``jit(grad_by_solve)`` with ``engine="loop"`` against ``"unrolled"`` for
 networks of a few kinds and depths — a transformer with one layer per block (embedding, blocks,
 head: three kinds), residual chains (one kind), a shallow network of distinct layers — and what
-``engine="auto"`` picks for each: the measurement behind ``_plan.loop_pays``.
+``engine="auto"`` picks for each (for the transformers also ``jax.grad`` over ``lax.scan``'s
+compile): the measurement behind ``_plan.loop_pays``.
 """
 
 from __future__ import annotations
@@ -64,7 +65,8 @@ def _block_transformer(blocks: int, width: int = 128, context: int = 64, batch: 
         previous = i
     layers.append(lbp.Layer("logits", lm.logits, (previous,), ("ln_f", "wte")))
     net = lbp.Network(layers, inputs=["tokens"], outputs="logits")
-    return (lambda p, t: lm.cross_entropy(net, p, t)), (params, tokens)
+    scan = lambda p, t: lm.cross_entropy(lm.scan_forward, p, t)  # the reference: jax.grad over lax.scan
+    return (lambda p, t: lm.cross_entropy(net, p, t)), (params, tokens), scan
 
 
 def _distinct(depth: int, width: int = 128, batch: int = 64):
@@ -89,18 +91,22 @@ def engine_rule(builds: int, only: str | None = None) -> None:
             continue
         times, runs = {}, []
         for engine in ("loop", "unrolled"):
-            spent = []
+            spent, scan = [], []
             for _ in range(builds):
-                loss, args = build()
+                loss, args, *reference = build()
                 c, t = compiled(lbp.grad_by_solve(loss, engine=engine), args)
                 spent.append(t)
+                if reference and engine == "loop":  # the transformers: jax.grad over lax.scan, built fresh
+                    scan.append(compiled(jax.grad(reference[0]), args)[1])
             times[engine] = float(np.median(spent))
+            times.setdefault("scan", float(np.median(scan)) if scan else None)
             runs.append((c, args))
         t_loop, t_unrolled = interleaved(runs, 9)
         auto = "loop" if _plan.loop_pays(depth, kinds) else "unrolled"
         print(f"{name:42s} compile loop {times['loop']:6.2f} s  unrolled {times['unrolled']:6.2f} s   "
               f"run loop/unrolled {t_loop / t_unrolled:5.2f} ({t_loop * 1e3:7.2f} / {t_unrolled * 1e3:7.2f} ms)   "
-              f"auto: {auto}", flush=True)
+              f"auto: {auto}" + (f"   (jax.grad over lax.scan compiles in {times['scan']:.2f} s: loop "
+                                  f"{times['loop'] / times['scan']:.2f}x)" if times["scan"] else ""), flush=True)
 
 
 def compile_phases(builds: int) -> None:
