@@ -537,6 +537,45 @@ def capture_rows(repeats: int) -> list[tuple[str, str, str]]:
              f"{t_found / t_hand:.2f} ({t_found * 1e3:.1f} / {t_hand * 1e3:.1f} ms)", "<= 1.1"),
             ("same, compile (lower + compile, medians of fresh builds)",
              f"{c_found / c_hand:.2f} ({c_found:.2f} / {c_hand:.2f} s)", "<= 1.1")]
+    rows += nnx_gpt_rows(repeats)
+    for row in rows:
+        print(row, flush=True)
+    return rows
+
+
+def nnx_gpt_rows(repeats: int, blocks: int = 6, width: int = 128, context: int = 64, batch: int = 16):
+    """examples/flax_gpt.py's flax nnx GPT as written (a Python loop over an nnx.List, dropout 0.1,
+    tied embedding through a Head module): `value_and_grad_by_solve(layers=...)` against
+    `nnx.value_and_grad` of the same model, each a pure function of the split state (the dropout
+    streams advance in both), run (interleaved medians) and cold compile (medians of fresh builds)."""
+    from flax import nnx
+
+    spec = importlib.util.spec_from_file_location("flax_gpt", ROOT / "examples" / "flax_gpt.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    model = example.GPT(96, context, width, 4, blocks, 0.1, nnx.Rngs(0, dropout=1))
+    graphdef, state = nnx.split(model)
+    tokens = jax.random.randint(jax.random.PRNGKey(5), (batch, context + 1), 0, 96)
+
+    def step_of(value_and_grad):
+        def step(state, tokens):
+            module = nnx.merge(graphdef, state)
+            value, grads = value_and_grad(example.loss)(module, tokens)
+            return value, grads, nnx.state(module)
+        return step
+
+    ours = lambda: step_of(lambda f: lbp.value_and_grad_by_solve(f, layers=example.LAYERS))
+    theirs = lambda: step_of(nnx.value_and_grad)
+    builds = 3
+    c_ours = [compiled(ours(), (state, tokens)) for _ in range(builds)]
+    c_theirs = [compiled(theirs(), (state, tokens)) for _ in range(builds)]
+    t_ours, t_theirs = interleaved([(c_ours[-1][0], (state, tokens)), (c_theirs[-1][0], (state, tokens))], repeats)
+    c_o, c_t = float(np.median([c for _, c in c_ours])), float(np.median([c for _, c in c_theirs]))
+    rows = [(f"flax nnx GPT as written ({blocks} blocks, width {width}, dropout; examples/flax_gpt.py), "
+             "`layers=(Attention, Mlp, Head)` / `nnx.value_and_grad`: run",
+             f"{t_ours / t_theirs:.2f} ({t_ours * 1e3:.1f} / {t_theirs * 1e3:.1f} ms)", "—"),
+            ("same, compile (lower + compile, medians of fresh builds)",
+             f"{c_o / c_t:.2f} ({c_o:.2f} / {c_t:.2f} s)", "—")]
     for row in rows:
         print(row, flush=True)
     return rows

@@ -28,6 +28,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import inspect
 import itertools
 import sys
 import threading
@@ -95,19 +96,66 @@ def _opaque(call: Callable[[], Any], name: str) -> Any:
 
 
 def _nnx_call(method: Callable, self: Any, args: tuple, kwargs: dict) -> Any:
-    """An nnx module's call, opaque: its state goes in as operands, and the state it leaves (an
-    RNG stream's count advanced by dropout) comes out and is written back, as nnx does."""
+    """An nnx module's call, opaque: its parameters go in as operands, and of the rest of its state
+    (RNG keys and counts, batch statistics) the leaves the call reads; the leaves it changes (an
+    RNG count advanced by dropout) come out and are written back, as nnx does. A leaf neither read
+    nor changed (a dropout's stream in eval mode) is no operand: the layer does not read it."""
     nnx = sys.modules["flax.nnx"]
-    graphdef, state = nnx.split(self)
+    graphdef, params, rest = nnx.split(self, nnx.Param, ...)
+    leaves, treedef = jax.tree.flatten(rest)
 
-    def call(state: Any) -> Any:
-        module = nnx.merge(graphdef, state)
+    def call(params: Any, chosen: Sequence[int], values: Sequence[Any], changed: Sequence[int] | None) -> Any:
+        full = list(leaves)
+        for i, v in zip(chosen, values):
+            full[i] = v
+        module = nnx.merge(graphdef, params, jax.tree.unflatten(treedef, full))
         out = method(module, *args, **kwargs)
-        return out, nnx.split(module, nnx.Param, ...)[2]  # the state it leaves, but its parameters
+        after = jax.tree.leaves(nnx.split(module, nnx.Param, ...)[2])
+        return out, after if changed is None else [after[i] for i in changed]
 
-    out, new_state = _opaque_with_args(call, (state,), type(self).__name__)
-    nnx.update(self, new_state)
+    everything = range(len(leaves))
+    _CAPTURING.inside += 1  # a probe: which leaves the call reads and which it changes
+    try:
+        probe = jax.make_jaxpr(lambda p, v: call(p, everything, v, None))(params, leaves).jaxpr
+    finally:
+        _CAPTURING.inside -= 1
+    leaf_vars = probe.invars[len(jax.tree.leaves(params)):]
+    read_vars = {a for e in probe.eqns for a in e.invars if not isinstance(a, Literal)}
+    after_vars = probe.outvars[len(probe.outvars) - len(leaves):]
+    changed = [i for i, (v, o) in enumerate(zip(leaf_vars, after_vars)) if o is not v]
+    chosen = [i for i, v in enumerate(leaf_vars) if v in read_vars or i in changed]
+    out, new = _opaque_with_args(lambda p, v: call(p, chosen, v, changed), (params, [leaves[i] for i in chosen]),
+                                 type(self).__name__)
+    full = list(leaves)
+    for i, v in zip(changed, new):
+        full[i] = v
+    nnx.update(self, jax.tree.unflatten(treedef, full))
     return out
+
+
+def _linen_call(method: Callable, module: Any, args: tuple, kwargs: dict) -> Any:
+    """A bound linen module's call, opaque: the mutable collections it writes (``batch_stats``
+    under ``mutable=["batch_stats"]``, sown intermediates) come out of the call and are written
+    into the scope's variables in place, as the call would have written them."""
+    scope = module.scope
+
+    def call() -> Any:
+        out = method(module, *args, **kwargs)
+        return out, dict(scope.mutable_variables())
+
+    out, after = _opaque(call, type(module).__name__)
+    _assign(scope.mutable_variables(), after)
+    return out
+
+
+def _assign(target: dict, values: dict) -> None:
+    """``values`` written into the nested dicts of ``target`` in place (the scopes of the
+    submodules hold references to them)."""
+    for k, v in values.items():
+        if isinstance(v, dict) and isinstance(target.get(k), dict):
+            _assign(target[k], v)
+        else:
+            target[k] = v
 
 
 def _opaque_with_args(call: Callable, args: tuple, name: str) -> Any:
@@ -151,13 +199,18 @@ class _Patched:
             original = cls.__call__
             self.saved[cls] = vars(cls).get("__call__", _MISSING)
             is_nnx = nnx is not None and issubclass(cls, nnx.Module)
+            linen = sys.modules.get("flax.linen")
+            is_linen = linen is not None and issubclass(cls, linen.Module)
 
-            def patched(module: Any, *args: Any, __original=original, __cls=cls, __nnx=is_nnx, **kwargs: Any) -> Any:
+            def patched(module: Any, *args: Any, __original=original, __cls=cls, __nnx=is_nnx, __linen=is_linen,
+                        **kwargs: Any) -> Any:
                 if _CAPTURING.calls is None or _CAPTURING.inside:  # not capturing, or inside a marked call
                     return __original(module, *args, **kwargs)
                 self.seen.add(__cls)
                 if __nnx:
                     return _nnx_call(__original, module, args, kwargs)
+                if __linen and module.scope is not None:
+                    return _linen_call(__original, module, args, kwargs)
                 return _opaque(lambda: __original(module, *args, **kwargs), type(module).__name__)
 
             cls.__call__ = patched
@@ -401,10 +454,24 @@ def _shared(key: Hashable, make: Callable[[], Any], cache: collections.OrderedDi
     return value
 
 
-def _layer_fn(eqns: tuple, operands: tuple, outs: tuple, specs: tuple) -> Callable:
+def _input_name(var: Any, origin: dict, taken: set) -> str:
+    """A network input's name: the argument's (``tokens``, ``batch[0]``) where it is one, else
+    ``<argument>.<k>`` for the k-th value computed from it before the network."""
+    source = origin.get(var, ("from", "input"))
+    if isinstance(source, str) and source not in taken:
+        return source
+    base = source[1] if isinstance(source, tuple) else source
+    k = 1
+    while f"{base}.{k}" in taken:
+        k += 1
+    return f"{base}.{k}"
+
+
+def _layer_fn(eqns: tuple, operands: tuple, outs: tuple, specs: tuple, name: str = "layer") -> Callable:
     """A layer function ``fn(theta, *states)`` running ``eqns`` with its operands taken from
     ``specs`` (per operand: ("param", k) | ("read", r, j) | ("input", r) | ("literal", value)):
-    returns the tuple of ``outs``. Equal programs share one function object (one kind)."""
+    returns the tuple of ``outs``. Equal programs share one function object (one kind), named
+    after the first call it was made for (``Attention``, ``glue``)."""
     def raw(*values: Any) -> tuple:
         env = dict(zip(operands, values))
         for eqn in eqns:
@@ -435,15 +502,18 @@ def _layer_fn(eqns: tuple, operands: tuple, outs: tuple, specs: tuple) -> Callab
                     values.append(spec[1])
             return tuple(jax.extend.core.jaxpr_as_fun(program)(*values))
 
-        fn.__name__ = fn.__qualname__ = "layer"
+        fn.__name__ = fn.__qualname__ = name
         return fn
 
     return _shared(key, make, _FUNCTIONS)
 
 
-def build(closed: ClosedJaxpr, n_diff: int, block_names: Sequence[Hashable], calls: Sequence[str]) -> Program:
+def build(closed: ClosedJaxpr, n_diff: int, block_names: Sequence[Hashable], calls: Sequence[str],
+          rest_names: Sequence[str] = ()) -> Program:
     """The Program of ``closed`` (``fun`` traced with its marked calls), whose first ``n_diff``
-    invars are the differentiated leaves named ``block_names``."""
+    invars are the differentiated leaves named ``block_names`` and the others the arrays named
+    ``rest_names`` (the network's inputs are named after them: ``tokens``, or ``tokens.1`` for a
+    value computed from ``tokens`` before the network)."""
     found = _Rows()
     eqns, constvars, consts, outvars = _inline(closed.jaxpr, closed.consts, found)
     invars = list(closed.jaxpr.invars)
@@ -487,6 +557,12 @@ def build(closed: ClosedJaxpr, n_diff: int, block_names: Sequence[Hashable], cal
         else:
             before.append(e)
     before, after = tuple(before), tuple(after)
+    origin = dict(zip(invars[n_diff:], rest_names))  # var -> the argument it is, or is computed from
+    for e in before:
+        sources = [origin[a] for a in e.invars if not isinstance(a, Literal) and a in origin]
+        for o in e.outvars:
+            first = sources[0] if sources else "input"
+            origin.setdefault(o, first if isinstance(first, tuple) else ("from", first))
     # the network's nodes: each marked call, and each run of glue between them
     nodes: list[tuple[str, list]] = []
     seen_names = collections.Counter()  # a call's name, numbered in order (a scan's steps repeat one call)
@@ -533,7 +609,7 @@ def build(closed: ClosedJaxpr, n_diff: int, block_names: Sequence[Hashable], cal
                     specs.append(("read", reads.index(src), j))
                 else:  # data: a value computed before the network, an argument, a constant
                     if a not in inputs:
-                        inputs[a] = f"input{len(inputs)}"
+                        inputs[a] = _input_name(a, origin, {*inputs.values(), *(name for name, _ in nodes)})
                     if inputs[a] not in reads:
                         reads.append(inputs[a])
                     specs.append(("input", reads.index(inputs[a])))
@@ -543,14 +619,14 @@ def build(closed: ClosedJaxpr, n_diff: int, block_names: Sequence[Hashable], cal
             producer[o] = (name, j)
         if any(o in used_later for o in outs):
             output_vars[name] = outs
-        fn = _layer_fn(tuple(node_eqns), tuple(operands), tuple(outs), tuple(specs))
+        fn = _layer_fn(tuple(node_eqns), tuple(operands), tuple(outs), tuple(specs), name.rstrip("0123456789"))
         layers.append(Layer(name, fn, reads=tuple(reads), params=tuple(params)))
     if not output_vars:
         raise ValueError("layers=: the layers' outputs reach nothing fun returns.")
     input_names = list(inputs.values())
     if not input_names:  # a network needs an input: a dummy one nothing reads (a constant of the program)
         dummy = _NoInput()
-        input_names, inputs = ["input0"], {dummy: "input0"}
+        input_names, inputs = ["input"], {dummy: "input"}
         constvars, consts = [*constvars, dummy], [*consts, np.float32(0)]
     names = list(output_vars)
     net = Network(layers, inputs=input_names, outputs=names[0] if len(names) == 1 else names)
@@ -581,6 +657,7 @@ class _Argument:
     state_out: Callable[[Any], list] | None = None  # the argument after fun -> its rest leaves
     write_back: Callable[[list], None] | None = None  # rest leaves -> the caller's module updated
     leaves_of: Callable[[Any], list] = jax.tree.leaves  # a tangent (or like value) -> its diff leaves
+    rest_names: list = dataclasses.field(default_factory=list)  # the rest's leaves by path (input names)
 
 
 def _argument(arg: Any, prefix: str) -> _Argument:
@@ -588,7 +665,8 @@ def _argument(arg: Any, prefix: str) -> _Argument:
     if nnx is not None and isinstance(arg, nnx.Module):
         graphdef, params, rest = nnx.split(arg, nnx.Param, ...)
         paths, treedef = jax.tree_util.tree_flatten_with_path(params)
-        rest_leaves, rest_def = jax.tree.flatten(rest)
+        rest_paths, rest_def = jax.tree_util.tree_flatten_with_path(rest)
+        rest_leaves = [leaf for _, leaf in rest_paths]
 
         def rebuild(d: list, r: list) -> Any:
             return nnx.merge(graphdef, jax.tree.unflatten(treedef, d), jax.tree.unflatten(rest_def, r))
@@ -603,7 +681,8 @@ def _argument(arg: Any, prefix: str) -> _Argument:
             return jax.tree.leaves(nnx.split(t, nnx.Param, ...)[1] if isinstance(t, nnx.Module) else t)
 
         return _Argument([leaf for _, leaf in paths], [prefix + _path(p) for p, _ in paths], treedef, rest_leaves,
-                         rebuild, lambda g: jax.tree.unflatten(treedef, g), state_out, write_back, leaves_of)
+                         rebuild, lambda g: jax.tree.unflatten(treedef, g), state_out, write_back, leaves_of,
+                         [prefix + _path(p) for p, _ in rest_paths])
     if eqx is not None and isinstance(arg, eqx.Module):
         diff, static = eqx.partition(arg, eqx.is_inexact_array)
         paths, treedef = jax.tree_util.tree_flatten_with_path(diff)
@@ -614,6 +693,22 @@ def _argument(arg: Any, prefix: str) -> _Argument:
     paths, treedef = jax.tree_util.tree_flatten_with_path(arg)
     return _Argument([leaf for _, leaf in paths], [prefix + _path(p) for p, _ in paths], treedef, [],
                      lambda d, r: jax.tree.unflatten(treedef, d), lambda g: jax.tree.unflatten(treedef, g))
+
+
+def _parameter_name(fun: Callable, i: int) -> str:
+    """The name of ``fun``'s i-th positional parameter (``tokens``), else ``args[i]``."""
+    try:
+        params = list(inspect.signature(fun).parameters.values())
+    except (TypeError, ValueError):
+        params = []
+    if i < len(params) and params[i].kind in (params[i].POSITIONAL_ONLY, params[i].POSITIONAL_OR_KEYWORD):
+        return params[i].name
+    return f"args[{i}]"
+
+
+def _leaf_names(arg: Any, name: str) -> list[str]:
+    """The names of ``arg``'s leaves, as jax.tree.leaves orders them: ``name`` and their paths."""
+    return [name + jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(arg)[0]]
 
 
 def _path(path: tuple) -> str:
@@ -661,6 +756,8 @@ def rewrite(fun: Callable, args: tuple, argnums: tuple[int, ...], layers: Any) -
     other_leaves, other_def = jax.tree.flatten([a for _, a in others])
     traced_pos = [n for n, leaf in enumerate(other_leaves) if _is_array(leaf)]
     rest = [leaf for a in arguments for leaf in a.rest] + [other_leaves[n] for n in traced_pos]
+    other_names = [name for i, a in others for name in _leaf_names(a, _parameter_name(fun, i))]
+    rest_names = [n for a in arguments for n in a.rest_names] + [other_names[n] for n in traced_pos]
     sizes = [len(a.leaves) for a in arguments]
 
     def flat(diff_leaves: list, rest_leaves: list) -> tuple:
@@ -696,7 +793,7 @@ def rewrite(fun: Callable, args: tuple, argnums: tuple[int, ...], layers: Any) -
                          "call of the function): check what fun calls (a subclass or a wrapper is another class), "
                          "or leave it out of layers=.")
     key = (str(closed.jaxpr), tuple(Constant(c) for c in closed.consts), tuple(names), calls)
-    program = _shared(key, lambda: build(closed, len(diff), names, calls), _NETWORKS)
+    program = _shared(key, lambda: build(closed, len(diff), names, calls, rest_names), _NETWORKS)
     out_def = jax.tree.structure(shape)
 
     def rewritten(*parts: Any) -> tuple:

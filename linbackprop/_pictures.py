@@ -6,6 +6,7 @@ matplotlib is imported only when one of these is called (``pip install linbackpr
 from __future__ import annotations
 
 import itertools
+import re
 from collections.abc import Hashable, Sequence
 from typing import Any
 
@@ -203,7 +204,7 @@ def _draw_compact(net: Network, ax: Any, names: list[Hashable], position: dict) 
             ax.text(position[name][0], low - 0.2, label(name), rotation=90, ha="center", va="top", fontsize=6)
     handles = []
     for fn in repeated:
-        blocks = ", ".join(dict.fromkeys(_pattern(p) for m in members[fn] for p in m.params)) or "—"
+        blocks = _listed(_kind_patterns([[_pattern(p) for p in m.params] for m in members[fn]]))
         rows = ", ".join(dict.fromkeys(_pattern(r) for m in members[fn] for r in _row_reads(m)))
         text = f"{getattr(members[fn][0].fn, '__name__', 'layer')} ×{len(members[fn])}: {blocks}"
         handles.append(Line2D([], [], marker="o", ls="", color=colours[fn], mec="black",
@@ -223,8 +224,9 @@ def _draw_compact(net: Network, ax: Any, names: list[Hashable], position: dict) 
                                   label=f"{label(p)}: shared by {', '.join(map(label, us))}"))
             bottom = low - 1.4
     if handles:  # under the drawing, where no node or arc is
+        wide = max(len(h.get_label()) for h in handles) > 60  # one entry a line where they are long
         ax.legend(handles=handles, loc="upper left", fontsize=7, frameon=False, bbox_to_anchor=(0.0, 0.0),
-                  ncol=min(3, len(handles)))
+                  ncol=1 if wide else min(3, len(handles)))
     return top, bottom
 
 
@@ -236,6 +238,37 @@ def _state_reads(layer: Layer) -> list[Hashable]:
 def _row_reads(layer: Layer) -> list[Row]:
     """Rows of stacked inputs a layer reads (an RNN's x_t): listed, not drawn as arcs."""
     return [r for r in layer.reads if isinstance(r, Row)]
+
+
+def _kind_patterns(names: list[list[str]]) -> list[str]:
+    """The blocks of one kind's layers as the legend lists them: where every layer has as many
+    blocks and the j-th ones differ only in their numbers (``['blocks'][0]['W']``,
+    ``['blocks'][1]['W']``: the blocks of a captured loop), one pattern per j with ``i`` for the
+    numbers that vary; otherwise every distinct name."""
+    if len({len(ns) for ns in names}) == 1:
+        patterns = []
+        for column in zip(*names):
+            parts = [re.split(r"(\d+)", name) for name in column]
+            texts_differ = any(len({p[k] for p in parts}) > 1 for k in range(0, len(parts[0]), 2))
+            if len({len(p) for p in parts}) != 1 or texts_differ:  # more than the numbers differ
+                break
+            patterns.append("".join(tokens[0] if len(set(tokens)) == 1 else "i" for tokens in zip(*parts)))
+        else:
+            return list(dict.fromkeys(patterns))
+    return list(dict.fromkeys(name for ns in names for name in ns))
+
+
+def _listed(patterns: list[str], at_most: int = 3) -> str:
+    """At most ``at_most`` patterns, then how many more; a prefix they all share (up to a ``]``
+    or a ``.``: a captured module's path) is written once."""
+    if not patterns:
+        return "—"
+    prefix = next((patterns[0][:n] for n in range(min(map(len, patterns)), 0, -1)
+                   if all(p.startswith(patterns[0][:n]) for p in patterns)), "") if len(patterns) > 1 else ""
+    prefix = prefix[: max(prefix.rfind("]"), prefix.rfind(".")) + 1]
+    rest = [p[len(prefix):] for p in patterns]
+    shown = ", ".join(rest[:at_most]) + ("" if len(rest) <= at_most else f", … ({len(rest)} in all)")
+    return f"{prefix} {{{shown}}}" if prefix else shown
 
 
 def _pattern(block: Hashable) -> str:

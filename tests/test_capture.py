@@ -63,7 +63,9 @@ def test_plain_jax_layers_give_jax_grad_through_the_solve():
 def test_capture_finds_the_blocks_the_glue_and_one_kind_for_repeated_blocks():
     params, x, y = blocks_params(4), jnp.ones((4, W)), jnp.zeros((4, 2))
     cap = lbp.capture(blocks_loss, params, x, y, layers=block)
-    # sin(x) before the first block reads the data alone: it is computed before the network (its input)
+    # sin(x) before the first block reads the data alone: it is computed before the network (its
+    # input, named after the argument it comes from)
+    assert list(cap.net.inputs) == ["x.1"]
     assert [layer.name for layer in cap.net.layers] == ["block0", "glue0", "block1", "glue1", "block2", "glue2",
                                                         "block3"]
     assert set(cap.net.param_names) == {f"['blocks'][{i}]['{k}']" for i in range(4) for k in "Wb"}
@@ -334,6 +336,45 @@ def test_flax_linen_variables_through_module_apply():
     close(lbp.grad_by_solve(loss, layers=LinenBlock)(variables, x), jax.grad(loss)(variables, x))
     cap = lbp.capture(loss, variables, x, layers=LinenBlock)
     assert [layer.name for layer in cap.net.layers] == ["LinenBlock0", "LinenBlock1", "LinenBlock2"]
+
+
+def test_flax_linen_dropout_and_batch_statistics_under_layers():
+    """linen as users run it: ``rngs={"dropout": key}`` for dropout inside the layers (a fresh key,
+    a fresh mask: the gradient jax.grad's with the same key) and ``mutable=["batch_stats"]`` with
+    has_aux returning the updated statistics."""
+    from flax import linen as nn
+
+    class DropBlock(nn.Module):
+        @nn.compact
+        def __call__(self, x, train: bool = True):
+            x = nn.BatchNorm(use_running_average=not train)(x)
+            return x + nn.Dropout(0.3, deterministic=not train)(jnp.tanh(nn.Dense(W)(x)))
+
+    class Model(nn.Module):
+        @nn.compact
+        def __call__(self, x, train: bool = True):
+            for _ in range(3):
+                x = DropBlock()(x, train)
+            return x
+
+    model, x = Model(), jnp.asarray(np.random.default_rng(5).standard_normal((6, W)))
+    variables = jax.tree.map(lambda a: a.astype(jnp.float64), model.init(jax.random.PRNGKey(0), x, False))
+    params, stats = variables["params"], variables["batch_stats"]
+
+    def loss(params, stats, x, key):
+        out, updated = model.apply({"params": params, "batch_stats": stats}, x, rngs={"dropout": key},
+                                   mutable=["batch_stats"])
+        return jnp.sum(out ** 2), updated
+
+    for seed in (1, 2):  # two keys: two masks, both as jax.grad's
+        key = jax.random.PRNGKey(seed)
+        ours = lbp.value_and_grad_by_solve(loss, has_aux=True, layers=DropBlock)(params, stats, x, key)
+        close(ours, jax.value_and_grad(loss, has_aux=True)(params, stats, x, key))
+    a, b = (lbp.grad_by_solve(loss, has_aux=True, layers=DropBlock)(params, stats, x, jax.random.PRNGKey(s))[0]
+            for s in (1, 2))
+    assert not np.allclose(jax.tree.leaves(a)[0], jax.tree.leaves(b)[0])
+    cap = lbp.capture(lambda *a: loss(*a)[0], params, stats, x, jax.random.PRNGKey(1), layers=DropBlock)
+    assert [layer.name for layer in cap.net.layers] == ["DropBlock0", "DropBlock1", "DropBlock2"]
 
 
 def test_has_aux_and_several_arguments_as_jax_grad():

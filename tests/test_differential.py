@@ -136,3 +136,67 @@ def test_transformations_of_random_dags_match_plain_jax(case):
     ours = run(case["program"], loss, len(inputs), case["jit"], case["settings"], ours=True)(*args)
     ref = run(case["program"], loss, len(inputs), case["jit"], case["settings"], ours=False)(*args)
     assert_same(ours, ref, dtype)
+
+
+# -- the same random DAGs as plain JAX models: found by layers= --------------------------------------
+def as_model(net: lbp.Network) -> tuple[Callable, tuple]:
+    """``net`` written as a user would write it in plain JAX: each layer a call of its function
+    decorated with ``@lbp.layer`` in topological order, rows of stacked blocks indexed in Python,
+    the same loss. Returns the loss and the ``layers=`` to find the network by."""
+    marked = {fn: lbp.layer(fn) for fn in {layer.fn for layer in net.layers}}
+    by_name = {layer.name: layer for layer in net.layers}
+
+    def loss(params, *inputs):
+        env = dict(zip(net.inputs, inputs))
+        for name in net.order:
+            layer = by_name[name]
+            theta = tuple(params[b.block][b.index] if isinstance(b, lbp.Row) else params[b] for b in layer.params)
+            env[name] = marked[layer.fn](theta, *(env[r] for r in layer.reads))
+        outs = [env[o] for o in (net.outputs if isinstance(net.outputs, list | tuple) else [net.outputs])]
+        return sum(jnp.sum(jnp.sin(o.astype(jnp.float32 if o.dtype == jnp.bfloat16 else o.dtype)) + 0.5 * o**2)
+                   for o in outs)
+
+    return loss, tuple(marked.values())
+
+
+@st.composite
+def captured_cases(draw):
+    dtype = draw(st.sampled_from([jnp.float64, jnp.float64, jnp.float32]))
+    return dict(dag=draw(dags()), dtype=dtype,
+                program=draw(st.sampled_from(FIRST_ORDER + [hvp, grad_of_grad])), jit=draw(st.booleans()),
+                engine=draw(st.sampled_from(["loop", "unrolled"])))
+
+
+@settings(max_examples=10, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(captured_cases())
+def test_random_dags_written_as_plain_jax_and_found_by_layers_match_jax(case):
+    """The harness's networks as plain JAX models: ``layers=`` finds them (every layer a call, the
+    shared blocks shared, the stacked rows Row blocks or glue), and every program agrees with JAX."""
+    net, params, inputs = case["dag"]
+    params, inputs = jax.tree.map(lambda x: x.astype(case["dtype"]), (params, inputs))
+    loss, layers = as_model(net)
+    args = (params, *inputs)
+    cap = lbp.capture(loss, *args, layers=layers)
+    assert sorted(layer.name for layer in cap.net.layers if not layer.name.startswith("glue")) == sorted(
+        f"{getattr(fn, '__name__', 'layer')}{k}" for fn, k in _numbered(net))
+    settings_ = dict(engine=case["engine"], layers=layers)
+    ours_fns = (functools.partial(lbp.grad_by_solve, **settings_), functools.partial(lbp.value_and_grad_by_solve,
+                **settings_), functools.partial(lbp.jvp_by_solve, **settings_))
+    fn = case["program"](*ours_fns, loss, len(inputs))
+    ours = (jax.jit(fn) if case["jit"] else fn)(*args)
+    ref = run(case["program"], loss, len(inputs), case["jit"], {}, ours=False)(*args)
+    assert_same(ours, ref, case["dtype"])
+
+
+def _numbered(net: lbp.Network) -> list[tuple[Callable, int]]:
+    """Each layer's (function, index among the calls of that function's name), in call order."""
+    by_name = {layer.name: layer for layer in net.layers}
+    seen: dict = {}
+    out = []
+    for name in net.order:
+        fn = by_name[name].fn
+        key = getattr(fn, "__name__", "layer")
+        out.append((fn, seen.get(key, 0)))
+        seen[key] = seen.get(key, 0) + 1
+    return out

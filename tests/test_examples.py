@@ -92,6 +92,21 @@ def test_transformer_lm_learns_samples_and_times_both(tmp_path):
     assert len(result["sample"]) == len("Return the ") + 300 and png.stat().st_size > 10_000
 
 
+def test_flax_gpt_as_written_matches_nnx_grad_learns_and_draws_its_network(tmp_path):
+    png = tmp_path / "flax_gpt.png"
+    with jax.enable_x64(False):
+        result = load("flax_gpt").main(steps=30, blocks=2, width=32, context=16, batch=16, out=str(png), repeats=2,
+                                       samples=20)
+    assert result["versus_nnx_grad"] < 1e-4 * result["largest_entry"]  # float32, against nnx.grad
+    assert result["final_loss"] < result["first_loss"] - 0.8
+    # the network found: the embedding (glue), the blocks in order, the head; E shared by both ends
+    assert result["layers"] == ["glue0", "Attention0", "Mlp0", "Attention1", "Mlp1", "Head0"]
+    net = result["capture"].net
+    assert "['embed']['embedding']" in net.layers[0].params and "['embed']['embedding']" in net.layers[-1].params
+    assert list(net.inputs) == ["tokens.1"]  # eval mode: no dropout stream is read
+    assert png.stat().st_size > 10_000
+
+
 def test_gauss_newton_example_beats_adam(tmp_path):
     """Levenberg–Marquardt on G against Adam (best of three rates), the same short budget."""
     png = tmp_path / "gn.png"

@@ -115,3 +115,33 @@ def test_the_demo_figure_fills_its_dag_panel_and_explains_the_columns_of_m_star(
     assert height >= 0.4 * panel.height  # the nodes, arcs' labels and blocks: not a line in a big empty square
     assert panel.width >= 1.3 * panel.height  # a wide panel for a network drawn left to right
     matplotlib.pyplot.close(fig)
+
+
+def test_legend_of_a_captured_loop_lists_a_kinds_blocks_as_patterns():
+    """Blocks named by their paths in a model (a Python loop over blocks found by layers=): one
+    pattern per block of a layer, the numbers that vary written ``i``, the shared prefix once."""
+    import jax.numpy as jnp
+
+    @lbp.layer
+    def attn(p, h):
+        return h + jnp.tanh(h @ p["qkv"]["kernel"] + p["qkv"]["bias"]) @ p["out"]
+
+    @lbp.layer
+    def feed(p, h):
+        return h + jnp.tanh(h @ p["up"]) @ p["down"]
+
+    def loss(params, x):
+        for block in params["blocks"]:
+            x = feed(block[1], attn(block[0], x))
+        return jnp.sum(x**2)
+
+    eye = jnp.eye(2)
+    params = {"blocks": [[{"qkv": {"kernel": eye, "bias": jnp.zeros(2)}, "out": eye}, {"up": eye, "down": eye}]
+                         for _ in range(3)]}
+    cap = lbp.capture(loss, params, jnp.ones((1, 2)), layers=(attn, feed))
+    ax = lbp.plot_network(cap.net)
+    # kinds in order of first use: the first attn reads the input (a kind of its own), the others a state
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == [
+        "feed ×3: ['blocks'][i][1] {['up'], ['down']}",
+        "attn ×2: ['blocks'][i][0] {['qkv']['kernel'], ['qkv']['bias'], ['out']}"]
+    matplotlib.pyplot.close(ax.figure)
