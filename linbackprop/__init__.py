@@ -8,6 +8,7 @@ with ℒ = I − D_UΦ and ℳ* = D_θΦ for a network U = Φ(U, θ) given as a 
 """
 
 from ._capture import Capture, capture, layer
+from ._clipping import clipped_grad
 from ._curvature import (
                          GaussNewton,
                          Kronecker,
@@ -42,6 +43,7 @@ __all__ = [
                          "Stack",
                          "StateOperator",
                          "capture",
+                         "clipped_grad",
                          "diag_ggn",
                          "functional",
                          "gauss_newton",

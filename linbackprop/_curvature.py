@@ -26,7 +26,8 @@ from jax.extend.core import Literal
 from jax.flatten_util import ravel_pytree
 
 from ._capture import rewrite
-from ._engine import ParamFactors, ParamSquares, back_substitution, param_adjoint_per_example
+from ._engine import ParamFactors, ParamSquares, back_substitution, param_adjoint, param_adjoint_per_example
+from ._ghost import ParamNorms, weighted_by_example
 from ._graph import Network, Stack
 from ._operators import LinearOperator
 from ._outer import weighted_square_sum
@@ -35,7 +36,7 @@ from ._settings import current
 from ._transforms import calls_intercepted, output_tangents, outputs_of, prepare, solve_mode
 
 
-def _normalise(argnums: int | Sequence[int]) -> tuple[tuple[int, ...], bool]:
+def normalise_argnums(argnums: int | Sequence[int]) -> tuple[tuple[int, ...], bool]:
     if isinstance(argnums, int):
         return (argnums,), True
     return tuple(argnums), False
@@ -77,7 +78,7 @@ class _Split:
         return result if self.has_aux else (result, None)
 
 
-def _add(a: Any, b: Any) -> Any:
+def add_trees(a: Any, b: Any) -> Any:
     return jax.tree.map(lambda x, y: x + y.astype(x.dtype), a, b)
 
 
@@ -185,7 +186,7 @@ def gauss_newton(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool 
         >>> G.todense().tolist()          # J* J for the linear model: x*x = I
         [[1.0, 0.0], [0.0, 1.0]]
     """
-    nums, single = _normalise(argnums)
+    nums, single = normalise_argnums(argnums)
     settings = dict(remat=remat, checkpoints=checkpoints, schedule=schedule, param_products=param_products,
                     engine=engine)
 
@@ -199,7 +200,7 @@ def gauss_newton(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool 
         loss_args = tuple(range(1 + len(nums)))
         (value, aux), grads = jax.value_and_grad(split.loss, loss_args, has_aux=True)(outs, *split.diff)
         vjp = jax.linear_transpose(jvp, *split.diff)
-        grad = tuple(_add(g, m) for g, m in zip(grads[1:], vjp(grads[0])))
+        grad = tuple(add_trees(g, m) for g, m in zip(grads[1:], vjp(grads[0])))
         _, hvp = jax.linearize(jax.grad(lambda o: split.loss(o, *split.diff)[0]), outs)
         if found is not None:
             grad = found.gradient(grad, False)
@@ -233,7 +234,7 @@ def _on_model(transform: Callable, fun: Callable, argnums: int | Sequence[int], 
     """``transform`` (a per-example or curvature transform taking ``(fun, argnums)``) of a model
     as it is: its network found with ``layers=`` (``_capture.rewrite``), the result given back in
     the arguments' own types (``to_arguments``: params-shaped results)."""
-    nums, single = _normalise(argnums)
+    nums, single = normalise_argnums(argnums)
 
     def run(*args: Any) -> Any:
         found = rewrite(fun, args, nums, layers)
@@ -333,6 +334,28 @@ class _Calls:
             return tuple(jax.tree.unflatten(treedef, result))
 
         return parts, total
+
+    def squared_norms(self, lams: list, batch: int) -> jax.Array | None:
+        """(B,) squared norms of the per-example gradients through the calls (`ParamNorms`: ghost
+        norms where cotangents are sums of outer products); None where an argument leaf is not one
+        block of one call (`placed`: cross terms between calls or computed blocks)."""
+        if not self.placed:
+            return None
+        total = jnp.zeros((batch,), jnp.result_type(float))
+        for plan, prim, lam in zip(self.plans, self.stored, lams):
+            total = total + ParamNorms(plan, prim, batch).squared(lam)
+        return total
+
+    def weighted(self, lams: list, weights: jax.Array) -> tuple:
+        """Σ_b w_b J_b* g_b per differentiated argument: ℳ of Λ with example b's rows scaled by w_b
+        (`weighted_by_example`: the adjoints of Σ_b w_b ℓ_b without a second back substitution)."""
+        theta_cts = []
+        for plan, prim, theta, lam in zip(self.plans, self.stored, self.thetas, lams):
+            buffers = param_adjoint(plan, prim, weighted_by_example(lam, weights))
+            theta_cts.append(self._unpack(plan, theta)(buffers)[0])
+        if not theta_cts:  # no network uses a parameter
+            return tuple(jax.tree.map(lambda x: jnp.zeros(np.shape(x), jnp.result_type(x)), d) for d in self.diff)
+        return self.vjp(theta_cts)
 
     @property
     def placed(self) -> bool:
@@ -440,7 +463,7 @@ def _check_per_example(plan: Plan, batch: int) -> None:
     done.add(batch)
 
 
-def _per_example_setup(fun: Callable, args: tuple, nums: tuple[int, ...], engine: str) -> tuple:
+def per_example_setup(fun: Callable, args: tuple, nums: tuple[int, ...], engine: str) -> tuple:
     """For per-example losses ``fun``: the split, the calls' forward pass, the losses as a function
     of (outputs, *arguments), the batch size and the calls' adjoints Λ (one back substitution each)."""
     split = _Split(fun, args, nums, False)
@@ -483,13 +506,13 @@ def per_example_grads(fun: Callable, argnums: int | Sequence[int] = 0, *, engine
     """
     if layers is not None:
         return _on_model(lambda f, a: per_example_grads(f, a, engine=engine), fun, argnums, layers)
-    nums, single = _normalise(argnums)
+    nums, single = normalise_argnums(argnums)
 
     def run(*args: Any) -> Any:
-        split, calls, losses, batch, lams = _per_example_setup(fun, args, nums, engine)
+        split, calls, losses, batch, lams = per_example_setup(fun, args, nums, engine)
         through_networks = calls.per_example(lams, batch)
         direct = jax.jacrev(lambda *d: losses(calls.outs, *d), argnums=tuple(range(len(nums))))(*split.diff)
-        grads = tuple(_add(a, b) for a, b in zip(direct, through_networks))
+        grads = tuple(add_trees(a, b) for a, b in zip(direct, through_networks))
         return grads[0] if single else grads
 
     return run
@@ -499,8 +522,14 @@ def per_example_grad_norms(fun: Callable, argnums: int | Sequence[int] = 0, *, e
                            chunk: int = 16, layers: Any = None) -> Callable:
     """The (B,) Euclidean norms of the per-example gradients (over every argument ``argnums``
     names), as ``jnp.linalg.norm`` of [`per_example_grads`][linbackprop.per_example_grads]
-    flattened — without holding all per-example gradients at once: after the one back
-    substitution, ℳ runs on ``chunk`` examples at a time (``lax.map``), keeping only their norms. For DP-SGD clipping.
+    flattened — without forming the per-example gradients. After the one back substitution, a
+    block whose per-example cotangent is a sum of outer products Σ_t a_t δ_tᵀ (dense layers, a
+    weight shared along a sequence or by several layers) gets its squared norm as the ghost norm
+    Σ_{t,s} (a_t·a_s)(δ_t·δ_s) (or the product formed once per example, whichever the shapes make
+    cheaper); other blocks' cotangents are formed per example and squared. Where ``fun`` uses the
+    arguments outside its networks too, or an argument leaf is more than one block, the
+    per-example gradients are formed ``chunk`` examples at a time (``lax.map``), keeping only
+    their norms. For DP-SGD clipping: [`clipped_grad`][linbackprop.clipped_grad].
 
     Examples:
         >>> import jax.numpy as jnp, linbackprop as lbp
@@ -512,25 +541,39 @@ def per_example_grad_norms(fun: Callable, argnums: int | Sequence[int] = 0, *, e
     if layers is not None:
         return _on_model(lambda f, a: per_example_grad_norms(f, a, engine=engine, chunk=chunk), fun, argnums, layers,
                          to_arguments=False)
-    nums, _ = _normalise(argnums)
+    nums, _ = normalise_argnums(argnums)
 
     def run(*args: Any) -> jax.Array:
-        split, calls, losses, batch, lams = _per_example_setup(fun, args, nums, engine)
-        size = min(chunk, batch)
-        starts = np.arange(0, batch, size)
-
-        def norms(start):
-            examples = jnp.minimum(start + jnp.arange(size), batch - 1)
-            through = calls.per_example(lams, batch, examples)
-            direct = jax.vmap(lambda b: jax.grad(lambda *d: losses(calls.outs, *d)[b], argnums=tuple(range(len(nums))))(
-                *split.diff))(examples)
-            total = _add(direct, through)
-            return jnp.sqrt(sum(jnp.sum(jnp.reshape(x, (size, -1)).astype(jnp.result_type(float)) ** 2, axis=1)
-                                for x in jax.tree.leaves(total)))
-
-        return jax.lax.map(norms, jnp.asarray(starts)).reshape(-1)[:batch]
+        split, calls, losses, batch, lams = per_example_setup(fun, args, nums, engine)
+        return jnp.sqrt(squared_grad_norms(split, calls, losses, batch, lams, chunk))
 
     return run
+
+
+def squared_grad_norms(split: _Split, calls: _Calls, losses: Callable, batch: int, lams: list,
+                       chunk: int = 16) -> jax.Array:
+    """(B,) squared per-example gradient norms after the one back substitution: ghost norms
+    (`_Calls.squared_norms`) where ``fun`` reaches the arguments only through its networks and each
+    argument leaf is one block of one call; otherwise the per-example gradients formed ``chunk``
+    examples at a time (``lax.map``), keeping only their norms."""
+    direct_terms = _reaches_outputs(jax.make_jaxpr(lambda *d: losses(calls.outs, *d))(*split.diff).jaxpr)
+    squares = None if direct_terms else calls.squared_norms(lams, batch)
+    if squares is not None:
+        return squares
+    size = min(chunk, batch)
+    starts = np.arange(0, batch, size)
+    argnums = tuple(range(len(split.diff)))
+
+    def chunk_squares(start):
+        examples = jnp.minimum(start + jnp.arange(size), batch - 1)
+        through = calls.per_example(lams, batch, examples)
+        direct = jax.vmap(lambda b: jax.grad(lambda *d: losses(calls.outs, *d)[b], argnums=argnums)(*split.diff))(
+            examples)
+        total = add_trees(direct, through)
+        return sum(jnp.sum(jnp.reshape(x, (size, -1)).astype(jnp.result_type(float)) ** 2, axis=1)
+                   for x in jax.tree.leaves(total))
+
+    return jax.lax.map(chunk_squares, jnp.asarray(starts)).reshape(-1)[:batch]
 
 
 def diag_ggn(fun: Callable, argnums: int | Sequence[int] = 0, *, engine: str = "auto", samples: int | None = None,
@@ -567,7 +610,7 @@ def diag_ggn(fun: Callable, argnums: int | Sequence[int] = 0, *, engine: str = "
     """
     if layers is not None:
         return _on_model(lambda f, a: diag_ggn(f, a, engine=engine, samples=samples, key=key), fun, argnums, layers)
-    nums, single = _normalise(argnums)
+    nums, single = normalise_argnums(argnums)
 
     def run(*args: Any) -> Any:
         calls, batch, unflatten, lam, vecs = _hessian_blocks(fun, args, nums, engine, "diag_ggn")
@@ -632,7 +675,7 @@ def kfac_factors(fun: Callable, argnums: int | Sequence[int] = 0, *, engine: str
     if layers is not None:
         return _on_model(lambda f, a: kfac_factors(f, a, engine=engine, samples=samples, key=key), fun, argnums,
                          layers)
-    nums, single = _normalise(argnums)
+    nums, single = normalise_argnums(argnums)
 
     def run(*args: Any) -> Any:
         calls, batch, unflatten, lam, vecs = _hessian_blocks(fun, args, nums, engine, "kfac_factors")

@@ -870,17 +870,17 @@ def param_adjoint_per_example(plan: Plan, prim: Primal, lam: list[Any], batch: i
     return out
 
 
-def _param_kinds(plan: Plan) -> list[Kind]:
+def param_kinds(plan: Plan) -> list[Kind]:
     """The kinds with parameters whose output has a (co)tangent: those ℳ has blocks for."""
     return [k for k in plan.kinds if k.param_groups and plan.state_groups[k.out_group].differentiable]
 
 
-def _tangent_leaves(group: Group) -> int:
+def tangent_leaves(group: Group) -> int:
     """How many leaves a row of ``group`` has in the tangent layout."""
     return jax.tree.structure(group.row_avals(tangent=True)).num_leaves
 
 
-def _member_vjp(plan: Plan, prim: Primal, kind: Kind, batch: int) -> tuple:
+def member_vjp(plan: Plan, prim: Primal, kind: Kind, batch: int) -> tuple:
     """One member's per-example VJP as a function of flat leaves (θ, one example's inputs, its Λ
     row) giving its parameter cotangent leaves; their example shapes; which of them are Λ (the
     adjoint: last); the kind's θ and input leaves (members stacked) with the vmap axes of the
@@ -927,16 +927,16 @@ class ParamSquares:
                     uses[(g, int(row))] = uses.get((g, int(row)), 0) + 1
         self.exclusive = {g for g in range(len(plan.param_groups))
                           if all(n <= 1 for (gg, _), n in uses.items() if gg == g)}
-        self.kinds = _param_kinds(plan)
+        self.kinds = param_kinds(plan)
         self.members = [self._members(kind) for kind in self.kinds]
 
     def _members(self, kind: Kind) -> tuple:
         """The kind's θ and input leaves (members stacked), their vmap axes, the
         `SquareSums` of one member's per-example VJP, and zeros for its Λ leaves."""
-        per_example, example, varying, th_leaves, leaves, axes, lam_zeros = _member_vjp(
+        per_example, example, varying, th_leaves, leaves, axes, lam_zeros = member_vjp(
             self.plan, self.prim, kind, self.batch)
         squared = [g in self.exclusive for g in kind.param_groups
-                   for _ in range(_tangent_leaves(self.plan.param_groups[g]))]
+                   for _ in range(tangent_leaves(self.plan.param_groups[g]))]
         return th_leaves, leaves, axes, SquareSums(per_example, example, squared, varying), lam_zeros
 
     def parts(self, lam: list[Any], weights: jax.Array) -> tuple[list, list]:
@@ -999,11 +999,11 @@ class ParamFactors:
 
     def __init__(self, plan: Plan, prim: Primal, batch: int):
         self.plan, self.prim, self.batch = plan, prim, batch
-        self.kinds = _param_kinds(plan)
+        self.kinds = param_kinds(plan)
         self.members = []
         layouts: dict[tuple[int, int], Any] = {}
         for kind in self.kinds:
-            per_example, example, varying, th, xs, axes, zeros = _member_vjp(plan, prim, kind, batch)
+            per_example, example, varying, th, xs, axes, zeros = member_vjp(plan, prim, kind, batch)
             factors = OuterFactors(per_example, example, varying)
             self.members.append((th, xs, axes, factors, zeros))
             for n, (_, g, leaf) in enumerate(self._leaves(kind)):
@@ -1014,7 +1014,7 @@ class ParamFactors:
     def _leaves(self, kind: Kind) -> list[tuple[int, int, int]]:
         """(slot, group, leaf) of each cotangent leaf of a member of ``kind``, in order."""
         return [(p, g, leaf) for p, g in enumerate(kind.param_groups)
-                for leaf in range(_tangent_leaves(self.plan.param_groups[g]))]
+                for leaf in range(tangent_leaves(self.plan.param_groups[g]))]
 
     def _gathered(self, grams: list, operand: int) -> dict[tuple[int, int], jax.Array]:
         """Per factored (group, leaf): the members' Gram matrices added into their rows."""
@@ -1052,7 +1052,7 @@ class ParamFactors:
         out: dict[int, list] = {}
         for g, group in enumerate(self.plan.param_groups):
             out[g] = []
-            for leaf in range(_tangent_leaves(group)):
+            for leaf in range(tangent_leaves(group)):
                 if (g, leaf) not in self.layouts:
                     out[g].append(None)
                     continue

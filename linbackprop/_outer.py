@@ -269,3 +269,110 @@ class OuterFactors:
 
 def _free_size(var: Any, contracted: tuple[int, ...]) -> int:
     return math.prod(n for d, n in enumerate(var.aval.shape) if d not in contracted)
+
+
+def _outer_terms(jaxpr: Any, var: Any) -> list[tuple[Any, list[Any]]] | None:
+    """``var`` as a sum of products of one example's operands — each a ``dot_general`` without
+    batch axes (contracted axes of any size), then layout operations — through ``add`` /
+    ``add_any``: a weight used twice in one layer, x Wᵀ + h Wᵀ. The (product, operations after
+    it) of each term; None where ``var`` is not such a sum."""
+    producers = {v: eqn for eqn in jaxpr.eqns for v in eqn.outvars}
+    eqn = producers.get(var) if not isinstance(var, Literal) else None
+    if eqn is not None and eqn.primitive.name in ("add", "add_any") and len(eqn.invars) == 2:
+        parts = [_outer_terms(jaxpr, v) for v in eqn.invars]
+        return None if None in parts else parts[0] + parts[1]
+    found = _outer_source(jaxpr, var, summed=True)
+    return None if found is None else [found]
+
+
+class OuterTerms:
+    """Per-example squared norms of cotangent leaves that are sums of products of one example's
+    operands, ‖Σ_t u_t v_tᵀ‖² over the positions t (and the terms) of a dense layer, a weight
+    used at every position of a sequence or twice in a layer — without forming them:
+
+        ‖Σ_t u_t v_tᵀ‖²  =  Σ_{t,s} (u_t·u_s)(v_t·v_s)                      (ghost norm)
+
+    `values` gives, per such leaf, the operands as U [B, T, m] and V [B, T, n] (U the one whose
+    free axes lead the leaf when read row-major, the terms' positions concatenated, a term
+    negated by the layout operations after it negated), or the leaf itself per example where it
+    is no such sum or ``dense`` asks for it. Leaves whose every term's operands have one free
+    axis each are `aligned`: their U, V read the leaf as the (m, n) matrix Σ_t u_t v_tᵀ, so
+    terms from other layers (a shared block) can be concatenated with them."""
+
+    def __init__(self, per_example: Callable[..., list], example_args: list, varying: list[bool]):
+        self.terms: list[Any] = []
+        try:
+            closed = jax.make_jaxpr(per_example)(*example_args)
+            moving = _moving(closed.jaxpr, varying)
+            for var in closed.jaxpr.outvars:
+                terms = _outer_terms(closed.jaxpr, var)
+                described = []
+                for eqn, path in terms or []:
+                    sides = [not isinstance(v, Literal) and v in moving for v in eqn.invars]
+                    first = _first_operand(eqn, path)
+                    if sum(sides) != 1 or first is None or any(
+                            op.primitive.name == "broadcast_in_dim" for op in path):  # copies change the norm
+                        described = None
+                        break
+                    sign = -1 if sum(op.primitive.name == "neg" for op in path) % 2 else 1
+                    (lc, rc), _ = eqn.params["dimension_numbers"]
+                    single = all(v.aval.ndim - len(c) <= 1 for v, c in zip(eqn.invars, (lc, rc)))
+                    described.append((eqn, first, sign, single))
+                self.terms.append(described or None)
+            self.closed: Any = closed
+            wanted = [u for terms in self.terms if terms for eqn, *_ in terms for u in eqn.invars]
+            jax.eval_shape(lambda a: _evaluate(closed.jaxpr, closed.consts, a, wanted), list(example_args))
+        except (AttributeError, TypeError, KeyError, ValueError, NotImplementedError):
+            self.closed, self.terms = None, []  # JAX's jaxpr internals changed: every leaf formed per example
+
+    def factored(self, n: int) -> bool:
+        return self.closed is not None and self.terms[n] is not None
+
+    def aligned(self, n: int) -> bool:
+        return self.factored(n) and (len(self.terms[n]) == 1 or all(t[3] for t in self.terms[n]))
+
+    def values(self, batched_args: list, in_axes: list, dense: list[bool], per_example: Callable) -> list:
+        """Per leaf: (U, V) where factored and not ``dense``, else the leaf per example [B, ...]."""
+        if self.closed is None:
+            return list(jax.vmap(per_example, in_axes=in_axes)(*batched_args))
+        closed = self.closed
+        factored = [self.factored(n) and not d for n, d in enumerate(dense)]
+        wanted: list = []
+        for n, var in enumerate(closed.jaxpr.outvars):
+            wanted += [u for eqn, *_ in self.terms[n] for u in eqn.invars] if factored[n] else [var]
+        values = iter(jax.vmap(lambda a: _evaluate(closed.jaxpr, closed.consts, a, wanted), in_axes=(in_axes,))(
+            list(batched_args)))
+        out = []
+        for n in range(len(closed.jaxpr.outvars)):
+            if not factored[n]:
+                out.append(next(values))
+                continue
+            us, vs = [], []
+            for eqn, first, sign, _ in self.terms[n]:
+                operands = [next(values), next(values)]
+                (lc, rc), _ = eqn.params["dimension_numbers"]
+                u, v = (_positions_first(operands[k], (lc, rc)[k]) for k in (first, 1 - first))
+                us.append(sign * u)
+                vs.append(v)
+            out.append((jnp.concatenate(us, axis=1), jnp.concatenate(vs, axis=1)))
+        return out
+
+
+def _positions_first(x: jax.Array, contracted: tuple[int, ...]) -> jax.Array:
+    """One operand [B, ...] of an example's product as [B, T, free]: its contracted axes (the
+    positions, in the product's pairing order) first, flattened, then its free axes."""
+    axes = [d + 1 for d in contracted]
+    moved = jnp.moveaxis(x, axes, list(range(1, 1 + len(axes))))
+    positions = math.prod(x.shape[d] for d in axes)
+    return moved.reshape(x.shape[0], positions, -1)
+
+
+def squared_norms(u: jax.Array, v: jax.Array) -> jax.Array:
+    """‖Σ_t u_t v_tᵀ‖² per example from U [B, T, m], V [B, T, n]: the ghost norm
+    Σ_{t,s} (u_t·u_s)(v_t·v_s) where T(m + n) < mn, else the product formed and squared."""
+    _, t, m = u.shape
+    n = v.shape[2]
+    if t * (m + n) < m * n:
+        return jnp.einsum("bts,bts->b", jnp.einsum("btm,bsm->bts", u, u), jnp.einsum("btn,bsn->bts", v, v))
+    product = jnp.einsum("btm,btn->bmn", u, v)
+    return jnp.sum(product * product, axis=(1, 2))

@@ -14,7 +14,7 @@ import pytest
 
 import linbackprop as lbp
 
-MODULES = ["_capture", "_curvature", "_graph", "_interop", "_operators", "_pictures", "_transforms"]
+MODULES = ["_capture", "_clipping", "_curvature", "_graph", "_interop", "_operators", "_pictures", "_transforms"]
 
 
 @pytest.mark.parametrize("name", lbp.__all__)

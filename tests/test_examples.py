@@ -95,8 +95,8 @@ def test_transformer_lm_learns_samples_and_times_both(tmp_path):
 def test_flax_gpt_as_written_matches_nnx_grad_learns_and_draws_its_network(tmp_path):
     png = tmp_path / "flax_gpt.png"
     with jax.enable_x64(False):
-        result = load("flax_gpt").main(steps=30, blocks=2, width=32, context=16, batch=16, out=str(png), repeats=2,
-                                       samples=20)
+        result = load("flax_gpt").main(steps=24, blocks=2, width=32, context=16, batch=16, out=str(png), repeats=1,
+                                       samples=10)
     assert result["versus_nnx_grad"] < 1e-4 * result["largest_entry"]  # float32, against nnx.grad
     assert result["final_loss"] < result["first_loss"] - 0.8
     # the network found: the embedding (glue), the blocks in order, the head; E shared by both ends
@@ -105,6 +105,14 @@ def test_flax_gpt_as_written_matches_nnx_grad_learns_and_draws_its_network(tmp_p
     assert "['embed']['embedding']" in net.layers[0].params and "['embed']['embedding']" in net.layers[-1].params
     assert list(net.inputs) == ["tokens.1"]  # eval mode: no dropout stream is read
     assert png.stat().st_size > 10_000
+
+
+def test_private_digits_reports_epsilon_and_learns():
+    with jax.enable_x64(False):
+        result = load("private_digits").main(epochs=3, batch=64)
+    assert 0 < result["epsilon"] < 10 and result["steps"] == 3 * 1437 // 64
+    assert result["private_accuracy"] > 0.6 and result["public_accuracy"] > 0.85
+    assert 0 < result["clipped_fraction"] <= 1
 
 
 def test_gauss_newton_example_beats_adam(tmp_path):

@@ -1,0 +1,133 @@
+"""Per-example gradient norms from the adjoints, without the per-example gradients: ghost norms.
+
+After one back substitution for Σ_b ℓ_b, row b of Λ is example b's adjoint, and a parameter
+row's gradient for example b is the sum over the layers i that use it of (∂Φ_i/∂θ)* Λ_i[b]. Its
+squared norm is what DP-SGD clips by. Where each such term is a sum of outer products of one
+example's operands — a dense layer a δᵀ, a weight used at every position of a sequence or by
+several layers (an RNN's recurrent weight, a tied embedding's head), twice in one layer — the
+sum over the uses and positions t is Uᵀ V with the uses' operands concatenated, and
+
+    ‖Uᵀ V‖²  =  Σ_{t,s} (u_t·u_s)(v_t·v_s)
+
+needs only the T × T Gram matrices (the "ghost" norm of Li et al. 2022 and Bu et al. 2023; the
+fast gradient clipping of Opacus 1.5), or, where T(m + n) ≥ mn, the m × n product formed once per
+example — never one per layer and position. Other cotangents (convolutions, layer norms'
+scales, embedding lookups) are formed per example and squared. Rows of different blocks are
+orthogonal parts of the gradient: their squares add.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ._engine import Primal, member_vjp, param_kinds, read_rows, tangent_leaves
+from ._outer import OuterTerms, squared_norms
+from ._plan import Plan, RowList
+
+
+class ParamNorms:
+    """‖(ℳ Λ) restricted to example b‖² for every example b of one network call (its plan and
+    stored forward pass), from the adjoints Λ of the summed per-example losses."""
+
+    def __init__(self, plan: Plan, prim: Primal, batch: int):
+        self.plan, self.prim, self.batch = plan, prim, batch
+        self.kinds = param_kinds(plan)
+        uses: dict[tuple[int, int], int] = {}
+        for kind in plan.kinds:
+            for p, g in enumerate(kind.param_groups):
+                for row in kind.by_member.params[:kind.size, p]:
+                    uses[(g, int(row))] = uses.get((g, int(row)), 0) + 1
+        # a group whose every row one layer uses: its rows' norms are the members' own, vmapped
+        self.exclusive = {g for g in range(len(plan.param_groups))
+                          if all(n <= 1 for (gg, _), n in uses.items() if gg == g)}
+        self.members = []
+        for kind in self.kinds:
+            per_example, example, varying, th, xs, axes, _ = member_vjp(plan, prim, kind, batch)
+            self.members.append((per_example, th, xs, axes, OuterTerms(per_example, example, varying)))
+        # where a shared group's leaf has a use that is no aligned sum of products, every use of
+        # it is formed per example (and summed, then squared)
+        self.dense_shared: set[tuple[int, int]] = set()
+        for kind, (*_, terms) in zip(self.kinds, self.members):
+            for _, g, leaf, n in self._slots(kind):
+                if g not in self.exclusive and not terms.aligned(n):
+                    self.dense_shared.add((g, leaf))
+
+    def _slots(self, kind: Any) -> list[tuple[int, int, int, int]]:
+        """(parameter slot p of ``kind``, its group, leaf of a row of the group, leaf of the
+        member's cotangents) — a group read twice by a layer (two rows) is two slots."""
+        out, n = [], 0
+        for p, g in enumerate(kind.param_groups):
+            for leaf in range(tangent_leaves(self.plan.param_groups[g])):
+                out.append((p, g, leaf, n))
+                n += 1
+        return out
+
+    def squared(self, lam: list[Any]) -> jax.Array:
+        """The (B,) squared norms of the call's per-example parameter gradients."""
+        total = jnp.zeros((self.batch,), jnp.result_type(float))
+        shared: dict[tuple[int, int, int], list] = {}  # (group, leaf, row) -> its uses' values [B, ...]
+        for kind, (per_example, th, xs, axes, terms) in zip(self.kinds, self.members):
+            if lam[kind.out_group] is None:
+                continue
+            lam_k = jax.tree.leaves(read_rows(lam[kind.out_group], kind.by_member.out[:kind.size]))
+            slots = self._slots(kind)
+            dense = [(g, leaf) in self.dense_shared for _, g, leaf, _ in slots]
+            values = jax.vmap(lambda th, xs, lm, axes=axes, terms=terms, dense=dense, f=per_example: terms.values(
+                [*th, *xs, *lm], [*axes, *[0] * len(lm)], dense, f))(th, xs, lam_k)  # each [members, B, ...]
+            for p, g, leaf, n in slots:
+                value = values[n]
+                if g in self.exclusive:
+                    total = total + jnp.sum(jax.vmap(_squared)(value), axis=0).astype(total.dtype)
+                    continue
+                rows = np.asarray(kind.by_member.params[:kind.size, p])
+                for row in np.unique(rows):  # the members using this row, in one piece
+                    members = np.flatnonzero(rows == row)
+                    if isinstance(value, tuple):  # [k, B, T, ·] -> [B, k·T, ·]: their positions concatenated
+                        one = tuple(jnp.moveaxis(x[members], 0, 1).reshape(x.shape[1], -1, x.shape[-1])
+                                    for x in value)
+                    else:
+                        one = jnp.sum(value[members], axis=0)
+                    shared.setdefault((g, leaf, int(row)), []).append(one)
+        for uses in shared.values():
+            if isinstance(uses[0], tuple):  # aligned sums of products: the uses' positions concatenated
+                u = jnp.concatenate([use[0] for use in uses], axis=1)
+                v = jnp.concatenate([use[1] for use in uses], axis=1)
+                total = total + squared_norms(u, v).astype(total.dtype)
+            else:
+                summed = sum(uses[1:], uses[0])
+                total = total + _squared(summed).astype(total.dtype)
+        return total
+
+
+def _squared(value: Any) -> jax.Array:
+    """(B,) squared norms of one leaf's per-example values: (U, V) or [B, ...]."""
+    if isinstance(value, tuple):
+        return squared_norms(*value)
+    flat = value.reshape(value.shape[0], -1)
+    return jnp.sum(flat * flat, axis=1)
+
+
+def weighted_by_example(lam: list[Any], weights: jax.Array) -> list[Any]:
+    """Λ with example b's rows scaled by w_b — the adjoints of Σ_b w_b ℓ_b, since row b of Λ is
+    example b's alone (the back substitution is linear and keeps examples apart). Buffers hold
+    [rows, batch, ...]; a RowList holds rows of [batch, ...]."""
+
+    def scale(x: jax.Array, axis: int) -> jax.Array:
+        shape = [1] * x.ndim
+        shape[axis] = weights.shape[0]
+        return x * weights.reshape(shape).astype(x.dtype)
+
+    out = []
+    for buf in lam:
+        if buf is None:
+            out.append(None)
+        elif isinstance(buf, RowList):
+            out.append(RowList([jax.tree.map(lambda x: scale(x, 0), row) for row in buf.rows]))
+        else:
+            out.append(jax.tree.map(lambda x: scale(x, 1), buf))
+    return out
+

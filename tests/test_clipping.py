@@ -1,0 +1,141 @@
+"""clipped_grad and the ghost norms against jax.vmap(jax.grad) of the same per-example losses."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.flatten_util import ravel_pytree
+from test_curvature import CASES, close
+
+import linbackprop as lbp
+
+
+def reference(losses, params, inputs, clip):
+    """The DP-SGD sum from the per-example gradients themselves."""
+    grads = jax.jacrev(losses)(params, *inputs)
+    flat = jax.vmap(lambda g: ravel_pytree(g)[0])(grads)
+    norms = jnp.linalg.norm(flat, axis=1)
+    weights = jnp.minimum(1.0, clip / norms)
+    return jax.tree.map(lambda g: jnp.einsum("b,b...->...", weights, g), grads), norms
+
+
+@pytest.mark.parametrize("name", ["rnn-rows", "transformer", "multi_input", "conv", "stacked"])
+def test_clipped_sum_and_norms_equal_the_per_example_gradients(name):
+    """An RNN with its recurrent weight shared over the steps and Row("xs", t) reads, a
+    transformer with tied embeddings (a gather and a product on one block), a block used twice
+    in one layer, convolutions, stacked rows shared by two layers and two rows in one layer (the
+    norms alone of every case of tests/test_curvature.py: its per-example test)."""
+    losses, params, inputs = CASES[name]
+    norms_ref = reference(losses, params, inputs, 1.0)[1]
+    clip = float(jnp.median(norms_ref))  # about half the examples clipped
+    clipped, norms = jax.jit(lbp.clipped_grad(losses, clip))(params, *inputs)
+    clipped_ref, _ = reference(losses, params, inputs, clip)
+    np.testing.assert_allclose(norms, norms_ref, rtol=1e-10)
+    close(clipped, clipped_ref, rtol=1e-9, atol=1e-11)
+
+
+def dense_net(n=4, w=32, b=64, seed=0):
+    rng = np.random.default_rng(seed)
+    layers = [lbp.Layer(i, lambda th, u: u + jnp.tanh(u @ th[0] + th[1]), (i - 1,),
+                        (lbp.Row("W", i - 1), lbp.Row("c", i - 1))) for i in range(1, n + 1)]
+    net = lbp.Network([*layers, lbp.Layer("y", lambda th, u: u @ th[0], (n,), ("H",))], [0], "y")
+    params = {"W": jnp.asarray(rng.standard_normal((n, w, w)) / w), "c": jnp.zeros((n, w)),
+              "H": jnp.asarray(rng.standard_normal((w, 3)))}
+    x = jnp.asarray(rng.standard_normal((b, w)))
+    labels = jnp.asarray(rng.integers(0, 3, b))
+
+    def losses(p, x, labels):
+        return -jnp.take_along_axis(jax.nn.log_softmax(net(p, x), axis=1), labels[:, None], axis=1)[:, 0]
+
+    return losses, params, (x, labels)
+
+
+def test_dense_layers_form_no_per_example_gradient():
+    """Ghost norms: the compiled clipped sum keeps no [batch, W] buffer (it would be b · W.nbytes)."""
+    losses, params, inputs = dense_net()
+    compiled = jax.jit(lbp.clipped_grad(losses, 0.5)).lower(params, *inputs).compile()
+    assert compiled.memory_analysis().temp_size_in_bytes < inputs[0].shape[0] * params["W"].nbytes / 4
+    clipped, norms = compiled(params, *inputs)
+    clipped_ref, norms_ref = reference(losses, params, inputs, 0.5)
+    np.testing.assert_allclose(norms, norms_ref, rtol=1e-10)
+    close(clipped, clipped_ref)
+
+
+def test_layer_norm_and_a_weight_used_twice_in_one_layer_and_a_sequence():
+    """A layer norm's scale (no outer product: formed per example), W used at every position of a
+    sequence and twice in one layer (x W + tanh(x W) W: a sum of two outer products per position)."""
+    rng = np.random.default_rng(3)
+    B, T, D = 5, 4, 3
+
+    def block(th, x):  # x: [B, T, D]
+        W, g = th
+        mean = x.mean(-1, keepdims=True)
+        normed = (x - mean) / jnp.sqrt(((x - mean) ** 2).mean(-1, keepdims=True) + 1e-3) * g
+        return x + normed @ W + jnp.tanh(normed @ W) @ W
+
+    net = lbp.Network([lbp.Layer(i, block, (i - 1,), ("W", lbp.Row("g", i - 1))) for i in (1, 2)], [0], 2)
+    params = {"W": jnp.asarray(0.5 * rng.standard_normal((D, D))),
+              "g": jnp.asarray(1 + 0.1 * rng.standard_normal((2, D)))}
+    x = jnp.asarray(rng.standard_normal((B, T, D)))
+    losses = lambda p, x: jnp.sum(jnp.sin(net(p, x)), axis=(1, 2))
+    clip = float(jnp.median(reference(losses, params, (x,), 1.0)[1]))
+    clipped, norms = lbp.clipped_grad(losses, clip)(params, x)
+    clipped_ref, norms_ref = reference(losses, params, (x,), clip)
+    np.testing.assert_allclose(norms, norms_ref, rtol=1e-10)
+    close(clipped, clipped_ref)
+    np.testing.assert_allclose(lbp.per_example_grad_norms(losses)(params, x), norms_ref, rtol=1e-10)
+
+
+def test_a_term_outside_the_network_and_several_arguments():
+    """A per-example term of the parameters themselves: the norms are those of the whole gradient
+    (formed per example there); argnums=(0, 1) clips over both arguments together."""
+    losses, params, inputs = dense_net(n=2, w=4, b=6, seed=1)
+    with_term = lambda p, x, labels: losses(p, x, labels) + 0.3 * jnp.sum(p["H"] ** 2) * jnp.arange(6.0)
+    clipped, norms = lbp.clipped_grad(with_term, 0.7)(params, *inputs)
+    clipped_ref, norms_ref = reference(with_term, params, inputs, 0.7)
+    np.testing.assert_allclose(norms, norms_ref, rtol=1e-10)
+    close(clipped, clipped_ref)
+
+    x = inputs[0]
+    two = lambda p, q, x, labels: losses({**p, "H": q}, x, labels)
+    p, q = {k: v for k, v in params.items() if k != "H"}, params["H"]
+    (cp, cq), norms = lbp.clipped_grad(two, 0.7, argnums=(0, 1))(p, q, x, inputs[1])
+    np.testing.assert_allclose(norms, reference(losses, params, inputs, 0.7)[1], rtol=1e-10)
+    close({**cp, "H": cq}, reference(losses, params, inputs, 0.7)[0])
+
+
+def test_layers_that_mix_examples_and_bad_clips_are_refused():
+    bn = lambda th, u: (u - u.mean(0)) / (u.std(0) + 1.0) @ th[0]
+    net = lbp.Network([lbp.Layer("y", bn, ("x",), ("W",))], ["x"], "y")
+    losses = lambda p, x: jnp.sum(net(p, x) ** 2, axis=1)
+    p, x = {"W": jnp.ones((3, 2))}, jnp.asarray(np.random.default_rng(0).standard_normal((5, 3)))
+    with pytest.raises(ValueError, match="mix examples"):
+        lbp.clipped_grad(losses, 1.0)(p, x)
+    with pytest.raises(ValueError, match="clip must be a positive norm"):
+        lbp.clipped_grad(losses, 0.0)
+    with pytest.raises(ValueError, match="one loss per example"):
+        lbp.clipped_grad(lambda p, x: jnp.sum(losses(p, x)), 1.0)(p, x)
+
+
+def test_a_model_as_it_is_with_layers():
+    """An equinox-style plain JAX model found by layers=: the clipped sum in the argument's own
+    structure, equal to the DP-SGD sum of jax.vmap(jax.grad)."""
+    @lbp.layer
+    def block(p, h):
+        return h + jnp.tanh(h @ p["W"] + p["b"])
+
+    rng = np.random.default_rng(4)
+    params = {"blocks": [{"W": jnp.asarray(0.4 * rng.standard_normal((3, 3))), "b": jnp.zeros(3)} for _ in range(3)],
+              "head": jnp.asarray(rng.standard_normal((3, 2)))}
+
+    def losses(params, x, y):
+        h = x
+        for p in params["blocks"]:
+            h = block(p, jnp.sin(h))
+        return jnp.sum((h @ params["head"] - y) ** 2, axis=1)
+
+    x, y = jnp.asarray(rng.standard_normal((6, 3))), jnp.asarray(rng.standard_normal((6, 2)))
+    clipped, norms = lbp.clipped_grad(losses, 1.0, layers=block)(params, x, y)
+    clipped_ref, norms_ref = reference(losses, params, (x, y), 1.0)
+    np.testing.assert_allclose(norms, norms_ref, rtol=1e-10)
+    close(clipped, clipped_ref)
