@@ -591,7 +591,7 @@ def private_rows(repeats: int) -> list[tuple[str, str, str]]:
         if "jax-privacy" in times:
             rows.append(("same, jax-privacy `clipping.clipped_grad` / `grad_by_solve` step",
                          f"{times['jax-privacy'] / times['grad']:.2f} ({times['jax-privacy'] * 1e3:.1f} ms)", "—"))
-        for row in rows[-4:]:
+        for row in rows[len(rows) - (4 if "jax-privacy" in times else 3):]:
             print(row, flush=True)
     return rows
 

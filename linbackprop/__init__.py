@@ -8,10 +8,10 @@ with ℒ = I − D_UΦ and ℳ* = D_θΦ for a network U = Φ(U, θ) given as a 
 """
 
 from ._capture import Capture, capture, layer
-from ._clipping import clipped_grad
 from ._curvature import (
                          GaussNewton,
                          Kronecker,
+                         clipped_grad,
                          diag_ggn,
                          gauss_newton,
                          kfac_factors,

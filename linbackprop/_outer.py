@@ -292,10 +292,11 @@ class OuterTerms:
 
         ‖Σ_t u_t v_tᵀ‖²  =  Σ_{t,s} (u_t·u_s)(v_t·v_s)                      (ghost norm)
 
-    `values` gives, per such leaf, the operands as U [B, T, m] and V [B, T, n] (U the one whose
-    free axes lead the leaf when read row-major, the terms' positions concatenated, a term
-    negated by the layout operations after it negated), or the leaf itself per example where it
-    is no such sum or ``dense`` asks for it. Leaves whose every term's operands have one free
+    `values` gives, per such leaf, its terms' operands per example (`Products`), or the leaf itself
+    per example where it is no such sum or ``dense`` asks for it; `canonical` makes them U
+    [B, T, m] and V [B, T, n] (U the one whose free axes lead the leaf when read row-major, the
+    terms' positions concatenated, a term negated by the layout operations after it negated) for
+    `squared_norms`, and `weighted` the sum Σ_b w_b (leaf of b). Leaves whose every term's operands have one free
     axis each are `aligned`: their U, V read the leaf as the (m, n) matrix Σ_t u_t v_tᵀ, so
     terms from other layers (a shared block) can be concatenated with them."""
 
@@ -317,7 +318,7 @@ class OuterTerms:
                     sign = -1 if sum(op.primitive.name == "neg" for op in path) % 2 else 1
                     (lc, rc), _ = eqn.params["dimension_numbers"]
                     single = all(v.aval.ndim - len(c) <= 1 for v, c in zip(eqn.invars, (lc, rc)))
-                    described.append((eqn, first, sign, single))
+                    described.append((eqn, first, sign, single, path))
                 self.terms.append(described or None)
             self.closed: Any = closed
             wanted = [u for terms in self.terms if terms for eqn, *_ in terms for u in eqn.invars]
@@ -332,7 +333,8 @@ class OuterTerms:
         return self.factored(n) and (len(self.terms[n]) == 1 or all(t[3] for t in self.terms[n]))
 
     def values(self, batched_args: list, in_axes: list, dense: list[bool], per_example: Callable) -> list:
-        """Per leaf: (U, V) where factored and not ``dense``, else the leaf per example [B, ...]."""
+        """Per leaf, for the examples (the batch leading): `Products` — each term's two operands —
+        where factored and not ``dense``, else the leaf itself [B, ...]."""
         if self.closed is None:
             return list(jax.vmap(per_example, in_axes=in_axes)(*batched_args))
         closed = self.closed
@@ -342,20 +344,51 @@ class OuterTerms:
             wanted += [u for eqn, *_ in self.terms[n] for u in eqn.invars] if factored[n] else [var]
         values = iter(jax.vmap(lambda a: _evaluate(closed.jaxpr, closed.consts, a, wanted), in_axes=(in_axes,))(
             list(batched_args)))
-        out = []
-        for n in range(len(closed.jaxpr.outvars)):
-            if not factored[n]:
-                out.append(next(values))
-                continue
-            us, vs = [], []
-            for eqn, first, sign, _ in self.terms[n]:
-                operands = [next(values), next(values)]
-                (lc, rc), _ = eqn.params["dimension_numbers"]
-                u, v = (_positions_first(operands[k], (lc, rc)[k]) for k in (first, 1 - first))
-                us.append(sign * u)
-                vs.append(v)
-            out.append((jnp.concatenate(us, axis=1), jnp.concatenate(vs, axis=1)))
-        return out
+        return [Products([(next(values), next(values)) for _ in self.terms[n]]) if factored[n] else next(values)
+                for n in range(len(closed.jaxpr.outvars))]
+
+    def canonical(self, n: int, products: Products) -> tuple[jax.Array, jax.Array]:
+        """Leaf ``n``'s (U [B, T, m], V [B, T, n]) from its `Products`: U the operand whose free
+        axes lead the leaf, the terms' positions concatenated, a term negated by the operations
+        after its product negated."""
+        us, vs = [], []
+        for (eqn, first, sign, _, _), operands in zip(self.terms[n], products.pairs):
+            (lc, rc), _ = eqn.params["dimension_numbers"]
+            u, v = (_positions_first(operands[k], (lc, rc)[k]) for k in (first, 1 - first))
+            us.append(sign * u)
+            vs.append(v)
+        return jnp.concatenate(us, axis=1), jnp.concatenate(vs, axis=1)
+
+    def weighted(self, n: int, products: Products, weights: jax.Array) -> jax.Array:
+        """Σ_b w_b (leaf ``n`` of example b) from its `Products`: per term one product over the
+        examples and positions, (w x)ᵀ y, then the layout operations after it."""
+        total = None
+        for (eqn, _, _, _, path), (lhs, rhs) in zip(self.terms[n], products.pairs):
+            (lc, rc), _ = eqn.params["dimension_numbers"]
+            scaled = weights.reshape((-1,) + (1,) * (lhs.ndim - 1)).astype(lhs.dtype) * lhs
+            contract = ((0, *(c + 1 for c in lc)), (0, *(c + 1 for c in rc)))
+            value = lax.dot_general(scaled, rhs, (contract, ((), ())), precision=eqn.params.get("precision"),
+                                    preferred_element_type=eqn.params.get("preferred_element_type"))
+            for op in path:
+                value = bind_equation(op, [value])
+            total = value if total is None else total + value
+        return total
+
+
+@jax.tree_util.register_pytree_node_class
+class Products:
+    """The operands (x_b, y_b) of each term of a cotangent that is a sum of products, per example
+    (a leading batch axis): a pytree, so that it can be vmapped over a kind's members."""
+
+    def __init__(self, pairs: list[tuple[jax.Array, jax.Array]]):
+        self.pairs = list(pairs)
+
+    def tree_flatten(self) -> tuple[list, int]:
+        return [x for pair in self.pairs for x in pair], len(self.pairs)
+
+    @classmethod
+    def tree_unflatten(cls, count: int, leaves: list) -> Products:
+        return cls([(leaves[2 * k], leaves[2 * k + 1]) for k in range(count)])
 
 
 def _positions_first(x: jax.Array, contracted: tuple[int, ...]) -> jax.Array:

@@ -124,7 +124,7 @@ def cases(draw):
     )
 
 
-@settings(max_examples=22, deadline=None, derandomize=True,
+@settings(max_examples=14, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(cases())
 def test_transformations_of_random_dags_match_plain_jax(case):
@@ -167,7 +167,7 @@ def captured_cases(draw):
                 engine=draw(st.sampled_from(["loop", "unrolled"])))
 
 
-@settings(max_examples=10, deadline=None, derandomize=True,
+@settings(max_examples=6, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(captured_cases())
 def test_random_dags_written_as_plain_jax_and_found_by_layers_match_jax(case):

@@ -99,7 +99,7 @@ def test_every_transform_and_linearize_see_the_settings_they_were_given(monkeypa
         seen.append((engine, _settings.current()))
         return make_plan(net, params, inputs, engine, generation)
 
-    monkeypatch.setattr(_plan, "make_plan", recording)
+    monkeypatch.setattr(_plan._make, "make_plan", recording)  # where plan_for calls it
     layers = [lbp.Layer(i, lambda th, u: jnp.tanh(u @ th[0]), (i - 1,), (lbp.Row("W", i - 1),)) for i in range(1, 5)]
     net = lbp.Network(layers, [0], 4)
     p, x = {"W": 0.5 * jnp.ones((4, 3, 3))}, jnp.ones((2, 3))

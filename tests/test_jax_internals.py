@@ -97,7 +97,7 @@ def _scalar_network():
 
 def test_without_the_private_weak_type_conversion_gradients_are_unchanged(monkeypatch):
     """A Python scalar block is then seen as a strongly typed array by the layers: same values."""
-    monkeypatch.setattr(_plan, "_TO_WEAK", None)
+    monkeypatch.setattr(_plan._groups, "_TO_WEAK", None)  # the module that converts
     net = _scalar_network()
     loss = lambda p, x: jnp.sum(net(p, x) ** 2)
     p, x = {"W": 0.5 * jnp.ones((4, 3)), "s": 1.5}, jnp.ones(3)
@@ -114,7 +114,7 @@ def test_without_the_jaxpr_analysis_every_residual_is_stored(monkeypatch, engine
     def broken(*_):
         raise AttributeError("jaxpr layout changed")
 
-    monkeypatch.setattr(_plan, "_recipes", broken)
+    monkeypatch.setattr(_plan._residuals, "_recipes", broken)  # the module that analyses
     net = lbp.Network([lbp.Layer(i, lambda th, u: jnp.tanh(u @ th[0]), (i - 1,), (lbp.Row("W", i - 1),))
                        for i in range(1, 7)], [0], 6)
     p, x = {"W": 0.4 * jnp.ones((6, 3, 3))}, jnp.ones((2, 3))  # shapes no other test uses: a new plan

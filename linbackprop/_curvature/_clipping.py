@@ -6,9 +6,11 @@ DP-SGD (Abadi et al. 2016) clips each example's gradient g_b to norm C before su
 
 then adds Gaussian noise. Here one forward pass and one back substitution ℒ*Λ = ∇_U Σ_b ℓ_b give
 every example's adjoint (row b of Λ), the norms ‖g_b‖ come from Λ without forming g_b (ghost
-norms, `_ghost`), and the clipped sum is ℳ applied to Λ with example b's rows scaled by its
-weight w_b = min(1, C / ‖g_b‖): Σ_b w_b g_b is the gradient of Σ_b w_b ℓ_b, whose adjoint is wΛ
-row by row. No second back substitution and no per-example gradient is formed.
+norms, `_ghost`), and the clipped sum Σ_b w_b g_b, w_b = min(1, C / ‖g_b‖), from the same
+per-example operands: a block's Σ_b w_b Σ_t a_bt δ_btᵀ is one product (w a)ᵀ δ over the examples
+and positions. Where the ghost norms do not apply, it is ℳ of Λ with example b's rows scaled by
+w_b (Σ_b w_b g_b is the gradient of Σ_b w_b ℓ_b, whose adjoint is wΛ row by row). No second back
+substitution and no per-example gradient of a dense layer is formed.
 """
 
 from __future__ import annotations
@@ -19,8 +21,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ._capture import rewrite
-from ._curvature import add_trees, normalise_argnums, per_example_setup, squared_grad_norms
+from .._capture import rewrite
+from ._per_example import per_example_setup, squared_grad_norms
+from ._split import add_trees, normalise_argnums
 
 
 def clipped_grad(losses: Callable, clip: float | jax.Array, argnums: int | Sequence[int] = 0, *,
@@ -38,8 +41,9 @@ def clipped_grad(losses: Callable, clip: float | jax.Array, argnums: int | Seque
     (ghost norms ‖Σ_t a_t δ_tᵀ‖² = Σ_{t,s} (a_t·a_s)(δ_t·δ_s) where a block's per-example cotangent
     is a sum of outer products — dense layers, a weight shared along a sequence, by several
     layers or used twice in one — each such block's product formed once per example where that is
-    cheaper, other blocks' cotangents formed per example and squared), then ℳ once with each
-    example's adjoint scaled by its weight. Blocks shared by several layers (tied embeddings, an
+    cheaper, other blocks' cotangents formed per example and squared), then the weighted sum from
+    the same per-example operands (one product (w a)ᵀ δ over the examples per block). Measured
+    against a gradient step in docs/performance.md. Blocks shared by several layers (tied embeddings, an
     RNN's recurrent weight) are clipped by the norm of their whole per-example gradient, every
     use counted.
 
@@ -80,10 +84,11 @@ def clipped_grad(losses: Callable, clip: float | jax.Array, argnums: int | Seque
 
     def run(*args: Any) -> tuple[Any, jax.Array]:
         split, calls, per_example, batch, lams = per_example_setup(losses, args, nums, engine)
-        norms = jnp.sqrt(squared_grad_norms(split, calls, per_example, batch, lams))
+        squares, ghost = squared_grad_norms(split, calls, per_example, batch, lams)
+        norms = jnp.sqrt(squares)
         c = jnp.asarray(clip, norms.dtype)
         weights = jax.lax.stop_gradient(jnp.where(norms > c, c / jnp.where(norms > c, norms, 1), 1))
-        through = calls.weighted(lams, weights)
+        through = calls.weighted(lams, weights, ghost)
         direct = jax.grad(lambda *d: jnp.sum(weights * per_example(calls.outs, *d)),
                           argnums=tuple(range(len(nums))))(*split.diff)
         clipped = tuple(add_trees(a, b) for a, b in zip(direct, through))

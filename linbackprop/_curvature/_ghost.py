@@ -24,9 +24,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._engine import Primal, member_vjp, param_kinds, read_rows, tangent_leaves
-from ._outer import OuterTerms, squared_norms
-from ._plan import Plan, RowList
+from .._engine import Primal, member_vjp, param_kinds, read_rows, scatter_add, tangent_leaves
+from .._outer import OuterTerms, Products, squared_norms
+from .._plan import Plan, RowList
 
 
 class ParamNorms:
@@ -66,20 +66,33 @@ class ParamNorms:
                 n += 1
         return out
 
-    def squared(self, lam: list[Any]) -> jax.Array:
+    def values(self, lam: list[Any]) -> list:
+        """Per kind (None where its output has no adjoint): per leaf of a member's cotangents, its
+        members' per-example values [members, B, ...] — `Products` (each term's operands) where
+        the leaf is a sum of products, else the leaf itself. One evaluation of each layer's
+        per-example VJP up to those operands serves the norms and the weighted sum."""
+        out = []
+        for kind, (per_example, th, xs, axes, terms) in zip(self.kinds, self.members):
+            if lam[kind.out_group] is None:
+                out.append(None)
+                continue
+            lam_k = jax.tree.leaves(read_rows(lam[kind.out_group], kind.by_member.out[:kind.size]))
+            dense = [(g, leaf) in self.dense_shared for _, g, leaf, _ in self._slots(kind)]
+            out.append(jax.vmap(lambda th, xs, lm, axes=axes, terms=terms, dense=dense, f=per_example: terms.values(
+                [*th, *xs, *lm], [*axes, *[0] * len(lm)], dense, f))(th, xs, lam_k))
+        return out
+
+    def squared(self, values: list) -> jax.Array:
         """The (B,) squared norms of the call's per-example parameter gradients."""
         total = jnp.zeros((self.batch,), jnp.result_type(float))
         shared: dict[tuple[int, int, int], list] = {}  # (group, leaf, row) -> its uses' values [B, ...]
-        for kind, (per_example, th, xs, axes, terms) in zip(self.kinds, self.members):
-            if lam[kind.out_group] is None:
+        for kind, (*_, terms), kind_values in zip(self.kinds, self.members, values):
+            if kind_values is None:
                 continue
-            lam_k = jax.tree.leaves(read_rows(lam[kind.out_group], kind.by_member.out[:kind.size]))
-            slots = self._slots(kind)
-            dense = [(g, leaf) in self.dense_shared for _, g, leaf, _ in slots]
-            values = jax.vmap(lambda th, xs, lm, axes=axes, terms=terms, dense=dense, f=per_example: terms.values(
-                [*th, *xs, *lm], [*axes, *[0] * len(lm)], dense, f))(th, xs, lam_k)  # each [members, B, ...]
-            for p, g, leaf, n in slots:
-                value = values[n]
+            for p, g, leaf, n in self._slots(kind):
+                value = kind_values[n]
+                if isinstance(value, Products):  # (U, V) [members, B, T, ·]
+                    value = jax.vmap(lambda v, n=n, terms=terms: terms.canonical(n, v))(value)
                 if g in self.exclusive:
                     total = total + jnp.sum(jax.vmap(_squared)(value), axis=0).astype(total.dtype)
                     continue
@@ -101,6 +114,30 @@ class ParamNorms:
                 summed = sum(uses[1:], uses[0])
                 total = total + _squared(summed).astype(total.dtype)
         return total
+
+    def weighted(self, values: list, weights: jax.Array) -> list[Any]:
+        """Σ_b w_b (ℳ Λ restricted to example b) in the parameter layout, from the same values:
+        a sum of products Σ_b w_b x_bᵀ y_b is one product over the examples (no per-example
+        leaf), another leaf Σ_b w_b X_b; the members' results are added into their rows."""
+        plan = self.plan
+        out = [g.zeros(plan.unrolled, tangent=True) for g in plan.param_groups]
+        for kind, (*_, terms), kind_values in zip(self.kinds, self.members, values):
+            if kind_values is None:
+                continue
+            leaves = []
+            for _, _, _, n in self._slots(kind):
+                value = kind_values[n]
+                if isinstance(value, Products):
+                    leaves.append(jax.vmap(lambda v, n=n, terms=terms: terms.weighted(n, v, weights))(value))
+                else:
+                    leaves.append(jnp.einsum("b,mb...->m...", weights.astype(value.dtype), value))
+            at = 0
+            for p, g in enumerate(kind.param_groups):
+                tree = jax.tree.structure(plan.param_groups[g].row_avals(tangent=True))
+                ct = tree.unflatten(leaves[at:at + tree.num_leaves])
+                at += tree.num_leaves
+                out[g] = scatter_add(out[g], kind.by_member.params[:kind.size, p], ct)
+        return out
 
 
 def _squared(value: Any) -> jax.Array:

@@ -1,0 +1,25 @@
+"""Curvature from the operators: Gauss–Newton products, per-example gradients and their norms,
+the exact diagonal of the generalised Gauss–Newton matrix and its K-FAC factors.
+
+In ``fun`` the Network calls are the model and the rest is the loss ℓ of their outputs (and of
+the arguments directly). With J = E ℒ⁻¹ ℳ* (E picks the outputs) and H the Hessian of ℓ w.r.t.
+the outputs,
+
+    G = J* H J,     G v = ℳ ℒ⁻* E* H E ℒ⁻¹ ℳ* v
+
+is one forward substitution, one product with H, one back substitution and ℳ, all on the
+linearisation stored by one forward pass (no forward pass per product). Per-example quantities
+use that the leading axis of every state is the batch: one back substitution serves every
+example, and ℳ is applied to each example's rows alone.
+
+Modules: `_split` (``fun`` as model and loss), `_gauss_newton`, `_per_example` (and the
+norms: `_ghost`), `_ggn` (the GGN diagonal, K-FAC), `_clipping` (DP-SGD's clipped sum).
+"""
+
+from ._clipping import clipped_grad
+from ._gauss_newton import GaussNewton, gauss_newton
+from ._ggn import Kronecker, diag_ggn, kfac_factors
+from ._per_example import per_example_grad_norms, per_example_grads
+
+__all__ = ["GaussNewton", "Kronecker", "clipped_grad", "diag_ggn", "gauss_newton", "kfac_factors",
+           "per_example_grad_norms", "per_example_grads"]

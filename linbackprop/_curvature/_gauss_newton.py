@@ -1,0 +1,151 @@
+"""The Gauss–Newton operator G = J* H J of ``fun``: products on the linearisation stored by one
+forward pass — one forward substitution, one product with H, one back substitution and ℳ.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.flatten_util import ravel_pytree
+
+from .._capture import rewrite
+from .._operators import LinearOperator
+from .._transforms import solve_mode
+from ._split import OnArguments, Split, add_trees, normalise_argnums
+
+
+# -- the Gauss–Newton operator ------------------------------------------------------------------
+@jax.tree_util.register_pytree_node_class
+class GaussNewton(LinearOperator):
+    """G = J* H J on parameter-shaped pytrees (the arguments ``argnums`` names), from one stored
+    linearisation: ``mv(v)`` is J v (a forward substitution and ℳ*), H (J v) (the loss's Hessian
+    w.r.t. the outputs, linearised once) and J* (a back substitution and ℳ). Symmetric:
+    ``G.T`` is ``G``. A pytree (its leaves are the stored residuals), so it can cross ``jax.jit``.
+    Made by [`gauss_newton`][linbackprop.gauss_newton].
+
+    Examples:
+        >>> import jax.numpy as jnp, linbackprop as lbp
+        >>> net = lbp.Network([lbp.Layer("y", lambda th, x: 2.0 * x @ th[0], ("x",), ("w",))], ["x"], "y")
+        >>> _, _, G = lbp.gauss_newton(lambda p, x: 0.5 * jnp.sum(net(p, x) ** 2))({"w": jnp.ones(2)}, jnp.eye(2))
+        >>> G.mv({"w": jnp.array([1.0, 0.0])})["w"].tolist(), G.T is G      # J*J = 4 I
+        ([4.0, 0.0], True)
+    """
+
+    symbol = "G"
+
+    def __init__(self, jvp: Callable, vjp: Callable, hvp: Callable, single: bool, example: Any):
+        self._jvp, self._vjp, self._hvp = jvp, vjp, hvp
+        self._single, self._example = single, example
+
+    def tree_flatten(self) -> tuple[tuple, tuple]:
+        return (self._jvp, self._vjp, self._hvp), (self._single, self._example)
+
+    @classmethod
+    def tree_unflatten(cls, aux: tuple, children: tuple) -> GaussNewton:
+        return cls(*children, *aux)
+
+    def mv(self, v: Any) -> Any:
+        """G v."""
+        return _gauss_newton_mv(self, v)
+
+    def apply(self, v: Any) -> Any:
+        vs = (v,) if self._single else tuple(v)
+        out = self._vjp(self._hvp(self._jvp(*vs)))
+        return out[0] if self._single else tuple(out)
+
+    @property
+    def T(self) -> GaussNewton:  # noqa: N802 - the mathematical name
+        return self
+
+    def todense(self) -> jax.Array:
+        """The dense matrix over the arguments flattened in order (``ravel_pytree``); tiny networks."""
+        treedef, leaves = self._example
+        zeros = jax.tree.unflatten(treedef, [jnp.zeros(s, d) for s, d in leaves])
+        flat, unravel = ravel_pytree(zeros)
+        basis = jnp.eye(flat.size, dtype=flat.dtype)
+        return jax.vmap(lambda e: ravel_pytree(self.mv(unravel(e)))[0])(basis).T  # G symmetric: rows = columns
+
+    @property
+    def pattern(self) -> np.ndarray:
+        """G couples every pair of parameters that reach a common output: dense, one block."""
+        return np.ones((1, 1), dtype=bool)
+
+    def block(self, i: Any, j: Any) -> GaussNewton:
+        if (i, j) != (0, 0):
+            raise KeyError(f"G is one dense block (0, 0), not ({i!r}, {j!r}).")
+        return self
+
+    def __repr__(self) -> str:
+        return "G = J* H J (Gauss–Newton)"
+
+
+_gauss_newton_mv = jax.jit(lambda G, v: G.apply(v))
+
+
+def gauss_newton(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool = False, *,
+                 remat: bool = False, checkpoints: int | None = None, schedule: str = "even",
+                 param_products: str = "auto", engine: str = "auto", layers: Any = None) -> Callable:
+    """``(value, grad, G)`` of ``fun`` at its arguments: value and gradient as
+    [`value_and_grad_by_solve`][linbackprop.value_and_grad_by_solve], and the generalised Gauss–Newton matrix
+
+        G = J* H J,   J = ∂(network outputs)/∂θ = E ℒ⁻¹ ℳ*,   H = ∂²ℓ/∂(outputs)²
+
+    as a [`GaussNewton`][linbackprop.GaussNewton] operator on pytrees shaped like the arguments ``argnums`` names.
+    The Network calls in ``fun`` are the model; everything else in ``fun`` is the loss ℓ of their
+    outputs. ``G.mv(v)`` runs one forward substitution, one product with H, one back substitution
+    and ℳ on the linearisation stored by the one forward pass made here: no forward pass per
+    product. It works under ``jax.jit``, so
+    ``jax.scipy.sparse.linalg.cg(lambda v: G.mv(v) + lam * v, grad)`` inside a jitted step is a
+    Gauss–Newton / Levenberg–Marquardt step.
+
+    For squared error and for softmax cross-entropy on logits (any loss that is a negative
+    log-likelihood of an exponential family in its natural parameters) G equals the Fisher
+    information matrix. Terms of ``fun`` that use the arguments directly (a weight decay
+    λ‖θ‖²) are in ``value`` and ``grad`` but not in G: H is the Hessian w.r.t. the outputs with
+    the arguments held fixed; add their curvature yourself (2λ I for that weight decay).
+    ``G.T`` is ``G``; ``G.todense()`` for tiny networks. ``remat``, ``checkpoints``, ``schedule``
+    and ``engine`` as in [`grad_by_solve`][linbackprop.grad_by_solve] (checkpoints only where they save memory with the
+    products counted: each product keeps a parameter-sized cotangent of the segments' scan), with
+    the same rule for ``param_products="auto"``: ℳ* h and ℳΛ batched after the loops where steps
+    are latency-bound, formed in the loops (from the same linearisation of each layer as the
+    substitutions) where they are compute-bound or with remat.
+
+    Examples:
+        >>> import jax.numpy as jnp, linbackprop as lbp
+        >>> net = lbp.Network([lbp.Layer("y", lambda th, x: x @ th[0], ("x",), ("W",))], ["x"], "y")
+        >>> loss = lambda p, x: 0.5 * jnp.sum(net(p, x) ** 2)
+        >>> value, grad, G = lbp.gauss_newton(loss)({"W": jnp.ones((2, 1))}, jnp.eye(2))
+        >>> G.todense().tolist()          # J* J for the linear model: x*x = I
+        [[1.0, 0.0], [0.0, 1.0]]
+    """
+    nums, single = normalise_argnums(argnums)
+    settings = dict(remat=remat, checkpoints=checkpoints, schedule=schedule, param_products=param_products,
+                    engine=engine)
+
+    def run(*args: Any) -> tuple[Any, Any, GaussNewton]:
+        if layers is None:
+            split, found = Split(fun, args, nums, has_aux), None
+        else:  # the model as it is: its network found, G on the arguments' own types
+            found = rewrite(fun, args, nums, layers)
+            split = Split(lambda *parts: found.fun(*parts)[0], found.args, tuple(range(len(nums))), has_aux)
+        outs, jvp = jax.linearize(solve_mode(split.model, **settings, products=True), *split.diff)
+        loss_args = tuple(range(1 + len(nums)))
+        (value, aux), grads = jax.value_and_grad(split.loss, loss_args, has_aux=True)(outs, *split.diff)
+        vjp = jax.linear_transpose(jvp, *split.diff)
+        grad = tuple(add_trees(g, m) for g, m in zip(grads[1:], vjp(grads[0])))
+        _, hvp = jax.linearize(jax.grad(lambda o: split.loss(o, *split.diff)[0]), outs)
+        if found is not None:
+            grad = found.gradient(grad, False)
+            on = OnArguments(found.arguments)
+            jvp, vjp = jax.tree_util.Partial(on.jvp, jvp), jax.tree_util.Partial(on.vjp, vjp)
+        leaves, treedef = jax.tree.flatten(grad[0] if single else grad)
+        example = (treedef, tuple((tuple(np.shape(x)), jnp.result_type(x)) for x in leaves))
+        G = GaussNewton(jvp, vjp, hvp, single, example)
+        value = (value, aux) if has_aux else value
+        return value, grad[0] if single else grad, G
+
+    return run

@@ -1,0 +1,366 @@
+"""Per-example quantities: one forward pass and one back substitution serve every example (the
+leading axis of every state is the batch), then ℳ is applied to each example's rows alone —
+per-example gradients, their norms (ghost norms where the shapes allow), and the checks that
+the layers keep examples apart and the inputs are data.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend.core import Literal
+
+from .._engine import ParamSquares, back_substitution, param_adjoint, param_adjoint_per_example
+from .._graph import Network
+from .._plan import Plan, current_plan, differentiable_dtype
+from .._settings import current
+from .._transforms import output_tangents, outputs_of, prepare, solve_mode
+from ._ghost import ParamNorms, weighted_by_example
+from ._split import Split, add_trees, normalise_argnums, on_model
+
+
+# -- per-example quantities ---------------------------------------------------------------------
+class Calls:
+    """One forward pass of ``fun``'s network calls with residuals kept (their plans and stored
+    linearisations), the map from the differentiated arguments to each call's parameter blocks,
+    and the calls' outputs."""
+
+    def __init__(self, split: Split, engine: str):
+        self.plans: list[Plan] = []
+        self.nets: list[Network] = []  # every call's network, in call order
+        self.solved: list[int] = []  # the calls that use a parameter (have a plan), by position
+        self.placement: list[list[int | None]] = []  # per solved call, per θ leaf: the argument leaf it is
+
+        def route(*diff):
+            thetas, stored, outputs = [], [], []
+            position = {id(leaf): n for n, leaf in enumerate(jax.tree.leaves(diff))}
+
+            def forward(net, params, inputs):
+                net.check_inputs(inputs)
+                self.nets.append(net)
+                live = net.live
+                if live is None:  # outputs are inputs only: no parameter is used, J is zero there
+                    out = net.pick_outputs(dict(zip(net.inputs, inputs)))
+                    outputs.append(out)
+                    return out
+                theta = {p: net.select_params(params)[p] for p in live.param_names}
+                current_plan(live, theta, tuple(inputs), current().engine)  # anew where a layer's computation changed
+                plan, prim = prepare(live, jax.lax.stop_gradient(theta), tuple(jax.lax.stop_gradient(inputs)))
+                outs = outputs_of(plan, prim.states)
+                thetas.append(theta)
+                self.placement.append([position.get(id(leaf)) for leaf in jax.tree.leaves(theta)])
+                stored.append(prim)
+                self.solved.append(len(self.nets) - 1)
+                self.plans.append(plan)
+                out = outs[0] if net.single_output else outs
+                outputs.append(out)
+                return out
+
+            split.run(forward, diff)
+            return thetas, (stored, outputs)
+
+        self.diff = split.diff
+        self.thetas, self.vjp, (self.stored, outs) = jax.vjp(solve_mode(route, engine=engine), *split.diff,
+                                                             has_aux=True)
+        self.outs = tuple(outs)  # every call's outputs, as the call returned them
+        _check_inputs_independent(split)
+
+    def adjoints(self, g_outs: tuple, batch: int) -> list[list[Any]]:
+        """Λ of each call: one back substitution ℒ*Λ = E* g for all examples at once; ``g_outs``:
+        cotangents of the calls' outputs (checks the per-example assumption on the way)."""
+        lams = []
+        for plan, call, prim in zip(self.plans, self.solved, self.stored):
+            check_per_example(plan, batch)
+            lams.append(back_substitution(plan, prim, self._rhs(plan, self.nets[call], g_outs[call])))
+        return lams
+
+    def per_example(self, lams: list, batch: int, examples: Any = None) -> tuple:
+        """J* g split by example from the calls' adjoints Λ (`adjoints`): per differentiated
+        argument, a pytree with a leading axis of the examples (all, or those indexed by ``examples``)."""
+        n = batch if examples is None else len(examples)
+        theta_cts = []
+        for plan, prim, theta, lam in zip(self.plans, self.stored, self.thetas, lams):
+            unpack = self._unpack(plan, theta)
+            bufs = param_adjoint_per_example(plan, prim, lam, batch, examples)
+            theta_cts.append(jax.vmap(lambda b, unpack=unpack: unpack(b)[0])(bufs))
+        if not theta_cts:  # no network uses a parameter
+            return tuple(jax.tree.map(lambda x: jnp.zeros((n, *np.shape(x)), jnp.result_type(x)), d)
+                         for d in self.diff)
+        return jax.vmap(lambda cts: self.vjp(cts))(theta_cts)
+
+    def squares(self, batch: int) -> tuple[Callable, Callable]:
+        """Σ_k Σ_b w_kb (J_b* g_k)², elementwise, per differentiated argument, in two parts:
+        ``parts(lams, weights)`` for one k (from the calls' adjoints Λ_k), added up over k by the
+        caller, and ``total(parts)`` once (outer products' λ-free factors and matrix products are
+        formed there, once: `ParamSquares`). Only where each argument leaf is one parameter
+        block of one call, as it is (`placed`: squares then commute with the map from the
+        arguments to the blocks)."""
+        maps = [ParamSquares(plan, prim, batch) for plan, prim in zip(self.plans, self.stored)]
+
+        def parts(lams: list, weights: jax.Array) -> list:
+            return [m.parts(lam, weights) for m, lam in zip(maps, lams)]
+
+        def total(parts: list) -> tuple:
+            leaves, treedef = jax.tree.flatten(self.diff)
+            result = [jnp.zeros(np.shape(x), jnp.result_type(x)) for x in leaves]
+            for m, part, plan, theta, place in zip(maps, parts, self.plans, self.thetas, self.placement):
+                for n, sq in zip(place, jax.tree.leaves(self._unpack(plan, theta)(m.total(part))[0])):
+                    result[n] = result[n] + sq.astype(result[n].dtype)
+            return tuple(jax.tree.unflatten(treedef, result))
+
+        return parts, total
+
+    def ghost(self, lams: list, batch: int) -> list | None:
+        """Per call, its `ParamNorms` and their per-example values (one evaluation of each layer's
+        per-example VJP, for the norms and the weighted sum); None where an argument leaf is not
+        one block of one call (`placed`: cross terms between calls or computed blocks)."""
+        if not self.placed:
+            return None
+        out = []
+        for plan, prim, lam in zip(self.plans, self.stored, lams):
+            norms = ParamNorms(plan, prim, batch)
+            out.append((norms, norms.values(lam)))
+        return out
+
+    def weighted(self, lams: list, weights: jax.Array, ghost: list | None = None) -> tuple:
+        """Σ_b w_b J_b* g_b per differentiated argument: from the `ghost` values where given (a
+        product over the examples per sum of outer products), else ℳ of Λ with example b's rows
+        scaled by w_b (`weighted_by_example`: the adjoints of Σ_b w_b ℓ_b)."""
+        theta_cts = []
+        for n, (plan, prim, theta, lam) in enumerate(zip(self.plans, self.stored, self.thetas, lams)):
+            if ghost is not None:
+                norms, values = ghost[n]
+                buffers = norms.weighted(values, weights)
+            else:
+                buffers = param_adjoint(plan, prim, weighted_by_example(lam, weights))
+            theta_cts.append(self._unpack(plan, theta)(buffers)[0])
+        if not theta_cts:  # no network uses a parameter
+            return tuple(jax.tree.map(lambda x: jnp.zeros(np.shape(x), jnp.result_type(x)), d) for d in self.diff)
+        return self.vjp(theta_cts)
+
+    @property
+    def placed(self) -> bool:
+        """Whether each argument leaf is one parameter block of one call, as it is."""
+        used = [n for call in self.placement for n in call]
+        return None not in used and len(set(used)) == len(used)
+
+    @staticmethod
+    def _unpack(plan: Plan, theta: dict) -> Callable:
+        """Parameter-layout buffers back to a call's blocks {name: block} (the transpose of packing)."""
+        return jax.linear_transpose(lambda th: plan.pack_params(th, tangent=True), jax.eval_shape(lambda: theta))
+
+    @staticmethod
+    def _rhs(plan: Plan, net: Network, g: Any) -> list[Any]:
+        """The back substitution's right-hand side E* g from cotangents of a call's outputs."""
+        g = (g,) if net.single_output else tuple(g)
+        z_example = jax.eval_shape(lambda: [grp.zeros(plan.unrolled, tangent=True) for grp in plan.state_groups])
+        return jax.linear_transpose(lambda z: output_tangents(plan, z), z_example)(g)[0]
+
+
+def _check_inputs_independent(split: Split) -> None:
+    """Per-example quantities treat the networks' inputs as data: raise where an input depends on
+    the differentiated arguments (a network fed by another's output, an input in ``argnums``)."""
+    def inputs_of(*diff):
+        found = []
+
+        def record(net, params, inputs):  # traced only: the plain call, so outputs depend on what they read
+            found.append(inputs)
+            return net.pick_outputs(net.states(params, *inputs))
+
+        split.run(record, diff)
+        return found
+
+    closed = jax.make_jaxpr(inputs_of)(*split.diff)
+    if reaches_outputs(closed.jaxpr):
+        raise NotImplementedError(
+            "Per-example gradients, their norms and the GGN diagonal need the networks' inputs to be data: "
+            "here an input of a Network call depends on the differentiated arguments (an input in argnums, or "
+            "one network fed by another's output). Make it one Network (its layers may read any earlier "
+            "state), or use jax.jacrev / jax.vmap(jax.grad) of the per-example loss.")
+
+
+def reaches_outputs(jaxpr: Any) -> bool:
+    """Whether any output of ``jaxpr`` depends on any of its inputs (every equation counted as
+    depending on all its operands: conservative)."""
+    live = {v for v in jaxpr.invars}
+    for eqn in jaxpr.eqns:
+        if any(not isinstance(v, Literal) and v in live for v in eqn.invars):
+            live.update(eqn.outvars)
+    return any(not isinstance(v, Literal) and v in live for v in jaxpr.outvars)
+
+
+_checked: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def check_per_example(plan: Plan, batch: int) -> None:
+    """Raise where a kind of layer mixes examples: its output for one example is not the output
+    for that example alone (batch statistics, attention across the batch). Checked once per plan
+    and batch size on random data, at trace time."""
+    done = _checked.setdefault(plan, set())
+    if batch in done:
+        return
+    rng = np.random.default_rng(0)
+
+    def sample(aval):
+        if jax.dtypes.issubdtype(aval.dtype, jax.dtypes.prng_key):  # keys: a dropout mask must not mix either
+            keys = jax.random.split(jax.random.key(0, impl=jax.random.key_impl(jax.random.key(0))), max(1, aval.size))
+            return keys[: aval.size].reshape(aval.shape)
+        if not differentiable_dtype(aval.dtype):
+            return jnp.asarray(rng.integers(0, 2, aval.shape), aval.dtype)
+        return jnp.asarray(rng.standard_normal(aval.shape), aval.dtype)
+
+    with jax.ensure_compile_time_eval():
+        for kind in plan.kinds:
+            theta_avals = tuple(plan.param_groups[g].row_avals() for g in kind.param_groups)
+            input_avals = tuple(plan.state_groups[g].row_avals() for g in kind.read_groups)
+            theta = jax.tree.map(sample, theta_avals)
+            leaves, tree = jax.tree.flatten(jax.tree.map(sample, input_avals))
+            batched = [bool(np.ndim(x)) and np.shape(x)[0] == batch for x in leaves]
+            outs = jax.tree.leaves(kind.out_aval)
+            if not any(batched) or not all(len(o.shape) and o.shape[0] == batch for o in outs):
+                names = [layer.name for layer in kind.layers][:4]
+                raise ValueError(
+                    f"Layer(s) {names!r}: per-example gradients, their norms and the GGN diagonal need the batch "
+                    f"({batch} examples) on the leading axis of every state; these layers read "
+                    f"{[tuple(np.shape(x)) for x in leaves]} and return {[tuple(o.shape) for o in outs]}. Put the "
+                    "batch first, or use jax.jacrev / jax.vmap(jax.grad) of a per-example loss.")
+            whole = kind.fn(theta, *tree.unflatten(leaves))
+
+            def alone_fn(ls, kind=kind, theta=theta, tree=tree, batched=batched):
+                one = tree.unflatten([x[None] if b else x for x, b in zip(ls, batched)])
+                return jax.tree.map(lambda o: o[0], kind.fn(theta, *one))
+
+            alone = jax.vmap(alone_fn, in_axes=([0 if b else None for b in batched],))(leaves)
+            for a, b in zip(jax.tree.leaves(whole), jax.tree.leaves(alone)):
+                a64, b64 = np.asarray(a, np.float64), np.asarray(b, np.float64)
+                if a64.shape != b64.shape or not np.allclose(a64, b64, rtol=1e-3, atol=1e-3 * (1 + np.abs(a64).max())):
+                    names = [layer.name for layer in kind.layers][:4]
+                    raise ValueError(
+                        f"Layer(s) {names!r} mix examples: their output for one example is not what they give for "
+                        "that example alone (batch statistics, attention or normalisation across the batch, or a "
+                        "leading axis that is not the batch). Per-example gradients, their norms and the GGN "
+                        "diagonal assume the leading axis of every state is the batch; compute those with "
+                        "jax.jacrev or jax.vmap(jax.grad) of a per-example loss instead.")
+    done.add(batch)
+
+
+def per_example_setup(fun: Callable, args: tuple, nums: tuple[int, ...], engine: str) -> tuple:
+    """For per-example losses ``fun``: the split, the calls' forward pass, the losses as a function
+    of (outputs, *arguments), the batch size and the calls' adjoints Λ (one back substitution each)."""
+    split = Split(fun, args, nums, False)
+    calls = Calls(split, engine)
+    losses = lambda outs, *d: per_example_losses(split, outs, d)
+    batch = jnp.shape(losses(calls.outs, *split.diff))[0]
+    g_outs = jax.grad(lambda o: jnp.sum(losses(o, *split.diff)))(calls.outs)
+    return split, calls, losses, batch, calls.adjoints(g_outs, batch)
+
+
+def per_example_losses(split: Split, outs: tuple, diff: tuple) -> jax.Array:
+    losses = split.loss(outs, *diff)[0]
+    if jnp.ndim(losses) != 1:
+        raise ValueError(f"Per-example gradients need fun to return one loss per example, shape (B,); it returned "
+                         f"shape {jnp.shape(losses)}.")
+    return losses
+
+
+def per_example_grads(fun: Callable, argnums: int | Sequence[int] = 0, *, engine: str = "auto",
+                      layers: Any = None) -> Callable:
+    """The gradient of each example's loss, stacked on a leading axis — ``jax.jacrev(fun)``.
+
+    ``fun`` returns per-example losses, shape (B,), and the leading axis of every network state
+    (and of every row read of a stacked input) is the batch. One forward pass and ONE back
+    substitution ℒ*Λ = ∇_U Σ_b ℓ_b serve every example (row b of Λ is example b's adjoint, since
+    ℓ_b sees only row b of the outputs); then ℳ is applied to each example's rows alone,
+    (∂Φ_i/∂θ)* Λ_i[b] — the layer's VJP on one example — and shared and ``Row`` blocks sum the
+    contributions of every layer that uses them. Terms of ``fun`` that use the arguments
+    directly are added per example (``jax.jacrev`` of them). Layers that mix examples (batch
+    statistics, attention across the batch) raise a ``ValueError``; networks whose inputs depend
+    on the differentiated arguments raise ``NotImplementedError``.
+
+    Examples:
+        >>> import jax.numpy as jnp, linbackprop as lbp
+        >>> net = lbp.Network([lbp.Layer("y", lambda th, x: x @ th[0], ("x",), ("w",))], ["x"], "y")
+        >>> losses = lambda p, x: net(p, x)[:, 0] ** 2 / 2
+        >>> g = lbp.per_example_grads(losses)({"w": jnp.ones((2, 1))}, jnp.array([[1.0, 0.0], [0.0, 2.0]]))
+        >>> g["w"].squeeze(-1).tolist()    # example b: (x_b·w) x_b
+        [[1.0, 0.0], [0.0, 4.0]]
+    """
+    if layers is not None:
+        return on_model(lambda f, a: per_example_grads(f, a, engine=engine), fun, argnums, layers)
+    nums, single = normalise_argnums(argnums)
+
+    def run(*args: Any) -> Any:
+        split, calls, losses, batch, lams = per_example_setup(fun, args, nums, engine)
+        through_networks = calls.per_example(lams, batch)
+        direct = jax.jacrev(lambda *d: losses(calls.outs, *d), argnums=tuple(range(len(nums))))(*split.diff)
+        grads = tuple(add_trees(a, b) for a, b in zip(direct, through_networks))
+        return grads[0] if single else grads
+
+    return run
+
+
+def per_example_grad_norms(fun: Callable, argnums: int | Sequence[int] = 0, *, engine: str = "auto",
+                           chunk: int = 16, layers: Any = None) -> Callable:
+    """The (B,) Euclidean norms of the per-example gradients (over every argument ``argnums``
+    names), as ``jnp.linalg.norm`` of [`per_example_grads`][linbackprop.per_example_grads]
+    flattened — without forming the per-example gradients. After the one back substitution, a
+    block whose per-example cotangent is a sum of outer products Σ_t a_t δ_tᵀ (dense layers, a
+    weight shared along a sequence or by several layers) gets its squared norm as the ghost norm
+    Σ_{t,s} (a_t·a_s)(δ_t·δ_s) (or the product formed once per example, whichever the shapes make
+    cheaper); other blocks' cotangents are formed per example and squared. Where ``fun`` uses the
+    arguments outside its networks too, or an argument leaf is more than one block, the
+    per-example gradients are formed ``chunk`` examples at a time (``lax.map``), keeping only
+    their norms. For DP-SGD clipping: [`clipped_grad`][linbackprop.clipped_grad].
+
+    Examples:
+        >>> import jax.numpy as jnp, linbackprop as lbp
+        >>> net = lbp.Network([lbp.Layer("y", lambda th, x: x @ th[0], ("x",), ("w",))], ["x"], "y")
+        >>> losses = lambda p, x: net(p, x)[:, 0] ** 2 / 2
+        >>> lbp.per_example_grad_norms(losses)({"w": jnp.ones((2, 1))}, jnp.array([[1.0, 0.0], [0.0, 2.0]])).tolist()
+        [1.0, 4.0]
+    """
+    if layers is not None:
+        return on_model(lambda f, a: per_example_grad_norms(f, a, engine=engine, chunk=chunk), fun, argnums, layers,
+                         to_arguments=False)
+    nums, _ = normalise_argnums(argnums)
+
+    def run(*args: Any) -> jax.Array:
+        split, calls, losses, batch, lams = per_example_setup(fun, args, nums, engine)
+        return jnp.sqrt(squared_grad_norms(split, calls, losses, batch, lams, chunk)[0])
+
+    return run
+
+
+def squared_grad_norms(split: Split, calls: Calls, losses: Callable, batch: int, lams: list,
+                       chunk: int = 16) -> tuple[jax.Array, list | None]:
+    """(B,) squared per-example gradient norms after the one back substitution, and the ghost
+    values they came from (for `Calls.weighted`): ghost norms (`Calls.ghost`) where ``fun``
+    reaches the arguments only through its networks and each argument leaf is one block of one
+    call; otherwise (values None) the per-example gradients formed ``chunk`` examples at a time
+    (``lax.map``), keeping only their norms."""
+    direct_terms = reaches_outputs(jax.make_jaxpr(lambda *d: losses(calls.outs, *d))(*split.diff).jaxpr)
+    ghost = None if direct_terms else calls.ghost(lams, batch)
+    if ghost is not None:
+        squares = jnp.zeros((batch,), jnp.result_type(float))
+        for norms, values in ghost:
+            squares = squares + norms.squared(values)
+        return squares, ghost
+    size = min(chunk, batch)
+    starts = np.arange(0, batch, size)
+    argnums = tuple(range(len(split.diff)))
+
+    def chunk_squares(start):
+        examples = jnp.minimum(start + jnp.arange(size), batch - 1)
+        through = calls.per_example(lams, batch, examples)
+        direct = jax.vmap(lambda b: jax.grad(lambda *d: losses(calls.outs, *d)[b], argnums=argnums)(*split.diff))(
+            examples)
+        total = add_trees(direct, through)
+        return sum(jnp.sum(jnp.reshape(x, (size, -1)).astype(jnp.result_type(float)) ** 2, axis=1)
+                   for x in jax.tree.leaves(total))
+
+    return jax.lax.map(chunk_squares, jnp.asarray(starts)).reshape(-1)[:batch], None

@@ -1,0 +1,88 @@
+"""``fun`` split into its Network calls (the model) and the rest (the loss ℓ of their outputs and
+of the arguments directly), and the curvature transforms of a model as it is (``layers=``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+
+from .._capture import rewrite
+from .._transforms import calls_intercepted
+
+
+def normalise_argnums(argnums: int | Sequence[int]) -> tuple[tuple[int, ...], bool]:
+    if isinstance(argnums, int):
+        return (argnums,), True
+    return tuple(argnums), False
+
+
+class Split:
+    """``fun`` at ``args`` as model and loss: ``model(*diff)`` the tuple of its network calls'
+    outputs (in call order), ``loss(outs, *diff)`` its value (and aux) with each call's output
+    replaced by ``outs[k]``; ``diff`` the arguments named by ``argnums``."""
+
+    def __init__(self, fun: Callable, args: tuple, argnums: tuple[int, ...], has_aux: bool):
+        self.fun, self.args, self.argnums, self.has_aux = fun, args, argnums, has_aux
+        self.diff = tuple(args[i] for i in argnums)
+
+    def args_with(self, diff: tuple) -> list:
+        full = list(self.args)
+        for i, d in zip(self.argnums, diff):
+            full[i] = d
+        return full
+
+    def run(self, handler: Callable, diff: tuple) -> Any:
+        with calls_intercepted(handler):
+            return self.fun(*self.args_with(diff))
+
+    def model(self, *diff: Any) -> tuple:
+        recorded = []
+
+        def record(net, params, inputs):
+            out = net(params, *inputs)
+            recorded.append(out)
+            return out
+
+        self.run(record, diff)
+        return tuple(recorded)
+
+    def loss(self, outs: tuple, *diff: Any) -> tuple[Any, Any]:
+        replay = iter(outs)
+        result = self.run(lambda net, params, inputs: next(replay), diff)
+        return result if self.has_aux else (result, None)
+
+
+def add_trees(a: Any, b: Any) -> Any:
+    return jax.tree.map(lambda x, y: x + y.astype(x.dtype), a, b)
+
+
+class OnArguments:
+    """J and J* of a captured model on its arguments' own types (nnx.State, an equinox module, a
+    pytree) instead of the flat leaves the network's blocks are."""
+
+    def __init__(self, arguments: tuple):
+        self.arguments = arguments
+
+    def jvp(self, jvp: Callable, *vs: Any) -> Any:
+        return jvp(*[list(a.leaves_of(v)) for a, v in zip(self.arguments, vs)])
+
+    def vjp(self, vjp: Callable, cotangent: Any) -> tuple:
+        return tuple(a.gradient(list(g)) for a, g in zip(self.arguments, vjp(cotangent)))
+
+
+def on_model(transform: Callable, fun: Callable, argnums: int | Sequence[int], layers: Any,
+              to_arguments: bool = True) -> Callable:
+    """``transform`` (a per-example or curvature transform taking ``(fun, argnums)``) of a model
+    as it is: its network found with ``layers=`` (``_capture.rewrite``), the result given back in
+    the arguments' own types (``to_arguments``: params-shaped results)."""
+    nums, single = normalise_argnums(argnums)
+
+    def run(*args: Any) -> Any:
+        found = rewrite(fun, args, nums, layers)
+        result = transform(lambda *parts: found.fun(*parts)[0], tuple(range(len(nums))))(*found.args)
+        return found.gradient(result, single) if to_arguments else result
+
+    return run

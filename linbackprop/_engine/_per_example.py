@@ -1,0 +1,269 @@
+"""ℳΛ split by example, and what the curvature quantities sum over the examples without forming
+it: the per-example parameter cotangents (`param_adjoint_per_example`), one member's
+per-example VJP (`member_vjp`), the squares of the GGN diagonal (`ParamSquares`) and the
+K-FAC factors (`ParamFactors`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .._outer import OuterFactors, SquareSums, weighted_square_sum
+from .._plan import Group, Kind, Plan
+from ._loop import layer_arguments
+from ._rows import Primal, read_rows, scatter_add
+
+
+def _per_example_param_cts(plan: Plan, prim: Primal, kind: Kind, lam: list[Any], batch: int, examples: Any) -> tuple:
+    """Per parameter slot of ``kind``: [members, examples, ...] cotangents (∂Φ_i/∂θ)* Λ_i[b], each
+    the layer's VJP on example b alone."""
+    n = kind.size
+    lam_k = read_rows(lam[kind.out_group], kind.by_member.out[:n])
+    theta, inputs = layer_arguments(plan, kind, prim, np.arange(n))
+    out_group = plan.state_groups[kind.out_group]
+    param_groups = [plan.param_groups[g] for g in kind.param_groups]
+    leaves, tree = jax.tree.flatten(inputs)  # each [n, ...]: the members stacked
+    rows = jax.tree.leaves(tuple(plan.state_groups[g].row_avals() for g in kind.read_groups))
+    batched = [bool(a.ndim) and a.shape[0] == batch for a in rows]
+    if examples is not None:  # the members' rows of those examples: axis 1 (axis 0: the members)
+        leaves = [jnp.take(x, examples, axis=1) if b else x for x, b in zip(leaves, batched)]
+        lam_k = jax.tree.map(lambda x: jnp.take(x, examples, axis=1), lam_k)
+
+    example = _example_vjp(kind, out_group, param_groups, tree, batched)
+    member = lambda theta, leaves, lam_i: jax.vmap(example, in_axes=(None, [0 if b else None for b in batched], 0))(
+        theta, leaves, lam_i)
+    return jax.vmap(member)(theta, leaves, lam_k)
+
+
+def _example_vjp(kind: Kind, out_group: Group, param_groups: list[Group], tree: Any, batched: list[bool]) -> Callable:
+    """(θ, one example's input leaves, its Λ row) ↦ the member's parameter cotangents per slot:
+    the layer's VJP on that example alone (``batched`` inputs get their batch axis back)."""
+    def example(theta, leaves_b, lam_b):
+        one = tree.unflatten([x[None] if b else x for x, b in zip(leaves_b, batched)])
+        _, vjp = jax.vjp(lambda th: kind.fn(th, *one), theta)
+        cts = vjp(out_group.full_tangent(jax.tree.map(lambda x: x[None], lam_b)))[0]
+        return tuple(g.tangent(ct) for g, ct in zip(param_groups, cts))
+
+    return example
+
+
+def param_adjoint_per_example(plan: Plan, prim: Primal, lam: list[Any], batch: int,
+                              examples: Any = None) -> list[Any]:
+    """ℳ Λ split by example: parameter-layout buffers with a leading axis of ``batch``, row b the
+    sum over layers of (∂Φ_i/∂θ)* Λ_i restricted to example b.
+
+    The leading axis of every state (and of the rows of stacked inputs) is the batch: a layer's
+    output for example b depends only on its inputs' row b (callers check it), so its parameter
+    cotangent splits into one term per example — the VJP of the layer on that example alone
+    (inputs and Λ_i of one row) — vmapped over the examples and over the kind's members.
+    ``examples``: the indices of the examples wanted (default: all ``batch``).
+    """
+    wanted = batch if examples is None else len(examples)
+    out = [jax.tree.map(lambda z: jnp.zeros((wanted, *z.shape), z.dtype), g.zeros(plan.unrolled, tangent=True))
+           for g in plan.param_groups]
+    for kind in plan.kinds:
+        if lam[kind.out_group] is None or not kind.param_groups:
+            continue
+        cts = _per_example_param_cts(plan, prim, kind, lam, batch, examples)
+        for p, (g, ct) in enumerate(zip(kind.param_groups, cts)):  # ct: [members, examples, ...]
+            idx = kind.by_member.params[:kind.size, p]
+            out[g] = jax.vmap(lambda o, c, idx=idx: scatter_add(o, idx, c), in_axes=(0, 1))(out[g], ct)
+    return out
+
+
+def param_kinds(plan: Plan) -> list[Kind]:
+    """The kinds with parameters whose output has a (co)tangent: those ℳ has blocks for."""
+    return [k for k in plan.kinds if k.param_groups and plan.state_groups[k.out_group].differentiable]
+
+
+def tangent_leaves(group: Group) -> int:
+    """How many leaves a row of ``group`` has in the tangent layout."""
+    return jax.tree.structure(group.row_avals(tangent=True)).num_leaves
+
+
+def member_vjp(plan: Plan, prim: Primal, kind: Kind, batch: int) -> tuple:
+    """One member's per-example VJP as a function of flat leaves (θ, one example's inputs, its Λ
+    row) giving its parameter cotangent leaves; their example shapes; which of them are Λ (the
+    adjoint: last); the kind's θ and input leaves (members stacked) with the vmap axes of the
+    inputs over the examples; zeros shaped like one example's Λ leaves (for what ignores them)."""
+    theta, inputs = layer_arguments(plan, kind, prim, np.arange(kind.size))
+    out_group = plan.state_groups[kind.out_group]
+    param_groups = [plan.param_groups[g] for g in kind.param_groups]
+    leaves, tree = jax.tree.flatten(inputs)
+    rows = jax.tree.leaves(tuple(plan.state_groups[g].row_avals() for g in kind.read_groups))
+    batched = [bool(r.ndim) and r.shape[0] == batch for r in rows]
+    th_leaves, th_tree = jax.tree.flatten(theta)
+    lam_tree = jax.tree.structure(out_group.row_avals(tangent=True))
+    lam_avals = jax.tree.leaves(out_group.row_avals(tangent=True))
+    nt, nx = len(th_leaves), len(leaves)
+    example_vjp = _example_vjp(kind, out_group, param_groups, tree, batched)
+    per_example = lambda *flat: jax.tree.leaves(example_vjp(
+        th_tree.unflatten(flat[:nt]), list(flat[nt:nt + nx]), lam_tree.unflatten(flat[nt + nx:])))
+    one = lambda x, lead: jax.ShapeDtypeStruct(x.shape[lead:], x.dtype)
+    example = [one(x, 1) for x in th_leaves] + [one(x, 2 if b else 1) for x, b in zip(leaves, batched)]
+    example += [one(a, 1) for a in lam_avals]
+    axes = [None] * nt + [0 if b else None for b in batched]
+    varying = [False] * (nt + nx) + [True] * len(lam_avals)
+    lam_zeros = [jnp.zeros(a.shape[1:], a.dtype) for a in lam_avals]
+    return per_example, example, varying, th_leaves, leaves, axes, lam_zeros
+
+
+class ParamSquares:
+    """Σ_k Σ_b w_kb (ℳ Λ_k restricted to example b)², elementwise, in the parameter layout (no
+    batch axis): what the GGN diagonal sums over its adjoints Λ_k. `parts` takes one (Λ_k,
+    w_k); the caller adds the parts up over k and calls `total` once.
+
+    Where a row of a block is used by one layer only, its per-example cotangents are squared and
+    summed over the examples as they are formed (no [batch, parameters] buffer), and an outer
+    product a_bᵀ δ_kb keeps Σ_k w_k δ_k² in its part: (a²)ᵀ(·) is one matrix product at the end
+    (`SquareSums`). Rows used by several layers (shared blocks) first add the layers'
+    contributions per example, then square, per k."""
+
+    def __init__(self, plan: Plan, prim: Primal, batch: int):
+        self.plan, self.prim, self.batch = plan, prim, batch
+        uses: dict[tuple[int, int], int] = {}
+        for kind in plan.kinds:
+            for p, g in enumerate(kind.param_groups):
+                for row in kind.by_member.params[:kind.size, p]:
+                    uses[(g, int(row))] = uses.get((g, int(row)), 0) + 1
+        self.exclusive = {g for g in range(len(plan.param_groups))
+                          if all(n <= 1 for (gg, _), n in uses.items() if gg == g)}
+        self.kinds = param_kinds(plan)
+        self.members = [self._members(kind) for kind in self.kinds]
+
+    def _members(self, kind: Kind) -> tuple:
+        """The kind's θ and input leaves (members stacked), their vmap axes, the
+        `SquareSums` of one member's per-example VJP, and zeros for its Λ leaves."""
+        per_example, example, varying, th_leaves, leaves, axes, lam_zeros = member_vjp(
+            self.plan, self.prim, kind, self.batch)
+        squared = [g in self.exclusive for g in kind.param_groups
+                   for _ in range(tangent_leaves(self.plan.param_groups[g]))]
+        return th_leaves, leaves, axes, SquareSums(per_example, example, squared, varying), lam_zeros
+
+    def parts(self, lam: list[Any], weights: jax.Array) -> tuple[list, list]:
+        """One adjoint's share: per kind, its members' `SquareSums.parts` of the leaves of
+        unshared rows (None for shared ones); per shared group, its squares (complete)."""
+        plan = self.plan
+        shared = {g: jax.tree.map(lambda z: jnp.zeros((self.batch, *z.shape), z.dtype),
+                                  plan.param_groups[g].zeros(plan.unrolled, tangent=True))
+                  for g in range(len(plan.param_groups)) if g not in self.exclusive}
+        kinds = []
+        for kind, (th, xs, axes, sums, _) in zip(self.kinds, self.members):
+            lam_k = jax.tree.leaves(read_rows(lam[kind.out_group], kind.by_member.out[:kind.size]))
+            parts = jax.vmap(lambda th, xs, lm, sums=sums, axes=axes: sums.parts(
+                [*th, *xs, *lm], [*axes, *[0] * len(lm)], weights))(th, xs, lam_k)
+            kept, at = [], 0
+            for p, g in enumerate(kind.param_groups):
+                tree = jax.tree.structure(plan.param_groups[g].row_avals(tangent=True))
+                leaves, at = parts[at:at + tree.num_leaves], at + tree.num_leaves
+                if g in self.exclusive:
+                    kept.extend(leaves)
+                    continue
+                kept.extend([None] * tree.num_leaves)  # [members, batch, ...]: summed over layers, then squared
+                ct = tree.unflatten(leaves)
+                idx = kind.by_member.params[:kind.size, p]
+                shared[g] = jax.vmap(lambda o, c, idx=idx: scatter_add(o, idx, c), in_axes=(0, 1))(shared[g], ct)
+            kinds.append(kept)
+        squares = {g: jax.tree.map(lambda x: weighted_square_sum(x, weights), acc) for g, acc in shared.items()}
+        return kinds, [squares.get(g) for g in range(len(plan.param_groups))]
+
+    def total(self, parts: tuple[list, list]) -> list[Any]:
+        """The parameter-layout squares from parts summed over the adjoints."""
+        plan = self.plan
+        kinds, squares = parts
+        out = [g.zeros(plan.unrolled, tangent=True) if sq is None else sq
+               for g, sq in zip(plan.param_groups, squares)]
+        for kind, (th, xs, axes, sums, zeros), kept in zip(self.kinds, self.members, kinds):
+            done = jax.vmap(lambda th, xs, part, sums=sums, axes=axes: sums.total(
+                part, [*th, *xs, *zeros], [*axes, *[None] * len(zeros)]))(th, xs, kept)
+            at = 0
+            for p, g in enumerate(kind.param_groups):
+                grp = plan.param_groups[g]
+                tree = jax.tree.structure(grp.row_avals(tangent=True))
+                if g in self.exclusive:
+                    ct = tree.unflatten(done[at:at + tree.num_leaves])
+                    out[g] = scatter_add(out[g], kind.by_member.params[:kind.size, p], ct)
+                at += tree.num_leaves
+        return out
+
+
+class ParamFactors:
+    """K-FAC factors in the parameter layout, from the adjoints Λ_k and weights w_k of the GGN's
+    columns (`parts` for one, added up over k by the caller; `total` once).
+
+    Per parameter group and leaf whose every use is a product x_bᵀ y_b of one example's operands
+    (a dense layer; positions of a sequence summed), the rows' factors (A/N, Γ) stacked — A = Σ
+    x_bᵀ x_b over the examples and every layer (and position) using the row, Γ = Σ_k Σ_b w_kb
+    y_kbᵀ y_kb, N the number of (example, layer, position) terms — in the order of the leaf's axes
+    (`OuterFactors`): the GGN block of a row ≈ left ⊗ right. None elsewhere. A row used by
+    several layers sums their factors (K-FAC "expand" for shared weights)."""
+
+    def __init__(self, plan: Plan, prim: Primal, batch: int):
+        self.plan, self.prim, self.batch = plan, prim, batch
+        self.kinds = param_kinds(plan)
+        self.members = []
+        layouts: dict[tuple[int, int], Any] = {}
+        for kind in self.kinds:
+            per_example, example, varying, th, xs, axes, zeros = member_vjp(plan, prim, kind, batch)
+            factors = OuterFactors(per_example, example, varying)
+            self.members.append((th, xs, axes, factors, zeros))
+            for n, (_, g, leaf) in enumerate(self._leaves(kind)):
+                found = factors.layout(n) if factors.factored(n) else None
+                layouts[(g, leaf)] = found if layouts.get((g, leaf), found) == found else None
+        self.layouts = {key: lay for key, lay in layouts.items() if lay is not None}
+
+    def _leaves(self, kind: Kind) -> list[tuple[int, int, int]]:
+        """(slot, group, leaf) of each cotangent leaf of a member of ``kind``, in order."""
+        return [(p, g, leaf) for p, g in enumerate(kind.param_groups)
+                for leaf in range(tangent_leaves(self.plan.param_groups[g]))]
+
+    def _gathered(self, grams: list, operand: int) -> dict[tuple[int, int], jax.Array]:
+        """Per factored (group, leaf): the members' Gram matrices added into their rows."""
+        out: dict[tuple[int, int], jax.Array] = {}
+        for kind, per_kind in zip(self.kinds, grams):
+            for n, (slot, g, leaf) in enumerate(self._leaves(kind)):
+                if (g, leaf) not in self.layouts:
+                    continue
+                _, p, q = self.layouts[(g, leaf)]
+                size = p if operand == 0 else q
+                buf = out.get((g, leaf), jnp.zeros((self.plan.param_groups[g].rows, size, size), per_kind[n].dtype))
+                out[(g, leaf)] = scatter_add(buf, kind.by_member.params[:kind.size, slot], per_kind[n])
+        return out
+
+    def parts(self, lam: list[Any], weights: jax.Array) -> dict[tuple[int, int], jax.Array]:
+        """One adjoint's Σ_b w_b y_bᵀ y_b per factored (group, leaf), rows stacked."""
+        grams = []
+        for kind, (th, xs, axes, factors, _) in zip(self.kinds, self.members):
+            lam_k = jax.tree.leaves(read_rows(lam[kind.out_group], kind.by_member.out[:kind.size]))
+            grams.append(jax.vmap(lambda th, xs, lm, f=factors, axes=axes: f.parts(
+                [*th, *xs, *lm], [*axes, *[0] * len(lm)], weights))(th, xs, lam_k))
+        return self._gathered(grams, 1)
+
+    def total(self, parts: dict[tuple[int, int], jax.Array]) -> dict[int, list]:
+        """Per parameter group, per leaf: (left, right) with rows stacked, or None."""
+        grams, counts = [], {}
+        for kind, (th, xs, axes, factors, zeros) in zip(self.kinds, self.members):
+            grams.append(jax.vmap(lambda th, xs, f=factors, axes=axes: f.total(
+                [*th, *xs, *zeros], [*axes, *[None] * len(zeros)]))(th, xs))
+            for n, (slot, g, leaf) in enumerate(self._leaves(kind)):
+                if (g, leaf) in self.layouts:
+                    rows = counts.setdefault((g, leaf), np.zeros(self.plan.param_groups[g].rows, np.int64))
+                    np.add.at(rows, kind.by_member.params[:kind.size, slot], factors.count(n, self.batch))
+        fixed = self._gathered(grams, 0)
+        out: dict[int, list] = {}
+        for g, group in enumerate(self.plan.param_groups):
+            out[g] = []
+            for leaf in range(tangent_leaves(group)):
+                if (g, leaf) not in self.layouts:
+                    out[g].append(None)
+                    continue
+                fixed_first = self.layouts[(g, leaf)][0]
+                a = fixed[(g, leaf)] / np.maximum(counts[(g, leaf)], 1).reshape(-1, 1, 1).astype(np.float64)
+                a = a.astype(fixed[(g, leaf)].dtype)
+                out[g].append((a, parts[(g, leaf)]) if fixed_first else (parts[(g, leaf)], a))
+        return out

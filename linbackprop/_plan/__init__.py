@@ -1,0 +1,46 @@
+"""The static layout of a network at given shapes: buffers, kinds of layer, index tables.
+
+The solve runs one ``lax.fori_loop`` step per layer. To keep the compiled program independent of
+depth, layers are grouped into *kinds* (same function, same parameter and input shapes): the loop
+body holds one branch per kind, not per layer. Same-shaped states (and parameter blocks) are
+stacked into one buffer per *group*, and static integer tables say, for every step, which kind
+runs, which rows of which buffers it reads, and where its results go.
+
+Each kind is linearised once abstractly (``jax.eval_shape`` of ``jax.vjp``) to learn the pytree
+structure of its residuals. Residuals that are the layer's own arguments verbatim (weights,
+input states) are not stored again: they are re-read from the parameter and state buffers.
+
+Modules, lowest first: `_groups` (buffers), `_residuals` (what a kind stores), `_kinds`
+(kinds, rows, write slots), `_schedule` (the loop rule and segments), `_layout` (`Plan`),
+`_make` (making and caching plans).
+"""
+
+from ._groups import (
+    Aval,
+    Group,
+    RowList,
+    as_dtype,
+    differentiable_dtype,
+    dtype_key,
+    float0_zeros,
+    leaf_aval,
+    weakly_typed,
+)
+from ._kinds import Forwarding, Kind, MemberRows, Same, StepRows, Writes, function_key, make_writes
+from ._layout import Plan
+from ._make import current_plan, make_plan, plan_for, plans_generation
+from ._residuals import CHEAP_PRIMITIVES, MAX_RECIPE_DEPTH, Recipe, analyse_kind, avals_of
+from ._schedule import (
+    LOOP_MIN_DEPTH,
+    LOOP_MIN_LAYERS_PER_KIND,
+    MAX_PERIOD,
+    loop_pays,
+    periodic_segments,
+    straight_line_kinds,
+)
+
+__all__ = ["CHEAP_PRIMITIVES", "LOOP_MIN_DEPTH", "LOOP_MIN_LAYERS_PER_KIND", "MAX_PERIOD", "MAX_RECIPE_DEPTH", "Aval",
+           "Forwarding", "Group", "Kind", "MemberRows", "Plan", "Recipe", "RowList", "Same", "StepRows",
+           "Writes", "analyse_kind", "as_dtype", "avals_of", "current_plan", "differentiable_dtype",
+           "dtype_key", "float0_zeros", "function_key", "leaf_aval", "loop_pays", "make_plan", "make_writes",
+           "periodic_segments", "plan_for", "plans_generation", "straight_line_kinds", "weakly_typed"]
