@@ -166,6 +166,7 @@ def draw(cap: lbp.Capture, losses: list[float], entropy: float, out: str) -> Non
 def main(steps: int = 300, blocks: int = 4, width: int = 64, context: int = 64, batch: int = 32, heads: int = 4,
          dropout: float = 0.1, lr: float = 3e-3, out: str = "flax_gpt.png", seed: int = 0, repeats: int = 10,
          samples: int = 200) -> dict:
+    """Check, train, time (``repeats`` interleaved steps of each; 0: no timing), sample, draw."""
     text = corpus()
     chars = sorted(set(text))
     ids = np.array([chars.index(c) for c in text], np.int32)
@@ -195,15 +196,16 @@ def main(steps: int = 300, blocks: int = 4, width: int = 64, context: int = 64, 
         if n % max(1, steps // 6) == 0 or n == steps - 1:
             print(f"step {n:4d}  loss {losses[-1]:.3f}  ({time.perf_counter() - start:.0f} s)", flush=True)
 
-    # a step of each, side by side (fresh models: the trained one keeps training the same way)
-    runs = {"grad_by_solve": (model, optimizer, step)}
-    other = make()
-    runs["nnx.value_and_grad"] = (other, nnx.Optimizer(other, optax.adamw(lr, weight_decay=0.01), wrt=nnx.Param),
-                                  training_step(nnx.value_and_grad))
-    times = median_step_times(runs, first, repeats)
-    ratio = times["grad_by_solve"] / times["nnx.value_and_grad"]
-    print(f"training step: grad_by_solve(layers=...) {times['grad_by_solve'] * 1e3:.1f} ms, nnx.value_and_grad "
-          f"{times['nnx.value_and_grad'] * 1e3:.1f} ms (ratio {ratio:.2f})")
+    ratio = None
+    if repeats:  # a step of each, side by side (fresh models: the trained one keeps training the same way)
+        runs = {"grad_by_solve": (model, optimizer, step)}
+        other = make()
+        runs["nnx.value_and_grad"] = (other, nnx.Optimizer(other, optax.adamw(lr, weight_decay=0.01),
+                                                           wrt=nnx.Param), training_step(nnx.value_and_grad))
+        times = median_step_times(runs, first, repeats)
+        ratio = times["grad_by_solve"] / times["nnx.value_and_grad"]
+        print(f"training step: grad_by_solve(layers=...) {times['grad_by_solve'] * 1e3:.1f} ms, nnx.value_and_grad "
+              f"{times['nnx.value_and_grad'] * 1e3:.1f} ms (ratio {ratio:.2f})")
 
     model.eval()  # the architecture, without the dropout streams' inputs
     cap = lbp.capture(loss, model, first, layers=LAYERS)

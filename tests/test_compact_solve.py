@@ -123,8 +123,8 @@ def test_a_chain_keeps_two_rows_in_both_substitutions():
     assert temps < 0.25 * depth * batch * width * 4
 
 
-@pytest.mark.parametrize("products", ["in_loop", "after"])
-@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize(("name", "products"), [(name, "in_loop") for name in sorted(CASES)]
+                         + [("kinds", "after"), ("rnn", "after")])  # ℳ* h before the loop: two cases (suite time)
 def test_compact_solves_match_plain_jax(name, products):
     """G·v, gradients (of parameters and of inputs alone), Hessian–vector products and the
     derivative of G·v along the parameters (the linearisation moving under both substitutions),

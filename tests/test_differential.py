@@ -124,7 +124,7 @@ def cases(draw):
     )
 
 
-@settings(max_examples=14, deadline=None, derandomize=True,
+@settings(max_examples=10, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(cases())
 def test_transformations_of_random_dags_match_plain_jax(case):

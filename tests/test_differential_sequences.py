@@ -157,7 +157,7 @@ def assert_same(actual, expected):
         np.testing.assert_allclose(np.asarray(a, np.float64), np.asarray(e, np.float64), rtol=1e-8, atol=1e-10)
 
 
-@settings(max_examples=14, deadline=None, derandomize=True,
+@settings(max_examples=10, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(sequence_networks(), st.sampled_from(PROGRAMS), st.booleans())
 def test_sequence_paths_match_plain_jax(case, program, jit):

@@ -102,7 +102,7 @@ def assert_close(actual, expected):
         np.testing.assert_allclose(a, e, rtol=1e-9, atol=1e-12)
 
 
-SETTINGS = settings(max_examples=10, deadline=None, derandomize=True,
+SETTINGS = settings(max_examples=8, deadline=None, derandomize=True,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 
