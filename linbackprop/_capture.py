@@ -503,6 +503,7 @@ def _layer_fn(eqns: tuple, operands: tuple, outs: tuple, specs: tuple, name: str
             return tuple(jax.extend.core.jaxpr_as_fun(program)(*values))
 
         fn.__name__ = fn.__qualname__ = name
+        fn.__linbackprop_captured__ = True  # replays a program traced at one batch (per-example checks say so)
         return fn
 
     return _shared(key, make, _FUNCTIONS)

@@ -384,3 +384,27 @@ def test_has_aux_and_several_arguments_as_jax_grad():
           jax.value_and_grad(with_aux, has_aux=True)(params, x, y))
     close(lbp.grad_by_solve(blocks_loss, argnums=(0, 1), layers=block)(params, x, y),
           jax.grad(blocks_loss, argnums=(0, 1))(params, x, y))
+
+
+def test_per_example_quantities_of_a_layer_fixed_to_its_batch_raise_naming_it():
+    """A captured layer replays the program traced at the call's batch: where it cannot run on one
+    example (a gather whose indices keep the batch, an embedding lookup), the per-example
+    transforms raise naming the layer and the way out — never an XLA error, never a wrong value."""
+    class Tiny(nnx.Module):
+        def __init__(self, rngs):
+            self.embed = nnx.Embed(7, W, rngs=rngs, param_dtype=jnp.float64)
+            self.blocks = nnx.List([Block(rngs) for _ in range(2)])
+
+        def __call__(self, tokens):
+            x = self.embed(tokens)
+            for block in self.blocks:
+                x = block(x)
+            return self.embed.attend(x)
+
+    model = Tiny(nnx.Rngs(0))
+    tokens = jax.random.randint(jax.random.key(1), (5, 6), 0, 7)
+    losses = lambda m, t: jnp.sum(m(t) ** 2, axis=(1, 2))
+    with pytest.raises(ValueError, match=r"\['glue0'\].*found by layers=.*jax.vmap\(jax.grad\)"):
+        lbp.clipped_grad(losses, 1.0, layers=Block)(model, tokens)
+    with pytest.raises(ValueError, match=r"\['glue0'\].*batch of 1"):
+        lbp.per_example_grads(losses, layers=Block)(model, tokens)

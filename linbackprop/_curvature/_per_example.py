@@ -235,7 +235,20 @@ def check_per_example(plan: Plan, batch: int) -> None:
                 one = tree.unflatten([x[None] if b else x for x, b in zip(ls, batched)])
                 return jax.tree.map(lambda o: o[0], kind.fn(theta, *one))
 
-            alone = jax.vmap(alone_fn, in_axes=([0 if b else None for b in batched],))(leaves)
+            try:
+                alone = jax.vmap(alone_fn, in_axes=([0 if b else None for b in batched],))(leaves)
+            except Exception as error:  # any failure on one example: say which layer and why
+                names = [layer.name for layer in kind.layers][:4]
+                captured = getattr(kind.layers[0].fn, "__linbackprop_captured__", False)
+                why = ("they were found by layers=, and a layer found in a model replays the program traced at "
+                       "the call's batch (its reshapes, broadcasts and gathers keep that batch); give the "
+                       "model's per-example quantities from a Network built with lbp.Layer (functions of any "
+                       "batch), or use jax.vmap(jax.grad) of a per-example loss" if captured else
+                       "a layer function must run on a batch of one as on the whole batch")
+                raise ValueError(f"Layer(s) {names!r}: per-example gradients, their norms, clipping, the GGN "
+                                 f"diagonal and K-FAC evaluate each layer on one example (a batch of 1), and "
+                                 f"these fail there ({type(error).__name__}: {str(error).splitlines()[0][:200]}): "
+                                 f"{why}.") from error
             for a, b in zip(jax.tree.leaves(whole), jax.tree.leaves(alone)):
                 a64, b64 = np.asarray(a, np.float64), np.asarray(b, np.float64)
                 if a64.shape != b64.shape or not np.allclose(a64, b64, rtol=1e-3, atol=1e-3 * (1 + np.abs(a64).max())):
