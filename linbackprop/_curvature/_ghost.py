@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._engine import Primal, member_vjp, param_kinds, read_rows, scatter_add, tangent_leaves
+from .._engine import Primal, exclusive_groups, member_vjp, param_kinds, read_rows, scatter_add, tangent_leaves
 from .._outer import OuterTerms, Products, squared_norms
 from .._plan import Plan, RowList
 
@@ -36,14 +36,7 @@ class ParamNorms:
     def __init__(self, plan: Plan, prim: Primal, batch: int):
         self.plan, self.prim, self.batch = plan, prim, batch
         self.kinds = param_kinds(plan)
-        uses: dict[tuple[int, int], int] = {}
-        for kind in plan.kinds:
-            for p, g in enumerate(kind.param_groups):
-                for row in kind.by_member.params[:kind.size, p]:
-                    uses[(g, int(row))] = uses.get((g, int(row)), 0) + 1
-        # a group whose every row one layer uses: its rows' norms are the members' own, vmapped
-        self.exclusive = {g for g in range(len(plan.param_groups))
-                          if all(n <= 1 for (gg, _), n in uses.items() if gg == g)}
+        self.exclusive = exclusive_groups(plan)  # rows one layer uses: the members' own norms, vmapped
         self.members = []
         for kind in self.kinds:
             per_example, example, varying, th, xs, axes, _ = member_vjp(plan, prim, kind, batch)

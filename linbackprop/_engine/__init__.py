@@ -28,6 +28,7 @@ from ._maps import LayerMaps, layer_maps
 from ._per_example import (
     ParamFactors,
     ParamSquares,
+    exclusive_groups,
     member_vjp,
     param_adjoint_per_example,
     param_kinds,
@@ -37,7 +38,7 @@ from ._products import param_adjoint, param_forward, state_product
 from ._rows import Primal, read_row, read_rows, scatter_add
 from ._sweeps import at_inputs, back_substitution, forward, forward_substitution, take_rows, without_pad
 
-__all__ = ["LayerMaps", "ParamFactors", "ParamSquares", "Primal", "at_inputs", "back_substitution", "forward",
-           "forward_substitution", "layer_maps", "member_vjp", "param_adjoint", "param_adjoint_per_example",
+__all__ = ["LayerMaps", "ParamFactors", "ParamSquares", "Primal", "at_inputs", "back_substitution", "exclusive_groups",
+           "forward", "forward_substitution", "layer_maps", "member_vjp", "param_adjoint", "param_adjoint_per_example",
            "param_forward", "param_kinds", "read_row", "read_rows", "scatter_add", "state_product", "take_rows",
            "tangent_leaves", "without_pad"]

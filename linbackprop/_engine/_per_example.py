@@ -86,6 +86,17 @@ def tangent_leaves(group: Group) -> int:
     return jax.tree.structure(group.row_avals(tangent=True)).num_leaves
 
 
+def exclusive_groups(plan: Plan) -> set[int]:
+    """The parameter groups each of whose rows one layer uses (no shared block among them): their
+    rows' per-example quantities are the members' own, vmapped over the kind."""
+    uses: dict[tuple[int, int], int] = {}
+    for kind in plan.kinds:
+        for p, g in enumerate(kind.param_groups):
+            for row in kind.by_member.params[:kind.size, p]:
+                uses[(g, int(row))] = uses.get((g, int(row)), 0) + 1
+    return {g for g in range(len(plan.param_groups)) if all(n <= 1 for (gg, _), n in uses.items() if gg == g)}
+
+
 def member_vjp(plan: Plan, prim: Primal, kind: Kind, batch: int) -> tuple:
     """One member's per-example VJP as a function of flat leaves (θ, one example's inputs, its Λ
     row) giving its parameter cotangent leaves; their example shapes; which of them are Λ (the
@@ -126,13 +137,7 @@ class ParamSquares:
 
     def __init__(self, plan: Plan, prim: Primal, batch: int):
         self.plan, self.prim, self.batch = plan, prim, batch
-        uses: dict[tuple[int, int], int] = {}
-        for kind in plan.kinds:
-            for p, g in enumerate(kind.param_groups):
-                for row in kind.by_member.params[:kind.size, p]:
-                    uses[(g, int(row))] = uses.get((g, int(row)), 0) + 1
-        self.exclusive = {g for g in range(len(plan.param_groups))
-                          if all(n <= 1 for (gg, _), n in uses.items() if gg == g)}
+        self.exclusive = exclusive_groups(plan)
         self.kinds = param_kinds(plan)
         self.members = [self._members(kind) for kind in self.kinds]
 

@@ -1,0 +1,201 @@
+"""Marking the calls that are layers: for the duration of a capture, each call of a ``layers=``
+class (its ``__call__`` patched; nnx and linen modules with their state in and out) or of an
+`layer` function is a ``jax.jit`` named ``linbackprop_layer<k>``, found again in the jaxpr.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import sys
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+from jax.extend.core import Literal
+
+from .._settings import context_value
+
+MARK = "linbackprop_layer"
+
+
+# -- marking the calls ------------------------------------------------------------------------------
+class _Capturing(threading.local):
+    def __init__(self) -> None:
+        self.calls: list[str] | None = None  # while capturing: the display name of each marked call
+        self.inside = 0  # depth of marked calls being traced (a layer inside a layer is part of it)
+        self.functions: set = set()  # the @layer functions called while capturing
+
+
+CAPTURING = _Capturing()
+# Each capture's own value in jit's key: a jax.jit of the user's around the model, traced before
+# without capturing (by jax.grad of the same loss, say), is traced again, its calls then marked.
+CAPTURE_KEY = context_value(0)
+capture_numbers = itertools.count(1)
+
+
+def layer(fn: Callable) -> Callable:
+    """Mark a plain JAX function as a layer: inside ``fun`` of a transform given ``layers=`` that
+    names it (or any transform's ``layers=`` naming it), each call ``fn(...)`` is one layer of the
+    network found; elsewhere it is ``fn`` itself.
+
+    Examples:
+        >>> import jax.numpy as jnp, linbackprop as lbp
+        >>> @lbp.layer
+        ... def dense(W, x):
+        ...     return jnp.tanh(x @ W)
+        >>> loss = lambda p, x: jnp.sum(dense(p["W2"], dense(p["W1"], x)) ** 2)
+        >>> p, x = {"W1": jnp.eye(2), "W2": jnp.eye(2)}, jnp.ones((3, 2))
+        >>> cap = lbp.capture(loss, p, x, layers=dense)
+        >>> len(cap.net.layers), cap.net.param_names
+        (2, ("['W1']", "['W2']"))
+    """
+
+    @functools.wraps(fn)
+    def marked(*args: Any, **kwargs: Any) -> Any:
+        if CAPTURING.calls is None or CAPTURING.inside:
+            return fn(*args, **kwargs)
+        CAPTURING.functions.add(marked)
+        return _opaque(lambda: fn(*args, **kwargs), getattr(fn, "__name__", "layer"))
+
+    marked.__linbackprop_layer__ = fn
+    return marked
+
+
+def _opaque(call: Callable[[], Any], name: str) -> Any:
+    """``call()`` as one equation of the trace (the values it closes over, traced, become the
+    equation's operands)."""
+    return _opaque_with_args(call, (), name)
+
+
+def _nnx_call(method: Callable, self: Any, args: tuple, kwargs: dict) -> Any:
+    """An nnx module's call, opaque: its parameters go in as operands, and of the rest of its state
+    (RNG keys and counts, batch statistics) the leaves the call reads; the leaves it changes (an
+    RNG count advanced by dropout) come out and are written back, as nnx does. A leaf neither read
+    nor changed (a dropout's stream in eval mode) is no operand: the layer does not read it."""
+    nnx = sys.modules["flax.nnx"]
+    graphdef, params, rest = nnx.split(self, nnx.Param, ...)
+    leaves, treedef = jax.tree.flatten(rest)
+
+    def call(params: Any, chosen: Sequence[int], values: Sequence[Any], changed: Sequence[int] | None) -> Any:
+        full = list(leaves)
+        for i, v in zip(chosen, values):
+            full[i] = v
+        module = nnx.merge(graphdef, params, jax.tree.unflatten(treedef, full))
+        out = method(module, *args, **kwargs)
+        after = jax.tree.leaves(nnx.split(module, nnx.Param, ...)[2])
+        return out, after if changed is None else [after[i] for i in changed]
+
+    everything = range(len(leaves))
+    CAPTURING.inside += 1  # a probe: which leaves the call reads and which it changes
+    try:
+        probe = jax.make_jaxpr(lambda p, v: call(p, everything, v, None))(params, leaves).jaxpr
+    finally:
+        CAPTURING.inside -= 1
+    leaf_vars = probe.invars[len(jax.tree.leaves(params)):]
+    read_vars = {a for e in probe.eqns for a in e.invars if not isinstance(a, Literal)}
+    after_vars = probe.outvars[len(probe.outvars) - len(leaves):]
+    changed = [i for i, (v, o) in enumerate(zip(leaf_vars, after_vars)) if o is not v]
+    chosen = [i for i, v in enumerate(leaf_vars) if v in read_vars or i in changed]
+    out, new = _opaque_with_args(lambda p, v: call(p, chosen, v, changed), (params, [leaves[i] for i in chosen]),
+                                 type(self).__name__)
+    full = list(leaves)
+    for i, v in zip(changed, new):
+        full[i] = v
+    nnx.update(self, jax.tree.unflatten(treedef, full))
+    return out
+
+
+def _linen_call(method: Callable, module: Any, args: tuple, kwargs: dict) -> Any:
+    """A bound linen module's call, opaque: the mutable collections it writes (``batch_stats``
+    under ``mutable=["batch_stats"]``, sown intermediates) come out of the call and are written
+    into the scope's variables in place, as the call would have written them."""
+    scope = module.scope
+
+    def call() -> Any:
+        out = method(module, *args, **kwargs)
+        return out, dict(scope.mutable_variables())
+
+    out, after = _opaque(call, type(module).__name__)
+    _assign(scope.mutable_variables(), after)
+    return out
+
+
+def _assign(target: dict, values: dict) -> None:
+    """``values`` written into the nested dicts of ``target`` in place (the scopes of the
+    submodules hold references to them)."""
+    for k, v in values.items():
+        if isinstance(v, dict) and isinstance(target.get(k), dict):
+            _assign(target[k], v)
+        else:
+            target[k] = v
+
+
+def _opaque_with_args(call: Callable, args: tuple, name: str) -> Any:
+    """``call(*args)`` as one equation of the trace: a ``jax.jit`` named after the call's index."""
+    calls = CAPTURING.calls
+    index = len(calls)
+    calls.append(name)
+
+    def traced(*a: Any) -> Any:
+        CAPTURING.inside += 1
+        try:
+            return call(*a)
+        finally:
+            CAPTURING.inside -= 1
+
+    traced.__name__ = traced.__qualname__ = f"{MARK}{index}"
+    return jax.jit(traced)(*args)
+
+
+class Patched:
+    """For the duration of a capture, the ``__call__`` of each class in ``classes`` makes an
+    opaque call; and which of them (and of the marked functions) were called."""
+
+    def __init__(self, entries: tuple[Any, ...]):
+        self.classes = [e for e in entries if isinstance(e, type)]
+        self.functions = [e for e in entries if not isinstance(e, type)]
+        for f in self.functions:
+            if not hasattr(f, "__linbackprop_layer__"):
+                raise TypeError(f"layers= takes classes (whose instances' calls are layers) and functions decorated "
+                                f"with @lbp.layer; {f!r} is neither: decorate it, `@lbp.layer def "
+                                f"{getattr(f, '__name__', 'f')}(...)`, or name its class.")
+        self.saved: dict[type, Any] = {}
+        self.seen: set[Any] = set()
+
+    def __enter__(self) -> Patched:
+        nnx = sys.modules.get("flax.nnx")
+        for cls in self.classes:
+            if "__call__" not in vars(cls) and not any("__call__" in vars(b) for b in cls.__mro__[1:-1]):
+                raise TypeError(f"layers= names {cls.__qualname__}, which has no __call__: name a class whose "
+                                "instances are called (or decorate a function with @lbp.layer).")
+            original = cls.__call__
+            self.saved[cls] = vars(cls).get("__call__", _MISSING)
+            is_nnx = nnx is not None and issubclass(cls, nnx.Module)
+            linen = sys.modules.get("flax.linen")
+            is_linen = linen is not None and issubclass(cls, linen.Module)
+
+            def patched(module: Any, *args: Any, __original=original, __cls=cls, __nnx=is_nnx, __linen=is_linen,
+                        **kwargs: Any) -> Any:
+                if CAPTURING.calls is None or CAPTURING.inside:  # not capturing, or inside a marked call
+                    return __original(module, *args, **kwargs)
+                self.seen.add(__cls)
+                if __nnx:
+                    return _nnx_call(__original, module, args, kwargs)
+                if __linen and module.scope is not None:
+                    return _linen_call(__original, module, args, kwargs)
+                return _opaque(lambda: __original(module, *args, **kwargs), type(module).__name__)
+
+            cls.__call__ = patched
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for cls, method in self.saved.items():
+            if method is _MISSING:
+                del cls.__call__
+            else:
+                cls.__call__ = method
+
+
+_MISSING = object()

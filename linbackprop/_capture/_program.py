@@ -1,0 +1,288 @@
+"""From the jaxpr to a Network: `build` splits it into before (data) / the network (the marked
+calls and the glue between them, one layer function per equal program) / after (the loss),
+and `Program` evaluates it in that order; `Capture` is what `capture` returns.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.extend.core import ClosedJaxpr, Literal
+
+from .._graph import Layer, Network, Row
+from .._traced import Constant
+from ._inlining import NoInput, ScanRows, evaluate_equations, inline_calls, marked_index
+
+
+# -- the captured program -----------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Capture:
+    """A network found in a model by `capture`.
+
+    Attributes:
+        net: the ``Network`` found: its layers are the marked calls and the glue between them.
+        params: its parameter blocks, ``{name: array}``, named by their paths in the
+            differentiated argument (``jax.tree_util.keystr``).
+        inputs: its inputs (the data it reads), in ``net.inputs`` order.
+
+    Example:
+        >>> import jax.numpy as jnp, linbackprop as lbp
+        >>> dense = lbp.layer(lambda W, x: jnp.tanh(x @ W))
+        >>> cap = lbp.capture(lambda p, x: jnp.sum(dense(p, x)), jnp.eye(2), jnp.ones((1, 2)), layers=dense)
+        >>> bool(jnp.allclose(cap.net(cap.params, *cap.inputs)[0], jnp.tanh(1.0)))
+        True
+    """
+
+    net: Network
+    params: dict[Hashable, Any]
+    inputs: tuple[Any, ...]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Program:
+    """``fun``'s jaxpr as before / network / after: ``run(diff, rest)`` evaluates it with the
+    network called once (differentiated by the solve inside the transforms)."""
+
+    net: Network
+    before: tuple  # equations evaluated before the network
+    after: tuple  # ... and after it
+    invars: tuple  # the jaxpr's invars: the differentiated leaves, then the others
+    constvars: tuple
+    consts: tuple
+    outvars: tuple
+    block_vars: tuple  # per block of net.param_names: its invar
+    input_atoms: tuple  # per network input: the atom it is
+    output_vars: tuple  # per network output (a state): the vars it holds
+    calls: tuple  # display names of the marked calls (for errors)
+
+    def blocks(self, diff: Sequence[Any]) -> dict[Hashable, Any]:
+        env = dict(zip(self.invars, diff))
+        return {name: env[v] for name, v in zip(self.net.param_names, self.block_vars)}
+
+    def _before(self, leaves: Sequence[Any]) -> dict[Any, Any]:
+        """The values after the equations before the network, by variable."""
+        env: dict[Any, Any] = dict(zip(self.constvars, self.consts))
+        env.update(zip(self.invars, leaves))
+        evaluate_equations(self.before, env)
+        return env
+
+    def run(self, leaves: Sequence[Any]) -> list[Any]:
+        env = self._before(leaves)
+        read = lambda a: a.val if isinstance(a, Literal) else env[a]
+        inputs = [read(a) for a in self.input_atoms]
+        outs = self.net({name: env[v] for name, v in zip(self.net.param_names, self.block_vars)}, *inputs)
+        outs = (outs,) if self.net.single_output else outs
+        for state, vars_ in zip(outs, self.output_vars):
+            env.update(zip(vars_, state))
+        evaluate_equations(self.after, env)
+        return [read(a) for a in self.outvars]
+
+    def inputs_of(self, leaves: Sequence[Any]) -> tuple[Any, ...]:
+        env = self._before(leaves)
+        return tuple(a.val if isinstance(a, Literal) else env[a] for a in self.input_atoms)
+
+
+# -- from the jaxpr to a Network ----------------------------------------------------------------
+_FUNCTIONS: collections.OrderedDict[Hashable, Callable] = collections.OrderedDict()
+NETWORKS: collections.OrderedDict[Hashable, Program] = collections.OrderedDict()
+CACHED = 64
+
+
+def shared_value(key: Hashable, make: Callable[[], Any], cache: collections.OrderedDict) -> Any:
+    if key in cache:
+        cache.move_to_end(key)
+        return cache[key]
+    value = cache[key] = make()
+    if len(cache) > CACHED:
+        cache.popitem(last=False)
+    return value
+
+
+def _input_name(var: Any, origin: dict, taken: set) -> str:
+    """A network input's name: the argument's (``tokens``, ``batch[0]``) where it is one, else
+    ``<argument>.<k>`` for the k-th value computed from it before the network."""
+    source = origin.get(var, ("from", "input"))
+    if isinstance(source, str) and source not in taken:
+        return source
+    base = source[1] if isinstance(source, tuple) else source
+    k = 1
+    while f"{base}.{k}" in taken:
+        k += 1
+    return f"{base}.{k}"
+
+
+def _layer_fn(eqns: tuple, operands: tuple, outs: tuple, specs: tuple, name: str = "layer") -> Callable:
+    """A layer function ``fn(theta, *states)`` running ``eqns`` with its operands taken from
+    ``specs`` (per operand: ("param", k) | ("read", r, j) | ("input", r) | ("literal", value)):
+    returns the tuple of ``outs``. Equal programs share one function object (one kind), named
+    after the first call it was made for (``Attention``, ``glue``)."""
+    def raw(*values: Any) -> tuple:
+        env = dict(zip(operands, values))
+        for eqn in eqns:
+            if marked_index(eqn) is not None:  # the call's own program, without its (numbered) jit
+                args = [a.val if isinstance(a, Literal) else env[a] for a in eqn.invars]
+                env.update(zip(eqn.outvars, jax.extend.core.jaxpr_as_fun(eqn.params["jaxpr"])(*args)))
+            else:
+                evaluate_equations([eqn], env)
+        return tuple(a.val if isinstance(a, Literal) else env[a] for a in outs)
+
+    avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, weak_type=v.aval.weak_type) for v in operands]
+    closed = jax.make_jaxpr(raw)(*avals)
+    key = (str(closed.jaxpr), tuple(Constant(c) for c in closed.consts), specs)
+
+    def make() -> Callable:
+        program = closed
+
+        def fn(theta: tuple, *states: Any) -> tuple:
+            values = []
+            for spec in specs:
+                if spec[0] == "param":
+                    values.append(theta[spec[1]])
+                elif spec[0] == "read":
+                    values.append(states[spec[1]][spec[2]])
+                elif spec[0] == "input":
+                    values.append(states[spec[1]])
+                else:
+                    values.append(spec[1])
+            return tuple(jax.extend.core.jaxpr_as_fun(program)(*values))
+
+        fn.__name__ = fn.__qualname__ = name
+        fn.__linbackprop_captured__ = True  # replays a program traced at one batch (per-example checks say so)
+        return fn
+
+    return shared_value(key, make, _FUNCTIONS)
+
+
+def build(closed: ClosedJaxpr, n_diff: int, block_names: Sequence[Hashable], calls: Sequence[str],
+          rest_names: Sequence[str] = ()) -> Program:
+    """The Program of ``closed`` (``fun`` traced with its marked calls), whose first ``n_diff``
+    invars are the differentiated leaves named ``block_names`` and the others the arrays named
+    ``rest_names`` (the network's inputs are named after them: ``tokens``, or ``tokens.1`` for a
+    value computed from ``tokens`` before the network)."""
+    found = ScanRows()
+    eqns, constvars, consts, outvars = inline_calls(closed.jaxpr, closed.consts, found)
+    invars = list(closed.jaxpr.invars)
+    diff_vars = set(invars[:n_diff])
+    block_of_var: dict = dict(zip(invars[:n_diff], block_names))
+    for row, (source, t) in found.rows.items():  # rows of stacked blocks a scan iterates over: Row blocks
+        if source in block_of_var:
+            block_of_var[row] = Row(block_of_var[source], t)
+    # the equations slicing those rows are no glue: the layers read the rows as Row blocks
+    rows_of_blocks = {v for v, src in found.chains.items() if src in block_of_var and
+                      not isinstance(block_of_var[src], Row)}
+    diff_vars |= set(block_of_var)
+    marked = [marked_index(e) for e in eqns]
+    if not any(m is not None for m in marked):
+        raise ValueError("layers=: no call of the layers named was found in fun (check that fun calls them, "
+                         "with the classes or @lbp.layer functions passed to layers=).")
+    # which equations depend on a layer's output or a differentiated leaf, and which feed a layer
+    moving: set = set(diff_vars)
+    for e, m in zip(eqns, marked):
+        if m is not None or any(a in moving for a in e.invars if not isinstance(a, Literal)):
+            moving.update(e.outvars)
+    feeds = [False] * len(eqns)
+    needed: set = set()
+    for n in range(len(eqns) - 1, -1, -1):
+        e = eqns[n]
+        if marked[n] is not None or any(o in needed for o in e.outvars):
+            feeds[n] = True
+            needed.update(a for a in e.invars if not isinstance(a, Literal))
+    in_net = [m is not None or (feeds[n] and any(a in moving for a in e.invars if not isinstance(a, Literal))
+                                and not all(o in rows_of_blocks for o in e.outvars))  # a Row: read as a block
+              for n, (e, m) in enumerate(zip(eqns, marked))]
+    # before the network: what depends on none of its values; after it: the rest (the loss)
+    tainted: set = set()
+    before, after = [], []
+    for e, inside in zip(eqns, in_net):
+        if inside:
+            tainted.update(e.outvars)
+        elif any(a in tainted for a in e.invars if not isinstance(a, Literal)):
+            tainted.update(e.outvars)
+            after.append(e)
+        else:
+            before.append(e)
+    before, after = tuple(before), tuple(after)
+    origin = dict(zip(invars[n_diff:], rest_names))  # var -> the argument it is, or is computed from
+    for e in before:
+        sources = [origin[a] for a in e.invars if not isinstance(a, Literal) and a in origin]
+        for o in e.outvars:
+            first = sources[0] if sources else "input"
+            origin.setdefault(o, first if isinstance(first, tuple) else ("from", first))
+    # the network's nodes: each marked call, and each run of glue between them
+    nodes: list[tuple[str, list]] = []
+    seen_names = collections.Counter()  # a call's name, numbered in order (a scan's steps repeat one call)
+    for e, inside, m in zip(eqns, in_net, marked):
+        if not inside:
+            continue
+        if m is not None:
+            nodes.append((f"{calls[m]}{seen_names[calls[m]]}", [e]))
+            seen_names[calls[m]] += 1
+        elif nodes and nodes[-1][0].startswith("glue"):
+            nodes[-1][1].append(e)
+        else:
+            nodes.append((f"glue{sum(name.startswith('glue') for name, _ in nodes)}", [e]))
+    producer: dict = {}
+    used_later: set = set()
+    for e in after:
+        used_later.update(a for a in e.invars if not isinstance(a, Literal))
+    used_later.update(a for a in outvars if not isinstance(a, Literal))
+    readers: dict = collections.defaultdict(set)  # var -> the nodes that read it
+    for n, (_, node_eqns) in enumerate(nodes):
+        for e in node_eqns:
+            for a in e.invars:
+                if not isinstance(a, Literal):
+                    readers[a].add(n)
+    inputs: dict = {}  # atom -> input name
+    layers = []
+    output_vars: dict[Hashable, list] = {}
+    for n, (name, node_eqns) in enumerate(nodes):
+        defined = {o for e in node_eqns for o in e.outvars}
+        operands, specs, params, reads = [], [], [], []
+        for e in node_eqns:
+            for a in e.invars:
+                if isinstance(a, Literal) or a in defined or a in operands:
+                    continue
+                operands.append(a)
+                if a in block_of_var:
+                    if block_of_var[a] not in params:
+                        params.append(block_of_var[a])
+                    specs.append(("param", params.index(block_of_var[a])))
+                elif a in producer:
+                    src, j = producer[a]
+                    if src not in reads:
+                        reads.append(src)
+                    specs.append(("read", reads.index(src), j))
+                else:  # data: a value computed before the network, an argument, a constant
+                    if a not in inputs:
+                        inputs[a] = _input_name(a, origin, {*inputs.values(), *(name for name, _ in nodes)})
+                    if inputs[a] not in reads:
+                        reads.append(inputs[a])
+                    specs.append(("input", reads.index(inputs[a])))
+        outs = [o for e in node_eqns for o in e.outvars if not isinstance(o, jax.extend.core.DropVar)]
+        outs = [o for o in outs if o in used_later or readers[o] - {n}] or outs[:1]
+        for j, o in enumerate(outs):
+            producer[o] = (name, j)
+        if any(o in used_later for o in outs):
+            output_vars[name] = outs
+        fn = _layer_fn(tuple(node_eqns), tuple(operands), tuple(outs), tuple(specs), name.rstrip("0123456789"))
+        layers.append(Layer(name, fn, reads=tuple(reads), params=tuple(params)))
+    if not output_vars:
+        raise ValueError("layers=: the layers' outputs reach nothing fun returns.")
+    input_names = list(inputs.values())
+    if not input_names:  # a network needs an input: a dummy one nothing reads (a constant of the program)
+        dummy = NoInput()
+        input_names, inputs = ["input"], {dummy: "input"}
+        constvars, consts = [*constvars, dummy], [*consts, np.float32(0)]
+    names = list(output_vars)
+    net = Network(layers, inputs=input_names, outputs=names[0] if len(names) == 1 else names)
+    block_vars = tuple(next(v for v, b in block_of_var.items() if not isinstance(b, Row) and b == p)
+                       for p in net.param_names)
+    return Program(net=net, before=before, after=after, invars=tuple(invars), constvars=tuple(constvars),
+                   consts=tuple(consts), outvars=tuple(outvars), block_vars=block_vars,
+                   input_atoms=tuple(inputs), output_vars=tuple(tuple(output_vars[n]) for n in names),
+                   calls=tuple(calls))

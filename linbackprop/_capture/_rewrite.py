@@ -1,0 +1,219 @@
+"""``fun`` rewritten around the network found: `rewrite` traces it with the calls marked and
+returns it as a function of the differentiated leaves (an nnx module's, an equinox module's,
+a pytree's) around one Network call, with each argument's gradient in its own type; `capture`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from .._traced import Constant
+from ._marks import CAPTURE_KEY, CAPTURING, Patched, capture_numbers
+from ._program import NETWORKS, Capture, Program, build, shared_value
+
+
+# -- fun rewritten around the network found ----------------------------------------------------------
+def _is_array(x: Any) -> bool:
+    return isinstance(x, (jax.Array, np.ndarray, np.generic)) or isinstance(x, jax.core.Tracer)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Argument:
+    """One differentiated argument: its leaves to differentiate (with their block names), the
+    rest it holds (an nnx module's other state), and how to rebuild it and its gradient."""
+
+    leaves: list
+    names: list
+    treedef: Any
+    rest: list  # arrays beside the differentiated ones (nnx: RNG streams, batch statistics)
+    rebuild: Callable[[list, list], Any]  # (diff leaves, rest leaves) -> the argument for fun
+    gradient: Callable[[list], Any]  # diff-shaped leaves -> the gradient as the framework gives it
+    state_out: Callable[[Any], list] | None = None  # the argument after fun -> its rest leaves
+    write_back: Callable[[list], None] | None = None  # rest leaves -> the caller's module updated
+    leaves_of: Callable[[Any], list] = jax.tree.leaves  # a tangent (or like value) -> its diff leaves
+    rest_names: list = dataclasses.field(default_factory=list)  # the rest's leaves by path (input names)
+
+
+def _argument(arg: Any, prefix: str) -> _Argument:
+    nnx, eqx = sys.modules.get("flax.nnx"), sys.modules.get("equinox")
+    if nnx is not None and isinstance(arg, nnx.Module):
+        graphdef, params, rest = nnx.split(arg, nnx.Param, ...)
+        paths, treedef = jax.tree_util.tree_flatten_with_path(params)
+        rest_paths, rest_def = jax.tree_util.tree_flatten_with_path(rest)
+        rest_leaves = [leaf for _, leaf in rest_paths]
+
+        def rebuild(d: list, r: list) -> Any:
+            return nnx.merge(graphdef, jax.tree.unflatten(treedef, d), jax.tree.unflatten(rest_def, r))
+
+        def state_out(module: Any) -> list:
+            return jax.tree.leaves(nnx.split(module, nnx.Param, ...)[2])
+
+        def write_back(r: list) -> None:
+            nnx.update(arg, jax.tree.unflatten(rest_def, r))
+
+        def leaves_of(t: Any) -> list:
+            return jax.tree.leaves(nnx.split(t, nnx.Param, ...)[1] if isinstance(t, nnx.Module) else t)
+
+        return _Argument([leaf for _, leaf in paths], [prefix + _path(p) for p, _ in paths], treedef, rest_leaves,
+                         rebuild, lambda g: jax.tree.unflatten(treedef, g), state_out, write_back, leaves_of,
+                         [prefix + _path(p) for p, _ in rest_paths])
+    if eqx is not None and isinstance(arg, eqx.Module):
+        diff, static = eqx.partition(arg, eqx.is_inexact_array)
+        paths, treedef = jax.tree_util.tree_flatten_with_path(diff)
+        return _Argument([leaf for _, leaf in paths], [prefix + _path(p) for p, _ in paths], treedef, [],
+                         lambda d, r: eqx.combine(jax.tree.unflatten(treedef, d), static),
+                         lambda g: jax.tree.unflatten(treedef, g),
+                         leaves_of=lambda t: jax.tree.leaves(eqx.filter(t, eqx.is_inexact_array)))
+    paths, treedef = jax.tree_util.tree_flatten_with_path(arg)
+    return _Argument([leaf for _, leaf in paths], [prefix + _path(p) for p, _ in paths], treedef, [],
+                     lambda d, r: jax.tree.unflatten(treedef, d), lambda g: jax.tree.unflatten(treedef, g))
+
+
+def _parameter_name(fun: Callable, i: int) -> str:
+    """The name of ``fun``'s i-th positional parameter (``tokens``), else ``args[i]``."""
+    try:
+        params = list(inspect.signature(fun).parameters.values())
+    except (TypeError, ValueError):
+        params = []
+    if i < len(params) and params[i].kind in (params[i].POSITIONAL_ONLY, params[i].POSITIONAL_OR_KEYWORD):
+        return params[i].name
+    return f"args[{i}]"
+
+
+def _leaf_names(arg: Any, name: str) -> list[str]:
+    """The names of ``arg``'s leaves, as jax.tree.leaves orders them: ``name`` and their paths."""
+    return [name + jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(arg)[0]]
+
+
+def _path(path: tuple) -> str:
+    """A block's name: its path in the argument, without nnx's trailing ``.value``."""
+    if path and isinstance(path[-1], jax.tree_util.GetAttrKey) and path[-1].name == "value":
+        path = path[:-1]
+    return jax.tree_util.keystr(path)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Rewritten:
+    """``fun`` at ``args`` as a function of flat leaves around one network call.
+
+    ``fun(*diff, rest)`` (``diff``: a list of leaves per differentiated argument, ``rest``: every
+    other array) returns ``(fun's result, states)``: states are the nnx modules' state after the
+    call, for `write_back`. ``gradient(per_argument)`` maps leaf lists back to each
+    argument's own gradient type (nnx.State, an equinox module, the pytree)."""
+
+    fun: Callable
+    args: tuple
+    program: Program
+    arguments: tuple
+
+    def gradient(self, grads: Sequence[list], single: bool) -> Any:
+        out = tuple(a.gradient(list(g)) for a, g in zip(self.arguments, grads))
+        return out[0] if single else out
+
+    def write_back(self, states: list) -> None:
+        start = 0
+        for a in self.arguments:
+            if a.write_back is not None:
+                a.write_back(states[start:start + len(a.rest)])
+                start += len(a.rest)
+
+
+def rewrite(fun: Callable, args: tuple, argnums: tuple[int, ...], layers: Any) -> Rewritten:
+    """Trace ``fun(*args)`` with the calls of ``layers`` made opaque, find the network, and
+    return ``fun`` as a function of the differentiated leaves around one call of it."""
+    entries = layers if isinstance(layers, tuple | list) else (layers,)
+    for i in argnums:
+        if not 0 <= i < len(args):
+            raise ValueError(f"argnums names argument {i}, but fun was called with {len(args)} arguments.")
+    arguments = [_argument(args[i], "" if len(argnums) == 1 else f"[{i}]") for i in argnums]
+    others = [(i, a) for i, a in enumerate(args) if i not in argnums]
+    other_leaves, other_def = jax.tree.flatten([a for _, a in others])
+    traced_pos = [n for n, leaf in enumerate(other_leaves) if _is_array(leaf)]
+    rest = [leaf for a in arguments for leaf in a.rest] + [other_leaves[n] for n in traced_pos]
+    other_names = [name for i, a in others for name in _leaf_names(a, _parameter_name(fun, i))]
+    rest_names = [n for a in arguments for n in a.rest_names] + [other_names[n] for n in traced_pos]
+    sizes = [len(a.leaves) for a in arguments]
+
+    def flat(diff_leaves: list, rest_leaves: list) -> tuple:
+        full: list = [None] * len(args)
+        start, r = 0, 0
+        for i, a, size in zip(argnums, arguments, sizes):
+            full[i] = a.rebuild(diff_leaves[start:start + size], rest_leaves[r:r + len(a.rest)])
+            start, r = start + size, r + len(a.rest)
+        leaves = list(other_leaves)
+        for n, value in zip(traced_pos, rest_leaves[r:]):
+            leaves[n] = value
+        for (i, _), value in zip(others, jax.tree.unflatten(other_def, leaves)):
+            full[i] = value
+        result = fun(*full)
+        states = [leaf for i, a in zip(argnums, arguments) if a.state_out is not None for leaf in a.state_out(full[i])]
+        return result, states
+
+    diff = [leaf for a in arguments for leaf in a.leaves]
+    names = [n for a in arguments for n in a.names]
+    patched = Patched(tuple(entries))
+    saved = CAPTURING.calls, CAPTURING.functions
+    CAPTURING.calls, CAPTURING.functions = [], set()
+    try:
+        with patched, CAPTURE_KEY(next(capture_numbers)):
+            closed, shape = jax.make_jaxpr(flat, return_shape=True)(diff, rest)
+        calls, functions = tuple(CAPTURING.calls), CAPTURING.functions
+    finally:
+        CAPTURING.calls, CAPTURING.functions = saved
+    never = [c.__qualname__ for c in patched.classes if c not in patched.seen]
+    never += [getattr(f, "__qualname__", repr(f)) for f in patched.functions if f not in functions]
+    if never:
+        raise ValueError(f"layers= names {', '.join(never)}, but fun never called it (no instance's call, no "
+                         "call of the function): check what fun calls (a subclass or a wrapper is another class), "
+                         "or leave it out of layers=.")
+    key = (str(closed.jaxpr), tuple(Constant(c) for c in closed.consts), tuple(names), calls)
+    program = shared_value(key, lambda: build(closed, len(diff), names, calls, rest_names), NETWORKS)
+    out_def = jax.tree.structure(shape)
+
+    def rewritten(*parts: Any) -> tuple:
+        *diffs, rest_leaves = parts
+        outs = program.run([leaf for d in diffs for leaf in d] + list(rest_leaves))
+        return jax.tree.unflatten(out_def, outs)
+
+    split = []
+    start = 0
+    for size in sizes:
+        split.append(list(diff[start:start + size]))
+        start += size
+    return Rewritten(rewritten, (*split, rest), program, tuple(arguments))
+
+
+def capture(fun: Callable, *args: Any, layers: Any, argnums: int | Sequence[int] = 0) -> Capture:
+    """The network ``fun`` calls, found by tracing ``fun(*args)`` with the calls of ``layers``
+    (classes, or functions decorated with [`layer`][linbackprop.layer]) as its layers.
+
+    ``cap.net`` is an ``lbp.Network`` (inspect it, ``lbp.linearize(cap.net, cap.params,
+    *cap.inputs)``, ``lbp.plot_network(cap.net)``); ``cap.params`` its blocks (the leaves of the
+    arguments ``argnums`` names, by path) and ``cap.inputs`` its inputs at ``args``.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp, linbackprop as lbp
+        >>> @lbp.layer
+        ... def block(p, h):
+        ...     return h + jnp.tanh(h @ p["W"])
+        >>> def loss(params, x):
+        ...     for p in params:                    # a Python loop over the blocks
+        ...         x = block(p, x)
+        ...     return jnp.sum(x ** 2)
+        >>> params = [{"W": 0.1 * jnp.eye(2)} for _ in range(3)]
+        >>> cap = lbp.capture(loss, params, jnp.ones((4, 2)), layers=block)
+        >>> [layer.name for layer in cap.net.layers], cap.net.param_names
+        (['block0', 'block1', 'block2'], ("[0]['W']", "[1]['W']", "[2]['W']"))
+    """
+    nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+    found = rewrite(fun, args, nums, layers)
+    leaves = [leaf for d in found.args[:-1] for leaf in d] + list(found.args[-1])
+    program = found.program
+    return Capture(program.net, program.blocks(leaves), program.inputs_of(leaves))
