@@ -386,25 +386,73 @@ def test_has_aux_and_several_arguments_as_jax_grad():
           jax.grad(blocks_loss, argnums=(0, 1))(params, x, y))
 
 
-def test_per_example_quantities_of_a_layer_fixed_to_its_batch_raise_naming_it():
-    """A captured layer replays the program traced at the call's batch: where it cannot run on one
-    example (a gather whose indices keep the batch, an embedding lookup), the per-example
-    transforms raise naming the layer and the way out — never an XLA error, never a wrong value."""
-    class Tiny(nnx.Module):
-        def __init__(self, rngs):
-            self.embed = nnx.Embed(7, W, rngs=rngs, param_dtype=jnp.float64)
-            self.blocks = nnx.List([Block(rngs) for _ in range(2)])
+@lbp.layer
+def seq_block(p, h):
+    """A block over [batch, positions, W] whose reshapes name the batch: traced at one batch size,
+    its program keeps it (the per-example transforms trace the model again on one example)."""
+    z = (h.reshape(h.shape[0] * h.shape[1], W) @ p["W"]).reshape(h.shape[0], -1, W)
+    return h + jnp.tanh(z + p["b"])
 
-        def __call__(self, tokens):
-            x = self.embed(tokens)
-            for block in self.blocks:
-                x = block(x)
-            return self.embed.attend(x)
 
-    model = Tiny(nnx.Rngs(0))
-    tokens = jax.random.randint(jax.random.key(1), (5, 6), 0, 7)
-    losses = lambda m, t: jnp.sum(m(t) ** 2, axis=(1, 2))
-    with pytest.raises(ValueError, match=r"\['glue0'\].*found by layers=.*jax.vmap\(jax.grad\)"):
-        lbp.clipped_grad(losses, 1.0, layers=Block)(model, tokens)
-    with pytest.raises(ValueError, match=r"\['glue0'\].*batch of 1"):
-        lbp.per_example_grads(losses, layers=Block)(model, tokens)
+def seq_losses(params, tokens):
+    h = params["embed"][tokens]  # an embedding lookup (a gather fixed to the batch) in glue
+    for p in params["blocks"]:
+        h = seq_block(p, h)
+    return jnp.sum((h @ params["embed"].T) ** 2, axis=(1, 2)) / 10  # the tied head is in the loss
+
+
+def seq_network_losses(params, tokens):
+    """The same model built by hand as a Network: its layer functions run at any batch."""
+    depth = len(params["blocks"])
+    layers = [lbp.Layer("embed", lambda th, t: th[0][t], ("tokens",), ("embed",))]
+    layers += [lbp.Layer(f"b{k}", lambda th, h: seq_block.__linbackprop_layer__(th[0], h),
+                         (f"b{k - 1}" if k else "embed",), (f"b{k}",)) for k in range(depth)]
+    net = lbp.Network(layers, ["tokens"], f"b{depth - 1}")
+    h = net({"embed": params["embed"], **{f"b{k}": p for k, p in enumerate(params["blocks"])}}, tokens)
+    return jnp.sum((h @ params["embed"].T) ** 2, axis=(1, 2)) / 10
+
+
+def test_per_example_quantities_of_layers_fixed_to_their_batch():
+    """Layers found in a model replay programs traced at the call's batch (reshapes, broadcasts and
+    gathers keep it); the per-example transforms, which evaluate each layer on one example, get
+    each layer's program at one example too: exact against jax.vmap(jax.grad), and the GGN
+    diagonal and K-FAC as on the same model built by hand."""
+    rng = np.random.default_rng(4)
+    params = {"embed": jnp.asarray(0.5 * rng.standard_normal((7, W))),
+              "blocks": [{"W": jnp.asarray(0.4 * rng.standard_normal((W, W))), "b": jnp.asarray(rng.standard_normal(W))}
+                         for _ in range(3)]}
+    tokens = jnp.asarray(rng.integers(0, 7, (5, 4)))
+    ref = jax.vmap(jax.grad(lambda p, t: seq_losses(p, t[None])[0]), (None, 0))(params, tokens)
+    close(lbp.per_example_grads(seq_losses, layers=seq_block)(params, tokens), ref)
+    norms = jnp.sqrt(sum(jnp.sum(g.reshape(5, -1) ** 2, axis=1) for g in jax.tree.leaves(ref)))
+    close(lbp.per_example_grad_norms(seq_losses, layers=seq_block)(params, tokens), norms)
+    clipped, found = lbp.clipped_grad(seq_losses, 1.0, layers=seq_block)(params, tokens)
+    close(found, norms)
+    close(clipped, jax.tree.map(lambda g: jnp.tensordot(jnp.minimum(1, 1 / norms), g, 1), ref))
+    total = lambda p, t: jnp.sum(seq_losses(p, t))
+    by_hand = lambda p, t: jnp.sum(seq_network_losses(p, t))
+    close(by_hand(params, tokens), total(params, tokens))
+    close(lbp.diag_ggn(total, layers=seq_block)(params, tokens), lbp.diag_ggn(by_hand)(params, tokens))
+    is_pair = lambda x: isinstance(x, lbp.Kronecker)
+    found, expected = (lbp.kfac_factors(total, layers=seq_block)(params, tokens),
+                       lbp.kfac_factors(by_hand)(params, tokens))
+    assert isinstance(found["blocks"][0]["W"], lbp.Kronecker)
+    close(jax.tree.leaves(found, is_leaf=is_pair), jax.tree.leaves(expected, is_leaf=is_pair))
+
+
+def test_per_example_quantities_of_an_nnx_model_with_embedding_and_layer_norm():
+    """The nnx model as written (an embedding, layer norms, blocks in a Python loop, the tied head
+    in the loss): per-example gradients, norms and the clipped sum against jax.vmap(jax.grad) of
+    the same model split with nnx.split."""
+    model = Model(nnx.Rngs(0), depth=2)
+    tokens, targets = _tokens(5)
+    losses = lambda m, t, y: -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(m(t)), y[..., None], -1)[..., 0],
+                                       axis=1)
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    one = lambda p, t, y: losses(nnx.merge(graphdef, p, rest), t[None], y[None])[0]
+    ref = jax.vmap(jax.grad(one), (None, 0, 0))(params, tokens, targets)
+    close(lbp.per_example_grads(losses, layers=Block)(model, tokens, targets), ref, tol=1e-5)
+    norms = jnp.sqrt(sum(jnp.sum(g.reshape(3, -1) ** 2, axis=1) for g in jax.tree.leaves(ref)))
+    clipped, found_norms = lbp.clipped_grad(losses, 0.5, layers=Block)(model, tokens, targets)
+    close(found_norms, norms, tol=1e-5)
+    close(clipped, jax.tree.map(lambda g: jnp.tensordot(jnp.minimum(1, 0.5 / norms), g, 1), ref), tol=1e-5)

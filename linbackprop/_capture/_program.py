@@ -134,28 +134,76 @@ def _layer_fn(eqns: tuple, operands: tuple, outs: tuple, specs: tuple, name: str
     avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, weak_type=v.aval.weak_type) for v in operands]
     closed = jax.make_jaxpr(raw)(*avals)
     key = (str(closed.jaxpr), tuple(Constant(c) for c in closed.consts), specs)
+    return shared_value(key, lambda: _replay(specs, {_operand_shapes(avals): closed}, name), _FUNCTIONS)
 
-    def make() -> Callable:
-        program = closed
 
-        def fn(theta: tuple, *states: Any) -> tuple:
-            values = []
-            for spec in specs:
-                if spec[0] == "param":
-                    values.append(theta[spec[1]])
-                elif spec[0] == "read":
-                    values.append(states[spec[1]][spec[2]])
-                elif spec[0] == "input":
-                    values.append(states[spec[1]])
-                else:
-                    values.append(spec[1])
-            return tuple(jax.extend.core.jaxpr_as_fun(program)(*values))
+def _operand_shapes(values: Sequence[Any]) -> tuple:
+    return tuple(tuple(np.shape(v)) for v in values)
 
-        fn.__name__ = fn.__qualname__ = name
-        fn.__linbackprop_captured__ = True  # replays a program traced at one batch (per-example checks say so)
-        return fn
 
-    return shared_value(key, make, _FUNCTIONS)
+def _replay(specs: tuple, programs: dict[tuple, ClosedJaxpr], name: str) -> Callable:
+    """``fn(theta, *states)``: the program of ``programs`` traced at its operands' shapes, run on
+    the operands ``specs`` picks (a call traced at the batch and at one example has two)."""
+    def fn(theta: tuple, *states: Any) -> tuple:
+        values = []
+        for spec in specs:
+            if spec[0] == "param":
+                values.append(theta[spec[1]])
+            elif spec[0] == "read":
+                values.append(states[spec[1]][spec[2]])
+            elif spec[0] == "input":
+                values.append(states[spec[1]])
+            else:
+                values.append(spec[1])
+        shapes = _operand_shapes(values)
+        if shapes not in programs:
+            raise ValueError(
+                f"Layer {name!r} was found by layers= and replays the program traced at the call's shapes "
+                f"{list(next(iter(programs)))}; it was called with {list(shapes)}. A layer "
+                "found in a model runs at the shapes fun was traced at (the transforms trace fun again for "
+                "other shapes): build the Network with lbp.Layer for functions of any shape.")
+        return tuple(jax.extend.core.jaxpr_as_fun(programs[shapes])(*values))
+
+    fn.__name__ = fn.__qualname__ = name
+    fn.__linbackprop_captured__ = True  # per-example checks say so in their errors
+    fn.__linbackprop_programs__ = programs  # read by `at_any_batch`
+    fn.__linbackprop_specs__ = specs
+    return fn
+
+
+def at_any_batch(full: Program, one: Program) -> Program:
+    """``full`` (``fun`` traced at its batch) whose layers also run on one example: each layer
+    function holds both programs, ``full``'s and that of the same call in ``one`` (``fun`` traced
+    with its batched data sliced to one example), chosen by the operands' shapes. The
+    per-example transforms evaluate each layer on one example; a program traced at the batch
+    keeps it in its reshapes, broadcasts and gathers."""
+    mine, theirs = full.net, one.net
+    def shape_of(net: Network) -> list:
+        return [(lay.name, lay.reads, lay.params) for lay in net.layers]
+
+    if shape_of(mine) != shape_of(theirs) or mine.inputs != theirs.inputs or mine.outputs != theirs.outputs:
+        raise ValueError(
+            "layers=: fun traced on one example finds another network than on the whole batch "
+            f"(layers {[lay.name for lay in mine.layers][:8]} reading {[lay.reads for lay in mine.layers][:8]} vs "
+            f"{[lay.name for lay in theirs.layers][:8]} reading {[lay.reads for lay in theirs.layers][:8]}). "
+            "Per-example quantities trace fun again with every data argument whose leading axis is the batch "
+            "sliced to one example: make the model's structure independent of the batch size, or use "
+            "jax.vmap(jax.grad) of a per-example loss.")
+    def merged(a: Callable, b: Callable) -> Callable:
+        specs = a.__linbackprop_specs__
+        if [s[:3] if s[0] != "literal" else s[:1] for s in specs] != \
+                [s[:3] if s[0] != "literal" else s[:1] for s in b.__linbackprop_specs__]:
+            raise ValueError(f"layers=: layer {a.__name__!r} reads other operands on one example than on the batch; "
+                             "per-example quantities need the same call at both sizes.")
+        key = ("any batch", a, b)  # functions compare by identity
+        programs = {**b.__linbackprop_programs__, **a.__linbackprop_programs__}
+        return shared_value(key, lambda: _replay(specs, programs, a.__name__), _FUNCTIONS)
+
+    layers = [Layer(lay.name, merged(lay.fn, other.fn), reads=lay.reads, params=lay.params)
+              for lay, other in zip(mine.layers, theirs.layers)]
+    outputs = mine.outputs[0] if mine.single_output else list(mine.outputs)
+    net = Network(layers, inputs=list(mine.inputs), outputs=outputs)
+    return dataclasses.replace(full, net=net)
 
 
 def build(closed: ClosedJaxpr, n_diff: int, block_names: Sequence[Hashable], calls: Sequence[str],

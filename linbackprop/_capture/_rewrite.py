@@ -16,7 +16,7 @@ import numpy as np
 
 from .._traced import Constant
 from ._marks import CAPTURE_KEY, CAPTURING, Patched, capture_numbers
-from ._program import NETWORKS, Capture, Program, build, shared_value
+from ._program import NETWORKS, Capture, Program, at_any_batch, build, shared_value
 
 
 # -- fun rewritten around the network found ----------------------------------------------------------
@@ -125,9 +125,52 @@ class Rewritten:
                 start += len(a.rest)
 
 
-def rewrite(fun: Callable, args: tuple, argnums: tuple[int, ...], layers: Any) -> Rewritten:
+def _program(flat: Callable, diff: list, rest: list, entries: tuple, names: list, rest_names: list
+             ) -> tuple[Program, Any]:
+    """The Program of ``flat(diff, rest)`` traced with the calls of ``entries`` marked (cached per
+    captured jaxpr), and the shape of its result."""
+    patched = Patched(entries)
+    saved = CAPTURING.calls, CAPTURING.functions
+    CAPTURING.calls, CAPTURING.functions = [], set()
+    try:
+        with patched, CAPTURE_KEY(next(capture_numbers)):
+            closed, shape = jax.make_jaxpr(flat, return_shape=True)(diff, rest)
+        calls, functions = tuple(CAPTURING.calls), CAPTURING.functions
+    finally:
+        CAPTURING.calls, CAPTURING.functions = saved
+    never = [c.__qualname__ for c in patched.classes if c not in patched.seen]
+    never += [getattr(f, "__qualname__", repr(f)) for f in patched.functions if f not in functions]
+    if never:
+        raise ValueError(f"layers= names {', '.join(never)}, but fun never called it (no instance's call, no "
+                         "call of the function): check what fun calls (a subclass or a wrapper is another class), "
+                         "or leave it out of layers=.")
+    key = (str(closed.jaxpr), tuple(Constant(c) for c in closed.consts), tuple(names), calls)
+    return shared_value(key, lambda: build(closed, len(diff), names, calls, rest_names), NETWORKS), shape
+
+
+def _at_one_example(program: Program, flat: Callable, diff: list, rest: list, entries: tuple,
+                    names: list, rest_names: list, n_other: int) -> Program:
+    """``program`` whose layers also run on one example: ``fun`` traced again with each data
+    argument whose leading axis is the batch (that of the first output state) sliced to one
+    example, and each layer given both programs (`at_any_batch`)."""
+    first = program.output_vars[0][0].aval.shape  # the batch: the leading axis of the first output state
+    if not first or first[0] == 1:
+        return program  # no batch axis (the transform says so), or one example already
+    batch = first[0]
+    first_other = len(rest) - n_other  # the nnx modules' other state comes first: not data
+    one = [jax.ShapeDtypeStruct((1, *np.shape(x)[1:]), x.dtype)
+           if n >= first_other and np.ndim(x) and np.shape(x)[0] == batch else x for n, x in enumerate(rest)]
+    one_program, _ = _program(flat, diff, one, entries, names, rest_names)
+    key = ("at any batch", program, one_program)
+    return shared_value(key, lambda: at_any_batch(program, one_program), NETWORKS)
+
+
+def rewrite(fun: Callable, args: tuple, argnums: tuple[int, ...], layers: Any, per_example: bool = False
+            ) -> Rewritten:
     """Trace ``fun(*args)`` with the calls of ``layers`` made opaque, find the network, and
-    return ``fun`` as a function of the differentiated leaves around one call of it."""
+    return ``fun`` as a function of the differentiated leaves around one call of it.
+    ``per_example``: its layers also run on one example (`at_any_batch`), as the per-example
+    transforms evaluate them."""
     entries = layers if isinstance(layers, tuple | list) else (layers,)
     for i in argnums:
         if not 0 <= i < len(args):
@@ -158,23 +201,10 @@ def rewrite(fun: Callable, args: tuple, argnums: tuple[int, ...], layers: Any) -
 
     diff = [leaf for a in arguments for leaf in a.leaves]
     names = [n for a in arguments for n in a.names]
-    patched = Patched(tuple(entries))
-    saved = CAPTURING.calls, CAPTURING.functions
-    CAPTURING.calls, CAPTURING.functions = [], set()
-    try:
-        with patched, CAPTURE_KEY(next(capture_numbers)):
-            closed, shape = jax.make_jaxpr(flat, return_shape=True)(diff, rest)
-        calls, functions = tuple(CAPTURING.calls), CAPTURING.functions
-    finally:
-        CAPTURING.calls, CAPTURING.functions = saved
-    never = [c.__qualname__ for c in patched.classes if c not in patched.seen]
-    never += [getattr(f, "__qualname__", repr(f)) for f in patched.functions if f not in functions]
-    if never:
-        raise ValueError(f"layers= names {', '.join(never)}, but fun never called it (no instance's call, no "
-                         "call of the function): check what fun calls (a subclass or a wrapper is another class), "
-                         "or leave it out of layers=.")
-    key = (str(closed.jaxpr), tuple(Constant(c) for c in closed.consts), tuple(names), calls)
-    program = shared_value(key, lambda: build(closed, len(diff), names, calls, rest_names), NETWORKS)
+    program, shape = _program(flat, diff, rest, tuple(entries), names, rest_names)
+    if per_example:
+        program = _at_one_example(program, flat, diff, rest, tuple(entries), names, rest_names,
+                                  n_other=len(traced_pos))
     out_def = jax.tree.structure(shape)
 
     def rewritten(*parts: Any) -> tuple:

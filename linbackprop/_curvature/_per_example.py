@@ -240,10 +240,9 @@ def check_per_example(plan: Plan, batch: int) -> None:
             except Exception as error:  # any failure on one example: say which layer and why
                 names = [layer.name for layer in kind.layers][:4]
                 captured = getattr(kind.layers[0].fn, "__linbackprop_captured__", False)
-                why = ("they were found by layers=, and a layer found in a model replays the program traced at "
-                       "the call's batch (its reshapes, broadcasts and gathers keep that batch); give the "
-                       "model's per-example quantities from a Network built with lbp.Layer (functions of any "
-                       "batch), or use jax.vmap(jax.grad) of a per-example loss" if captured else
+                why = ("they were found by layers= and traced on one example too (fun with its batched data "
+                       "sliced), and that program fails on this example's operands; use jax.vmap(jax.grad) of a "
+                       "per-example loss" if captured else
                        "a layer function must run on a batch of one as on the whole batch")
                 raise ValueError(f"Layer(s) {names!r}: per-example gradients, their norms, clipping, the GGN "
                                  f"diagonal and K-FAC evaluate each layer on one example (a batch of 1), and "

@@ -81,7 +81,7 @@ def on_model(transform: Callable, fun: Callable, argnums: int | Sequence[int], l
     nums, single = normalise_argnums(argnums)
 
     def run(*args: Any) -> Any:
-        found = rewrite(fun, args, nums, layers)
+        found = rewrite(fun, args, nums, layers, per_example=True)
         result = transform(lambda *parts: found.fun(*parts)[0], tuple(range(len(nums))))(*found.args)
         return found.gradient(result, single) if to_arguments else result
 
