@@ -21,6 +21,7 @@ from ._curvature import (
 from ._graph import GraphError, Layer, Network, Row, Stack
 from ._interop import Functional, functional
 from ._operators import Block, Linearization, LinearOperator, ParamOperator, StateOperator, linearize
+from ._optim import scale_by_gauss_newton, scale_by_kfac
 from ._pictures import plot_network, spy
 from ._settings import solving
 from ._transforms import grad_by_solve, jvp_by_solve, value_and_grad_by_solve
@@ -55,6 +56,8 @@ __all__ = [
                          "per_example_grad_norms",
                          "per_example_grads",
                          "plot_network",
+                         "scale_by_gauss_newton",
+                         "scale_by_kfac",
                          "solving",
                          "spy",
                          "value_and_grad_by_solve",

@@ -37,12 +37,12 @@ class GaussNewton(LinearOperator):
 
     symbol = "G"
 
-    def __init__(self, jvp: Callable, vjp: Callable, hvp: Callable, single: bool, example: Any):
+    def __init__(self, jvp: Callable, vjp: Callable, hvp: Callable, single: bool, example: Any, outputs: Any):
         self._jvp, self._vjp, self._hvp = jvp, vjp, hvp
-        self._single, self._example = single, example
+        self._single, self._example, self._outputs = single, example, outputs
 
     def tree_flatten(self) -> tuple[tuple, tuple]:
-        return (self._jvp, self._vjp, self._hvp), (self._single, self._example)
+        return (self._jvp, self._vjp, self._hvp), (self._single, self._example, self._outputs)
 
     @classmethod
     def tree_unflatten(cls, aux: tuple, children: tuple) -> GaussNewton:
@@ -60,6 +60,64 @@ class GaussNewton(LinearOperator):
     @property
     def T(self) -> GaussNewton:  # noqa: N802 - the mathematical name
         return self
+
+    @property
+    def size(self) -> int:
+        """The number of parameters: G is ``size`` × ``size``."""
+        return int(sum(np.prod(shape, dtype=np.int64) for shape, _ in self._example[1]))
+
+    @property
+    def outputs(self) -> int:
+        """The number of output coordinates C (every network output's entries): H is C × C and
+        the rank of G is at most C."""
+        return int(sum(np.prod(shape, dtype=np.int64) for shape, _ in self._outputs[1]))
+
+    def factor(self) -> Any:
+        """K with G = Kᵀ K: C rows shaped like the arguments, stacked on a leading axis of length
+        C = ``outputs``. With H = V diag(h) Vᵀ (``eigh`` of the dense C × C Hessian of the loss
+        w.r.t. the outputs, C products with H), row c is J*(√h_c v_c): C back substitutions and ℳ,
+        all at once (``vmap``). H's negative part is dropped (h_c < 0 → 0): exact for squared
+        error and softmax cross-entropy, whose H is positive semi-definite. For least squares
+        ½‖r‖² the rows are the residuals' Jacobian rows (in H's eigenbasis). Where C is below the
+        number of parameters, (G + λI)⁻¹ g = (g − Kᵀ(λI + KKᵀ)⁻¹K g)/λ is exact at a C × C solve
+        ([`scale_by_gauss_newton`][linbackprop.scale_by_gauss_newton]'s Woodbury path).
+
+        Examples:
+            >>> import jax.numpy as jnp, linbackprop as lbp
+            >>> net = lbp.Network([lbp.Layer("y", lambda th, x: x @ th[0], ("x",), ("W",))], ["x"], "y")
+            >>> _, _, G = lbp.gauss_newton(lambda p, x: 0.5 * jnp.sum(net(p, x) ** 2))({"W": jnp.ones((2, 1))},
+            ...                                                                         jnp.array([[1.0, 2.0]]))
+            >>> K = G.factor()["W"]; K.shape, (K.reshape(1, 2).T @ K.reshape(1, 2)).tolist()   # x xᵀ
+            ((1, 2, 1), [[1.0, 2.0], [2.0, 4.0]])
+        """
+        return _factor(self)
+
+    def root_apply(self, basis: jax.Array) -> Any:
+        """J* on the columns of ``basis`` ([C, k], the outputs flattened in order): k rows shaped
+        like the arguments, stacked on a leading axis."""
+        treedef, shapes = self._outputs
+        sizes = np.cumsum([int(np.prod(shape, dtype=np.int64)) for shape, _ in shapes])[:-1]
+
+        def one(column: jax.Array) -> Any:
+            parts = jnp.split(column, sizes)
+            outs = treedef.unflatten([p.reshape(shape).astype(d) for p, (shape, d) in zip(parts, shapes)])
+            back = self._vjp(outs)
+            return back[0] if self._single else tuple(back)
+
+        return jax.vmap(one, in_axes=1)(basis)
+
+    def hessian(self) -> jax.Array:
+        """H = ∂²ℓ/∂(outputs)², dense C × C over the outputs flattened in order (C products)."""
+        treedef, shapes = self._outputs
+        sizes = np.cumsum([int(np.prod(shape, dtype=np.int64)) for shape, _ in shapes])[:-1]
+
+        def column(e: jax.Array) -> jax.Array:
+            parts = jnp.split(e, sizes)
+            outs = treedef.unflatten([p.reshape(shape).astype(d) for p, (shape, d) in zip(parts, shapes)])
+            return jnp.concatenate([jnp.ravel(x) for x in jax.tree.leaves(self._hvp(outs))])
+
+        dtype = jnp.result_type(*[d for _, d in shapes])
+        return jax.vmap(column)(jnp.eye(self.outputs, dtype=dtype)).T
 
     def todense(self) -> jax.Array:
         """The dense matrix over the arguments flattened in order (``ravel_pytree``); tiny networks."""
@@ -84,6 +142,13 @@ class GaussNewton(LinearOperator):
 
 
 _gauss_newton_mv = jax.jit(lambda G, v: G.apply(v))
+
+
+@jax.jit
+def _factor(G: GaussNewton) -> Any:
+    h = G.hessian()
+    eigenvalues, vectors = jnp.linalg.eigh((h + h.T) / 2)
+    return G.root_apply(vectors * jnp.sqrt(jnp.maximum(eigenvalues, 0.0)))
 
 
 def gauss_newton(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool = False, *,
@@ -144,7 +209,9 @@ def gauss_newton(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool 
             jvp, vjp = jax.tree_util.Partial(on.jvp, jvp), jax.tree_util.Partial(on.vjp, vjp)
         leaves, treedef = jax.tree.flatten(grad[0] if single else grad)
         example = (treedef, tuple((tuple(np.shape(x)), jnp.result_type(x)) for x in leaves))
-        G = GaussNewton(jvp, vjp, hvp, single, example)
+        out_leaves, out_treedef = jax.tree.flatten(outs)
+        outputs = (out_treedef, tuple((tuple(np.shape(x)), jnp.result_type(x)) for x in out_leaves))
+        G = GaussNewton(jvp, vjp, hvp, single, example, outputs)
         value = (value, aux) if has_aux else value
         return value, grad[0] if single else grad, G
 

@@ -1,0 +1,305 @@
+"""optax transforms that consume the curvature: the damped Gauss–Newton direction (G + λI)⁻¹ g
+with Levenberg–Marquardt damping, and K-FAC's preconditioned gradient from Kronecker factors.
+
+Both take the gradient as their ``updates`` and return a *direction* to be scaled by a negative
+learning rate (``optax.scale(-1.0)``, a schedule, a line search), as ``optax.scale_by_adam``
+does; the curvature comes in as an extra argument of ``update`` (``curvature=G``,
+``factors=...``), so they chain with optax's line searches and the rest.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Callable
+from typing import Any, Literal, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.flatten_util import ravel_pytree
+
+from ._curvature import GaussNewton, Kronecker
+
+Solver = Literal["auto", "cg", "woodbury", "dense"]
+# the arguments the transforms consume themselves; the rest go on to value_fn where it takes them
+_OWN = frozenset({"curvature", "factors", "diagonal", "value", "value_fn", "grad"})
+
+
+class ScaleByGaussNewtonState(NamedTuple):
+    """λ (the damping of the next step), the last direction (CG's warm start) and the step count."""
+
+    damping: jax.Array
+    direction: Any
+    count: jax.Array
+
+
+def scale_by_gauss_newton(damping: float = 1e-3, maxiter: int = 50, *, tol: float = 1e-5,
+                          solver: Solver = "auto", adapt: bool = True, min_damping: float = 1e-8,
+                          max_damping: float = 1e8, reject: bool = True,
+                          warm_start: bool = True) -> optax.GradientTransformationExtraArgs:
+    """The damped Gauss–Newton direction d = (G + λI)⁻¹ g, with G from ``update(...,
+    curvature=G)`` ([`gauss_newton`][linbackprop.gauss_newton]) and g the incoming updates (the gradient).
+
+    Solvers (``solver``):
+
+    - ``"cg"``: conjugate gradients on v ↦ G v + λ v (``jax.scipy.sparse.linalg.cg``, at most
+      ``maxiter`` products, relative tolerance ``tol``), started from the last direction
+      (``warm_start``: consecutive directions are close, as in Hessian-free optimisation).
+    - ``"woodbury"``: exact from G = KᵀK ([`GaussNewton.factor`][linbackprop.GaussNewton.factor], C rows, C the
+      network's output coordinates): d = (g − Kᵀ(λI + KKᵀ)⁻¹ K g) / λ, a C × C Cholesky solve.
+      Exact natural-gradient / ENGD steps where the residuals are fewer than the parameters.
+    - ``"dense"``: exact from ``G.todense()`` (one product per parameter): small models.
+    - ``"auto"`` (default): ``"woodbury"`` where C is below the number of parameters, else ``"cg"``
+      (chosen from the shapes at trace time).
+
+    Levenberg–Marquardt (``adapt``, where ``update`` is given ``value_fn``, called as
+    ``value_fn(params, **extra)`` with the extra arguments it accepts): the gain ratio
+
+        ρ = (f(θ) − f(θ − d)) / (gᵀd − ½ dᵀG d)
+
+    of the actual to the decrease the quadratic model predicts sets the next λ: λ·max(1/3,
+    1 − (2ρ − 1)³) where ρ > 0 (Nielsen's rule), λ·2 where the loss did not decrease, always kept
+    within [``min_damping``, ``max_damping``] (without a floor λ can fall to 1e-26 and the steps
+    blow up in float64 round-off). With ``reject``, a step that does not lower the loss comes out
+    as zeros (the parameters stay; the next step is more damped). ``value=`` saves one call of
+    ``value_fn`` at θ. Without ``value_fn`` λ stays fixed.
+
+    Chain it with ``optax.scale(-1.0)`` (a step θ − d) or a line search; optax's line searches hand
+    every extra argument on to ``value_fn``, so give it a ``curvature=None`` parameter.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp, optax, linbackprop as lbp
+        >>> net = lbp.Network([lbp.Layer("y", lambda th, x: x @ th[0], ("x",), ("W",))], ["x"], "y")
+        >>> x, y = jnp.array([[1.0, 0.0], [0.0, 2.0], [1.0, 1.0]]), jnp.array([[1.0], [2.0], [0.0]])
+        >>> loss = lambda p: 0.5 * jnp.sum((net(p, x) - y) ** 2)
+        >>> tx = optax.chain(lbp.scale_by_gauss_newton(damping=1e-8, solver="dense"), optax.scale(-1.0))
+        >>> params = {"W": jnp.zeros((2, 1))}
+        >>> value, grad, G = lbp.gauss_newton(loss)(params)
+        >>> updates, _ = tx.update(grad, tx.init(params), params, curvature=G)
+        >>> [round(float(w), 4) for w in optax.apply_updates(params, updates)["W"].ravel()]  # least squares: one step
+        [0.1111, 0.7778]
+    """
+    if solver not in ("auto", "cg", "woodbury", "dense"):
+        raise ValueError(f"scale_by_gauss_newton(solver={solver!r}): use 'auto', 'cg', 'woodbury' or 'dense'.")
+    if not 0 < min_damping <= damping <= max_damping:
+        raise ValueError(f"scale_by_gauss_newton: needs 0 < min_damping ({min_damping}) ≤ damping ({damping}) "
+                         f"≤ max_damping ({max_damping}).")
+
+    def init(params: Any) -> ScaleByGaussNewtonState:
+        zeros = optax.tree.zeros_like(params)
+        return ScaleByGaussNewtonState(jnp.asarray(damping, _dtype(params)), zeros, jnp.zeros((), jnp.int32))
+
+    def update(updates: Any, state: ScaleByGaussNewtonState, params: Any = None, *,
+               curvature: GaussNewton | None = None, value: Any = None, value_fn: Callable | None = None,
+               **extra: Any) -> tuple[Any, ScaleByGaussNewtonState]:
+        if not isinstance(curvature, GaussNewton):
+            raise TypeError("scale_by_gauss_newton needs the Gauss–Newton matrix: "
+                            "value, grad, G = lbp.gauss_newton(loss)(params, *batch); "
+                            "tx.update(grad, state, params, curvature=G)"
+                            + ("" if curvature is None else f" (got curvature of type {type(curvature).__name__})."))
+        lam = state.damping
+        direction = _directions[_chosen(solver, curvature)](curvature, updates, lam, state.direction if warm_start
+                                                             else None, maxiter, tol)
+        if value_fn is None or not adapt:
+            return direction, ScaleByGaussNewtonState(lam, direction, state.count + 1)
+        if params is None:
+            raise ValueError("scale_by_gauss_newton with value_fn needs params: tx.update(grad, state, params, ...).")
+        kwargs = _accepted(value_fn, extra)
+        before = value_fn(params, **kwargs) if value is None else value
+        after = value_fn(optax.tree.sub(params, direction), **kwargs)
+        predicted = optax.tree.vdot(updates, direction) - 0.5 * optax.tree.vdot(direction, curvature.mv(direction))
+        decreased = jnp.isfinite(after) & (after < before)
+        rho = jnp.where(decreased, (before - after) / jnp.maximum(predicted, jnp.finfo(lam.dtype).tiny), -1.0)
+        factor = jnp.where(rho > 0, jnp.maximum(1 / 3, 1 - (2 * rho - 1) ** 3), 2.0)
+        lam = jnp.clip(lam * factor.astype(lam.dtype), min_damping, max_damping)
+        if reject:
+            direction = jax.tree.map(lambda d: jnp.where(decreased, d, jnp.zeros_like(d)), direction)
+        return direction, ScaleByGaussNewtonState(lam, direction, state.count + 1)
+
+    return optax.GradientTransformationExtraArgs(init, update)
+
+
+def _chosen(solver: Solver, G: GaussNewton) -> str:
+    if solver != "auto":
+        return solver
+    return "woodbury" if G.outputs < G.size else "cg"
+
+
+def _cg(G: GaussNewton, g: Any, lam: jax.Array, start: Any, maxiter: int, tol: float) -> Any:
+    damped = lambda v: optax.tree.add_scale(G.mv(v), lam, v)
+    return jax.scipy.sparse.linalg.cg(damped, g, x0=start, maxiter=maxiter, tol=tol)[0]
+
+
+def _woodbury(G: GaussNewton, g: Any, lam: jax.Array, start: Any, maxiter: int, tol: float) -> Any:
+    """(λI + KᵀK)⁻¹ g = (g − Kᵀ(λI + KKᵀ)⁻¹ K g) / λ with K = G.factor() (C rows)."""
+    rows = G.factor()
+    flat = jax.vmap(lambda row: ravel_pytree(row)[0])(rows)  # [C, P]
+    g_flat, unravel = ravel_pytree(g)
+    gram = flat @ flat.T + lam * jnp.eye(flat.shape[0], dtype=flat.dtype)
+    y = jax.scipy.linalg.cho_solve(jax.scipy.linalg.cho_factor(gram), flat @ g_flat)
+    return unravel((g_flat - flat.T @ y) / lam)
+
+
+def _dense(G: GaussNewton, g: Any, lam: jax.Array, start: Any, maxiter: int, tol: float) -> Any:
+    g_flat, unravel = ravel_pytree(g)
+    matrix = G.todense() + lam * jnp.eye(g_flat.size, dtype=g_flat.dtype)
+    return unravel(jax.scipy.linalg.cho_solve(jax.scipy.linalg.cho_factor(matrix), g_flat))
+
+
+_directions: dict[str, Callable] = {"cg": _cg, "woodbury": _woodbury, "dense": _dense}
+
+
+class ScaleByKfacState(NamedTuple):
+    """The moving averages of the factors (a [`Kronecker`][linbackprop.Kronecker] pair or a diagonal per leaf), their
+    damped inverses and the step count; the averages are None until the first update."""
+
+    count: jax.Array
+    curvature: Any
+    inverses: Any
+
+
+def scale_by_kfac(damping: float = 1e-3, decay: float = 0.95, update_every: int = 1, *,
+                  approximation: Literal["expand"] = "expand") -> optax.GradientTransformationExtraArgs:
+    """K-FAC's preconditioned gradient from ``update(..., factors=lbp.kfac_factors(loss)(params,
+    *batch))``: per leaf W with factors A ⊗ Γ (averaged over steps),
+
+        d_W = (A + π√λ I)⁻¹ ḡ_W (Γ + √λ/π I)⁻¹,    π² = (tr A / dim A) / (tr Γ / dim Γ)
+
+    (W read as the [dim A, dim Γ] matrix of [`Kronecker`][linbackprop.Kronecker]; factored Tikhonov damping with
+    Martens & Grosse's π), and for the leaves without factors (biases, norms: None in
+    ``factors``) the damped diagonal d = ḡ / (diag G + λ) from ``diagonal=lbp.diag_ggn(loss)(params,
+    *batch)``. The factors are averaged with ``decay`` (F ← decay F + (1 − decay) F_new; the first
+    step takes F_new); the inverses are recomputed every ``update_every`` steps (``eigh``-free:
+    Cholesky of the damped factors) and held in between. ``approximation="expand"`` is what
+    [`kfac_factors`][linbackprop.kfac_factors] computes for shared weights (every use a term of the sums).
+
+    The state's factors are made at the first update (``init`` cannot know which leaves have
+    Kronecker factors): a jitted step compiles twice, once for the first state and once for the
+    rest. Returns a direction: chain with ``optax.scale(-learning_rate)``.
+
+    Examples:
+        >>> import jax.numpy as jnp, optax, linbackprop as lbp
+        >>> net = lbp.Network([lbp.Layer("y", lambda th, x: x @ th[0] + th[1], ("x",), ("W", "b"))], ["x"], "y")
+        >>> x, y = jnp.array([[1.0, 0.0], [0.0, 2.0]]), jnp.array([[1.0], [2.0]])
+        >>> loss = lambda p: 0.5 * jnp.sum((net(p, x) - y) ** 2)
+        >>> params = {"W": jnp.zeros((2, 1)), "b": jnp.zeros(1)}
+        >>> tx = optax.chain(lbp.scale_by_kfac(damping=1e-8), optax.scale(-1.0))
+        >>> updates, state = tx.update(lbp.grad_by_solve(loss)(params), tx.init(params), params,
+        ...                            factors=lbp.kfac_factors(loss)(params), diagonal=lbp.diag_ggn(loss)(params))
+        >>> jnp.round(optax.apply_updates(params, updates)["W"].ravel(), 3).tolist()  # G_W = A ⊗ Γ: exact here
+        [1.0, 1.0]
+    """
+    if approximation != "expand":
+        raise NotImplementedError(f"scale_by_kfac(approximation={approximation!r}): only 'expand' is implemented "
+                                  "(kfac_factors sums every use of a shared weight).")
+    if not 0 <= decay < 1 or update_every < 1 or damping <= 0:
+        raise ValueError(f"scale_by_kfac: needs damping > 0 ({damping}), 0 ≤ decay < 1 ({decay}) and "
+                         f"update_every ≥ 1 ({update_every}).")
+
+    def init(params: Any) -> ScaleByKfacState:
+        del params
+        return ScaleByKfacState(jnp.zeros((), jnp.int32), None, None)
+
+    def update(updates: Any, state: ScaleByKfacState, params: Any = None, *, factors: Any = None,
+               diagonal: Any = None, **extra: Any) -> tuple[Any, ScaleByKfacState]:
+        del params, extra
+        if factors is None:
+            raise TypeError("scale_by_kfac needs the factors: tx.update(grad, state, params, "
+                            "factors=lbp.kfac_factors(loss)(params, *batch), "
+                            "diagonal=lbp.diag_ggn(loss)(params, *batch)).")
+        fresh = _curvature_of(updates, factors, diagonal)
+        if state.curvature is None:
+            averaged = fresh
+            inverses = _inverses(averaged, damping)
+        else:
+            averaged = jax.tree.map(lambda old, new: decay * old + (1 - decay) * new, state.curvature, fresh)
+            inverses = jax.lax.cond(state.count % update_every == 0, lambda c, i: _inverses(c, damping),
+                                    lambda c, i: i, averaged, state.inverses)
+        direction = jax.tree.map(_preconditioned, inverses, updates, is_leaf=lambda x: isinstance(x, _Inverse))
+        return direction, ScaleByKfacState(state.count + 1, averaged, inverses)
+
+    return optax.GradientTransformationExtraArgs(init, update)
+
+
+class _Diagonal(NamedTuple):
+    """A leaf preconditioned by its GGN diagonal."""
+
+    diag: jax.Array
+
+
+class _Inverse(NamedTuple):
+    """A leaf's damped inverse: Kronecker (left⁻¹, right⁻¹) or the diagonal's (right None)."""
+
+    left: jax.Array
+    right: jax.Array | None
+
+
+def _curvature_of(grads: Any, factors: Any, diagonal: Any) -> Any:
+    """Per leaf of the gradient: its Kronecker pair, or its diagonal where ``factors`` has None."""
+    paths_grads = jax.tree_util.tree_flatten_with_path(grads)
+    is_factor = lambda x: x is None or isinstance(x, Kronecker)
+    flat_factors = jax.tree.flatten(factors, is_leaf=is_factor)[0]
+    leaves, treedef = paths_grads
+    if len(flat_factors) != len(leaves):
+        raise ValueError(f"scale_by_kfac: factors has {len(flat_factors)} leaves, the gradient {len(leaves)}; pass "
+                         "factors=lbp.kfac_factors(loss)(params, *batch) for the same parameters.")
+    flat_diag = [None] * len(leaves) if diagonal is None else jax.tree.leaves(diagonal)
+    out = []
+    for (path, g), f, d in zip(leaves, flat_factors, flat_diag):
+        if isinstance(f, Kronecker):
+            rows = f.left.shape[:-2]
+            if jnp.size(g) != math.prod(rows + (f.left.shape[-1], f.right.shape[-1])):
+                raise ValueError(f"scale_by_kfac: the factors of {jax.tree_util.keystr(path)} "
+                                 f"({f.left.shape}, {f.right.shape}) do not match its shape {jnp.shape(g)}.")
+            out.append(f)
+        elif d is None:
+            raise ValueError(f"scale_by_kfac: {jax.tree_util.keystr(path)} has no Kronecker factors (not a dense "
+                             "product); pass its GGN diagonal: diagonal=lbp.diag_ggn(loss)(params, *batch).")
+        else:
+            out.append(_Diagonal(d))
+    return jax.tree.unflatten(treedef, out)
+
+
+def _inverses(curvature: Any, damping: float) -> Any:
+    def one(c: Kronecker | _Diagonal) -> _Inverse:
+        if isinstance(c, _Diagonal):
+            return _Inverse(1.0 / (c.diag + damping), None)
+        left, right = c.left, c.right
+        mean_trace = lambda m: jnp.trace(m, axis1=-2, axis2=-1) / m.shape[-1]
+        pi = jnp.sqrt(jnp.maximum(mean_trace(left), 1e-30) / jnp.maximum(mean_trace(right), 1e-30))[..., None, None]
+        root = jnp.sqrt(damping)
+        return _Inverse(_spd_inverse(left + pi * root * jnp.eye(left.shape[-1], dtype=left.dtype)),
+                        _spd_inverse(right + root / pi * jnp.eye(right.shape[-1], dtype=right.dtype)))
+
+    return jax.tree.map(one, curvature, is_leaf=lambda x: isinstance(x, (Kronecker, _Diagonal)))
+
+
+def _spd_inverse(m: jax.Array) -> jax.Array:
+    eye = jnp.broadcast_to(jnp.eye(m.shape[-1], dtype=m.dtype), m.shape)
+    return jax.scipy.linalg.cho_solve(jax.scipy.linalg.cho_factor((m + jnp.swapaxes(m, -1, -2)) / 2), eye)
+
+
+def _preconditioned(inverse: _Inverse, g: jax.Array) -> jax.Array:
+    if inverse.right is None:
+        return inverse.left * g
+    matrix = g.reshape(inverse.left.shape[:-2] + (inverse.left.shape[-1], inverse.right.shape[-1]))
+    return (inverse.left @ matrix @ inverse.right).reshape(g.shape)
+
+
+def _accepted(fn: Callable, extra: dict[str, Any]) -> dict[str, Any]:
+    """The extra arguments ``fn`` takes by name (all of them where it has ``**kwargs``)."""
+    rest = {k: v for k, v in extra.items() if k not in _OWN}
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return rest
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        return rest
+    names = {p.name for p in parameters}
+    return {k: v for k, v in rest.items() if k in names}
+
+
+def _dtype(params: Any) -> Any:
+    leaves = jax.tree.leaves(params)
+    return jnp.result_type(*leaves) if leaves else jnp.float32
