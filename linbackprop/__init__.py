@@ -20,6 +20,7 @@ from ._curvature import (
 )
 from ._graph import GraphError, Layer, Network, Row, Stack
 from ._interop import Functional, functional
+from ._laplacian import forward_laplacian
 from ._operators import Block, Linearization, LinearOperator, ParamOperator, StateOperator, linearize
 from ._optim import scale_by_gauss_newton, scale_by_kfac
 from ._pictures import plot_network, spy
@@ -46,6 +47,7 @@ __all__ = [
                          "capture",
                          "clipped_grad",
                          "diag_ggn",
+                         "forward_laplacian",
                          "functional",
                          "gauss_newton",
                          "grad_by_solve",

@@ -192,11 +192,13 @@ def _first_operand(eqn: Any, path: list[Any]) -> int | None:
 class OuterFactors:
     """Kronecker factors of cotangent leaves that are products of one example's operands, x_bᵀ y_b
     (a ``dot_general`` without batch axes, the contracted axes summed: positions of a sequence),
-    with y linear in the adjoint (the arguments marked ``varying``):
+    or sums of such products (a weight used several times in one layer), with y linear in the
+    adjoint (the arguments marked ``varying``):
 
         Σ_b vec(x_bᵀ y_b) vec(x_bᵀ y_b)ᵀ  ≈  (1/N) (Σ_b x_bᵀ x_b) ⊗ (Σ_b y_bᵀ y_b)
 
-    (K-FAC; exact for one example and one position; N counts the (example, position) terms).
+    (K-FAC; exact for one example and one position; N counts the (example, position) terms, each
+    use in a sum counted: K-FAC "expand").
     `parts` forms Σ_b w_b y_bᵀ y_b for one (adjoint, weights) — parts add up over the GGN's
     columns k — and `total` the λ-free Σ_b x_bᵀ x_b once; `layout` says in which
     order they make the leaf's Kronecker product. Leaves that are no such product (and all
@@ -208,16 +210,21 @@ class OuterFactors:
             closed = jax.make_jaxpr(per_example)(*example_args)
             moving = _moving(closed.jaxpr, varying)
             for var in closed.jaxpr.outvars:
-                src = _outer_source(closed.jaxpr, var, summed=True)
-                if src is None:
-                    self.sources.append(None)
-                    continue
-                eqn, path = src
-                sides = [not isinstance(v, Literal) and v in moving for v in eqn.invars]
-                first = _first_operand(eqn, path)
-                self.sources.append(None if sum(sides) != 1 or first is None else (eqn, sides.index(True), first))
+                terms = _outer_terms(closed.jaxpr, var)
+                found = [] if terms is not None else None
+                for eqn, path in terms or ():
+                    sides = [not isinstance(v, Literal) and v in moving for v in eqn.invars]
+                    first = _first_operand(eqn, path)
+                    if sum(sides) != 1 or first is None:
+                        found = None
+                        break
+                    found.append((eqn, sides.index(True), first))
+                if found and len({self._layout(term) for term in found}) != 1:
+                    found = None  # the terms would make different Kronecker layouts
+                self.sources.append(_merged(found) if found else None)
             self.closed: Any = closed
-            wanted = [u for src in self.sources if src is not None for u in src[0].invars]
+            wanted = [u for src in self.sources if src is not None for group in src for term in group
+                      for u in term[0].invars]
             jax.eval_shape(lambda a: _evaluate(closed.jaxpr, closed.consts, a, wanted), list(example_args))
         except (AttributeError, TypeError, KeyError, ValueError, NotImplementedError):
             self.closed, self.sources = None, []  # JAX's jaxpr internals changed: no factors
@@ -227,18 +234,23 @@ class OuterFactors:
 
     def layout(self, n: int) -> tuple[bool, int, int]:
         """Leaf ``n``: (whether the λ-free factor is the leading one, its size, the other's)."""
-        eqn, side, first = self.sources[n]
+        return self._layout(self.sources[n][0][0])
+
+    @staticmethod
+    def _layout(term: tuple) -> tuple[bool, int, int]:
+        eqn, side, first = term
         sizes = [_free_size(v, c) for v, c in zip(eqn.invars, eqn.params["dimension_numbers"][0])]
         return first != side, sizes[1 - side], sizes[side]
 
     def count(self, n: int, batch: int) -> int:
-        """N of leaf ``n``: examples times contracted positions."""
-        eqn, side, _ = self.sources[n]
-        contracted = eqn.params["dimension_numbers"][0][side]
-        return batch * math.prod(eqn.invars[side].aval.shape[d] for d in contracted)
+        """N of leaf ``n``: examples times the contracted positions of every use (K-FAC "expand")."""
+        return batch * sum(math.prod(eqn.invars[side].aval.shape[d] for d in eqn.params["dimension_numbers"][0][side])
+                           for (eqn, side, _), *_ in self.sources[n])
 
     def _grams(self, batched_args: list, in_axes: list, operand: int, weights: jax.Array | None) -> list:
-        wanted = [src[0].invars[src[1] if operand else 1 - src[1]] for src in self.sources if src is not None]
+        # a use's λ-free operand once, its adjoint operands added (xᵀy₁ + xᵀy₂ = xᵀ(y₁ + y₂))
+        wanted = [eqn.invars[side if operand else 1 - side] for src in self.sources if src is not None
+                  for group in src for eqn, side, _ in (group if operand else group[:1])]
         closed = self.closed
         values = iter(jax.vmap(lambda a: _evaluate(closed.jaxpr, closed.consts, a, wanted), in_axes=(in_axes,))(
             list(batched_args)))
@@ -247,15 +259,20 @@ class OuterFactors:
             if src is None:
                 out.append(None)
                 continue
-            eqn, side, _ = src
-            which = side if operand else 1 - side
-            contracted = eqn.params["dimension_numbers"][0][which]
-            x = next(values)  # [B, ...]: one example's operand per row
-            axes = (0, *(d + 1 for d in contracted))
-            scaled = x if weights is None else weights.reshape((-1,) + (1,) * (x.ndim - 1)).astype(x.dtype) * x
-            gram = lax.dot_general(scaled, x, ((axes, axes), ((), ())))
-            size = math.prod(x.shape[1:]) // math.prod(x.shape[d] for d in axes[1:])
-            out.append(gram.reshape(size, size))
+            total = None
+            for group in src:  # each use's Gram matrix, added up
+                eqn, side, _ = group[0]
+                contracted = eqn.params["dimension_numbers"][0][side if operand else 1 - side]
+                x = next(values)  # [B, ...]: one example's operand per row
+                for _ in group[1:] if operand else ():
+                    x = x + next(values)
+                axes = (0, *(d + 1 for d in contracted))
+                scaled = x if weights is None else weights.reshape((-1,) + (1,) * (x.ndim - 1)).astype(x.dtype) * x
+                gram = lax.dot_general(scaled, x, ((axes, axes), ((), ())))
+                size = math.prod(x.shape[1:]) // math.prod(x.shape[d] for d in axes[1:])
+                gram = gram.reshape(size, size)
+                total = gram if total is None else total + gram
+            out.append(total)
         return out
 
     def parts(self, batched_args: list, in_axes: list, weights: jax.Array) -> list:
@@ -265,6 +282,19 @@ class OuterFactors:
     def total(self, batched_args: list, in_axes: list) -> list:
         """Per leaf: Σ_b x_bᵀ x_b (the λ-free operand; None where not factored)."""
         return self._grams(batched_args, in_axes, 0, None) if self.closed is not None else []
+
+
+def _merged(terms: list[tuple]) -> list[list[tuple]]:
+    """The terms grouped into uses: products with the same λ-free operand (the same variable and
+    contraction, the same adjoint operand's shape) are one use whose adjoint operands add — the
+    copies of one product that nested JVPs leave in a program."""
+    groups: dict[tuple, list[tuple]] = {}
+    for eqn, side, first in terms:
+        fixed = eqn.invars[1 - side]
+        key = (id(eqn) if isinstance(fixed, Literal) else fixed, str(eqn.params["dimension_numbers"]), side, first,
+               eqn.invars[side].aval.shape)
+        groups.setdefault(key, []).append((eqn, side, first))
+    return list(groups.values())
 
 
 def _free_size(var: Any, contracted: tuple[int, ...]) -> int:

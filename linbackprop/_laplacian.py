@@ -1,0 +1,116 @@
+"""The forward-Laplacian lift of a Network: each state U becomes (U, ∇U, ΔU) with respect to the
+coordinates x of one input, each layer propagating the three from its own function.
+
+With Φ a layer and its inputs V = (v, ∇v, Δv) (∇ along the coordinates e_1 … e_d),
+
+    U = Φ(v),   ∇U·e_k = DΦ[∇v·e_k],   ΔU = DΦ[Δv] + Σ_k D²Φ[∇v·e_k, ∇v·e_k]
+
+(the chain rule twice): d + 1 directional derivatives and d second ones, from nested
+``jax.jvp`` of the layer function. The lifted network is a Network like any other: its
+parameters are the original blocks, each used three times per layer (on U, on ∇U, on ΔU) —
+the weight sharing a physics-informed network's operator consists of, which the solve, the
+Gauss–Newton products and K-FAC ("expand") handle as they handle an RNN's.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Hashable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from ._graph import GraphError, Layer, Network, Row
+
+
+def forward_laplacian(net: Network, coordinates: Hashable | None = None) -> Network:
+    """``net`` with every state lifted to ``(U, ∇U, ΔU)`` w.r.t. the input ``coordinates`` (the
+    first input by default), a [B, d] batch of points x: the lifted network takes the same
+    inputs and returns ``(u, grad, lap)`` per output, ``grad`` with a trailing axis of length d
+    (∂u/∂x_k) and ``lap`` shaped like u (Σ_k ∂²u/∂x_k²). Other inputs are constants.
+
+        U = Φ(θ, v),   ∇U = DΦ[∇v],   ΔU = DΦ[Δv] + Σ_k D²Φ[∂_k v, ∂_k v]
+
+    per layer from its own function (nested ``jax.jvp``), starting from (x, I, 0). Each layer
+    must act on each example alone (a dense layer, a norm over features; not a batch norm): the
+    derivatives are taken for all points at once. The lifted layers keep their names and
+    parameter blocks, so ``grad_by_solve``, ``gauss_newton``, ``kfac_factors`` and the optax
+    transforms apply as to any Network: a physics-informed network's loss ½‖Δu + f‖² is a loss
+    of its outputs.
+
+    Examples:
+        >>> import jax.numpy as jnp, linbackprop as lbp
+        >>> net = lbp.Network([lbp.Layer("u", lambda th, x: jnp.sum(x ** 2, -1, keepdims=True) * th[0], ("x",),
+        ...                              ("a",))], ["x"], "u")
+        >>> u, grad, lap = lbp.forward_laplacian(net)({"a": jnp.array(3.0)}, jnp.array([[1.0, 2.0]]))
+        >>> u.tolist(), grad.tolist(), lap.tolist()        # 3|x|²: 6x, and Δ = 3 · 2 · 2
+        ([[15.0]], [[[6.0, 12.0]]], [[12.0]])
+    """
+    coordinates = net.inputs[0] if coordinates is None else coordinates
+    if coordinates not in net.inputs:
+        raise GraphError(f"forward_laplacian(coordinates={coordinates!r}): not an input of the network; its inputs "
+                         f"are {list(net.inputs)!r}.")
+    start = ("forward_laplacian", coordinates)
+    if any(layer.name == start for layer in net.layers):
+        raise GraphError(f"forward_laplacian: a layer is already named {start!r}; rename it.")
+    lifted = {start, *(layer.name for layer in net.layers)}
+    layers = [Layer(start, _lift_coordinates, (coordinates,))]
+    for layer in net.layers:
+        for read in layer.reads:
+            if isinstance(read, Row) and read.block == coordinates:
+                raise GraphError(f"forward_laplacian: layer {layer.name!r} reads {read!r}, a row of the coordinates; "
+                                 "the coordinates must be one [B, d] state.")
+        reads = tuple(start if read == coordinates else read for read in layer.reads)
+        mask = tuple(not isinstance(read, Row) and read in lifted for read in reads)
+        if not any(mask):
+            raise GraphError(f"forward_laplacian: layer {layer.name!r} reads no state that depends on the coordinates "
+                             f"{coordinates!r}; make it read them or a layer that does.")
+        layers.append(Layer(layer.name, _lifted(layer.fn, mask), reads, layer.params))
+    spec = net.output_spec
+    for item in spec:
+        for name in getattr(item, "names", (item,)):
+            if name in net.inputs:
+                raise GraphError(f"forward_laplacian: output {name!r} is an input, not a layer; lift layers only.")
+    return Network(layers, net.inputs, spec[0] if net.single_output else list(spec))
+
+
+def _lift_coordinates(theta: tuple, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(x, ∇x, Δx) = (x, I, 0) for points x of shape [B, d]."""
+    del theta
+    if jnp.ndim(x) != 2:
+        raise ValueError(f"forward_laplacian: the coordinates must be a [B, d] batch of points, got shape "
+                         f"{jnp.shape(x)}.")
+    eye = jnp.broadcast_to(jnp.eye(x.shape[-1], dtype=x.dtype), (*x.shape, x.shape[-1]))
+    return x, eye, jnp.zeros_like(x)
+
+
+@functools.lru_cache(maxsize=1024)
+def _lifted(fn: Callable, mask: tuple[bool, ...]) -> Callable:
+    """The layer function on lifted inputs (triples where ``mask`` is True, constants elsewhere).
+    Cached: one original function gives one lifted function (kinds stay merged)."""
+
+    def lifted(theta: tuple, *inputs: Any) -> tuple[Any, Any, Any]:
+        values = [v[0] if m else v for v, m in zip(inputs, mask)]
+        at = [n for n, m in enumerate(mask) if m]
+
+        def phi(*varying: Any) -> Any:
+            full = list(values)
+            for n, v in zip(at, varying):
+                full[n] = v
+            return fn(theta, *full)
+
+        primal = tuple(values[n] for n in at)
+        grads = tuple(inputs[n][1] for n in at)
+        laps = tuple(inputs[n][2] for n in at)
+        out, first = jax.jvp(phi, primal, laps)
+
+        def along(tangent: tuple) -> tuple[Any, Any]:
+            return jax.jvp(lambda *v: jax.jvp(phi, v, tangent)[1], primal, tangent)
+
+        grad, second = jax.vmap(along, in_axes=-1, out_axes=-1)(grads)
+        lap = jax.tree.map(lambda a, s: a + jnp.sum(s, axis=-1), first, second)
+        return out, grad, lap
+
+    lifted.__name__ = f"laplacian_of_{getattr(fn, '__name__', 'layer')}"
+    return lifted

@@ -1,0 +1,97 @@
+"""The forward-Laplacian lift against plain JAX: (u, ∇u, Δu) equal jax.grad and the trace of
+jax.hessian at each point; a physics-informed loss on the lifted network has the gradient of
+jax.grad and the Gauss–Newton matrix JᵀJ of its residuals (jax.jacfwd); K-FAC's factors of the
+first weight are the "expand" sum over the three uses (u, ∇u, Δu)."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.flatten_util import ravel_pytree
+
+import linbackprop as lbp
+
+
+def close(a, b, rtol=1e-9, atol=1e-11):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=rtol, atol=atol)
+
+
+dense = lambda th, u: jnp.tanh(u @ th[0] + th[1])
+NET = lbp.Network([lbp.Layer("h1", dense, ("x",), ("W1", "b1")),
+                   lbp.Layer("h2", dense, ("h1",), ("W2", "b2")),
+                   lbp.Layer("u", lambda th, h, s: h @ th[0] + s @ th[1], ("h2", "h1"), ("W3", "S"))], ["x"], "u")
+LIFTED = lbp.forward_laplacian(NET)
+
+
+def params(seed=0):
+    rng = np.random.default_rng(seed)
+    r = lambda *s: jnp.asarray(0.7 * rng.standard_normal(s))
+    return {"W1": r(2, 6), "b1": r(6), "W2": r(6, 6), "b2": r(6), "W3": r(6, 1), "S": r(6, 1)}
+
+
+def u_at(p, point):
+    """The plain network at one point, a scalar."""
+    return NET(p, point[None])[0, 0]
+
+
+@functools.cache
+def points():
+    rng = np.random.default_rng(1)
+    return jnp.asarray(rng.uniform(size=(7, 2))), jnp.asarray(rng.uniform(size=(4, 2)))
+
+
+def source(x):
+    return 2 * jnp.pi ** 2 * jnp.sin(jnp.pi * x[:, 0]) * jnp.sin(jnp.pi * x[:, 1])
+
+
+def pinn_loss(p, inner, edge):
+    _, _, lap = LIFTED(p, inner)
+    return 0.5 * jnp.mean((lap[:, 0] + source(inner)) ** 2) + 0.5 * jnp.mean(NET(p, edge)[:, 0] ** 2)
+
+
+def residuals(p, inner, edge):
+    """The same loss as ½‖r‖², from plain jax.hessian at each point."""
+    lap = jax.vmap(lambda x: jnp.trace(jax.hessian(u_at, argnums=1)(p, x)))(inner)
+    edge_u = jax.vmap(lambda x: u_at(p, x))(edge)
+    return jnp.concatenate([(lap + source(inner)) / jnp.sqrt(inner.shape[0]), edge_u / jnp.sqrt(edge.shape[0])])
+
+
+def test_lifted_states_are_the_derivatives():
+    p, (inner, _) = params(), points()
+    u, grad, lap = LIFTED(p, inner)
+    close(u[:, 0], jax.vmap(lambda x: u_at(p, x))(inner))
+    close(grad[:, 0, :], jax.vmap(jax.grad(u_at, argnums=1), in_axes=(None, 0))(p, inner))
+    close(lap[:, 0], jax.vmap(lambda x: jnp.trace(jax.hessian(u_at, argnums=1)(p, x)))(inner))
+    assert LIFTED.order[0] == ("forward_laplacian", "x") and LIFTED.param_names == NET.param_names
+
+
+def test_physics_informed_gradient_and_gauss_newton():
+    p, (inner, edge) = params(), points()
+    value, grad, G = lbp.gauss_newton(pinn_loss)(p, inner, edge)
+    close(value, 0.5 * jnp.sum(residuals(p, inner, edge) ** 2))
+    close(ravel_pytree(grad)[0], ravel_pytree(jax.grad(lambda q: 0.5 * jnp.sum(residuals(q, inner, edge) ** 2))(p))[0])
+    jac = jax.jacfwd(lambda flat: residuals(ravel_pytree(p)[1](flat), inner, edge))(ravel_pytree(p)[0])
+    close(G.todense(), jac.T @ jac, rtol=1e-8, atol=1e-10)
+    close(ravel_pytree(lbp.grad_by_solve(pinn_loss)(p, inner, edge))[0], ravel_pytree(grad)[0])
+
+
+def test_kfac_expand_over_the_three_uses():
+    """First weight: A = (1/N) Σ over the N = B(d + 2) uses of its input rows: x_b, the unit
+    vectors e_k (∇x = I) and 0 (Δx = 0)."""
+    p, (inner, edge) = params(), points()
+    only_inner = lambda q, inner: 0.5 * jnp.sum((LIFTED(q, inner)[2][:, 0] + source(inner)) ** 2)
+    factors = lbp.kfac_factors(only_inner)(p, inner)
+    b, d = inner.shape
+    assert isinstance(factors["W1"], lbp.Kronecker) and factors["b1"] is None
+    close(factors["W1"].left, (inner.T @ inner + b * jnp.eye(d)) / (b * (d + 2)))
+
+
+def test_bad_coordinates_name_the_fix():
+    with pytest.raises(lbp.GraphError, match="not an input"):
+        lbp.forward_laplacian(NET, "y")
+    with pytest.raises(ValueError, match=r"\[B, d\] batch of points"):
+        LIFTED(params(), jnp.ones(3))
