@@ -5,8 +5,8 @@ squares. Each Levenberg–Marquardt step is one jitted function: ``lbp.gauss_new
 pass, the linearisation stored), then ``lbp.scale_by_gauss_newton`` — conjugate gradients on
 (G + λI) δ = ∇J where every product G v is a forward substitution, a product with H (= I here:
 squared error, G is the Fisher) and a back substitution, no forward pass per product — which
-keeps the step if it lowers the loss (λ from the gain ratio) or drops it (λ doubles). Adam runs with three learning rates for the same time; the plot
-shows the loss of each against seconds.
+keeps the step if it lowers the loss (λ from the gain ratio) or drops it (λ doubles). Adam runs
+with three learning rates for the same time; the plot shows the loss of each against seconds.
 
     python examples/gauss_newton.py [--seconds 12] [--out gauss_newton.png]
 """

@@ -82,7 +82,7 @@ def test_physics_informed_gradient_and_gauss_newton():
 def test_kfac_expand_over_the_three_uses():
     """First weight: A = (1/N) Σ over the N = B(d + 2) uses of its input rows: x_b, the unit
     vectors e_k (∇x = I) and 0 (Δx = 0)."""
-    p, (inner, edge) = params(), points()
+    p, (inner, _) = params(), points()
     only_inner = lambda q, inner: 0.5 * jnp.sum((LIFTED(q, inner)[2][:, 0] + source(inner)) ** 2)
     factors = lbp.kfac_factors(only_inner)(p, inner)
     b, d = inner.shape
