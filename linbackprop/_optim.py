@@ -39,19 +39,23 @@ def scale_by_gauss_newton(damping: float = 1e-3, maxiter: int = 50, *, tol: floa
                           max_damping: float = 1e8, reject: bool = True,
                           warm_start: bool = True) -> optax.GradientTransformationExtraArgs:
     """The damped Gauss–Newton direction d = (G + λI)⁻¹ g, with G from ``update(...,
-    curvature=G)`` ([`gauss_newton`][linbackprop.gauss_newton]) and g the incoming updates (the gradient).
+    curvature=G)`` ([`gauss_newton`][linbackprop.gauss_newton]) or from its rows, ``update(..., rows=K)`` with
+    G = KᵀK ([`ggn_factor`][linbackprop.ggn_factor]: the examples' Jacobian rows), and g the incoming updates
+    (the gradient).
 
     Solvers (``solver``):
 
     - ``"cg"``: conjugate gradients on v ↦ G v + λ v (``jax.scipy.sparse.linalg.cg``, at most
       ``maxiter`` products, relative tolerance ``tol``), started from the last direction
       (``warm_start``: consecutive directions are close, as in Hessian-free optimisation).
-    - ``"woodbury"``: exact from G = KᵀK ([`GaussNewton.factor`][linbackprop.GaussNewton.factor], C rows, C the
-      network's output coordinates): d = (g − Kᵀ(λI + KKᵀ)⁻¹ K g) / λ, a C × C Cholesky solve.
-      Exact natural-gradient / ENGD steps where the residuals are fewer than the parameters.
-    - ``"dense"``: exact from ``G.todense()`` (one product per parameter): small models.
-    - ``"auto"`` (default): ``"woodbury"`` where C is below the number of parameters, else ``"cg"``
-      (chosen from the shapes at trace time).
+    - ``"woodbury"``: exact from R rows K (``rows=``, or [`GaussNewton.factor`][linbackprop.GaussNewton.factor] with
+      R the network's output coordinates): with Kᵀ = QR (thin QR), d = Q(RRᵀ + λI)⁻¹Qᵀg +
+      (g − QQᵀg)/λ — Woodbury's identity, an R × R Cholesky solve, written with the projection
+      so that float32 keeps its precision. Exact energy natural gradient (ENGD) where the
+      residuals are fewer than the parameters.
+    - ``"dense"``: exact from KᵀK (``rows=``) or ``G.todense()`` (one product per parameter).
+    - ``"auto"`` (default): ``"woodbury"`` where the rows are fewer than the parameters, else
+      ``"dense"`` from rows and ``"cg"`` from the operator (chosen from the shapes at trace time).
 
     Levenberg–Marquardt (``adapt``, where ``update`` is given ``value_fn``, called as
     ``value_fn(params, **extra)`` with the extra arguments it accepts): the gain ratio
@@ -91,16 +95,17 @@ def scale_by_gauss_newton(damping: float = 1e-3, maxiter: int = 50, *, tol: floa
         return ScaleByGaussNewtonState(jnp.asarray(damping, _dtype(params)), zeros, jnp.zeros((), jnp.int32))
 
     def update(updates: Any, state: ScaleByGaussNewtonState, params: Any = None, *,
-               curvature: GaussNewton | None = None, value: Any = None, value_fn: Callable | None = None,
-               **extra: Any) -> tuple[Any, ScaleByGaussNewtonState]:
-        if not isinstance(curvature, GaussNewton):
+               curvature: GaussNewton | None = None, rows: Any = None, value: Any = None,
+               value_fn: Callable | None = None, **extra: Any) -> tuple[Any, ScaleByGaussNewtonState]:
+        if rows is None and not isinstance(curvature, GaussNewton):
             raise TypeError("scale_by_gauss_newton needs the Gauss–Newton matrix: "
                             "value, grad, G = lbp.gauss_newton(loss)(params, *batch); "
-                            "tx.update(grad, state, params, curvature=G)"
+                            "tx.update(grad, state, params, curvature=G), or its rows: rows=lbp.ggn_factor(loss)(...)"
                             + ("" if curvature is None else f" (got curvature of type {type(curvature).__name__})."))
+        matrix = _Curvature(curvature, rows, updates)
         lam = state.damping
-        direction = _directions[_chosen(solver, curvature)](curvature, updates, lam, state.direction if warm_start
-                                                             else None, maxiter, tol)
+        start = state.direction if warm_start else None
+        direction = matrix.solve(_chosen(solver, matrix), updates, lam, start, maxiter, tol)
         if value_fn is None or not adapt:
             return direction, ScaleByGaussNewtonState(lam, direction, state.count + 1)
         if params is None:
@@ -108,7 +113,7 @@ def scale_by_gauss_newton(damping: float = 1e-3, maxiter: int = 50, *, tol: floa
         kwargs = _accepted(value_fn, extra)
         before = value_fn(params, **kwargs) if value is None else value
         after = value_fn(optax.tree.sub(params, direction), **kwargs)
-        predicted = optax.tree.vdot(updates, direction) - 0.5 * optax.tree.vdot(direction, curvature.mv(direction))
+        predicted = optax.tree.vdot(updates, direction) - 0.5 * matrix.quadratic(direction)
         decreased = jnp.isfinite(after) & (after < before)
         rho = jnp.where(decreased, (before - after) / jnp.maximum(predicted, jnp.finfo(lam.dtype).tiny), -1.0)
         factor = jnp.where(rho > 0, jnp.maximum(1 / 3, 1 - (2 * rho - 1) ** 3), 2.0)
@@ -120,34 +125,60 @@ def scale_by_gauss_newton(damping: float = 1e-3, maxiter: int = 50, *, tol: floa
     return optax.GradientTransformationExtraArgs(init, update)
 
 
-def _chosen(solver: Solver, G: GaussNewton) -> str:
+class _Curvature:
+    """G given as the operator (``curvature=``, products ``G.mv``) or as rows K with G = KᵀK
+    (``rows=``, flattened to [R, P] once)."""
+
+    def __init__(self, G: GaussNewton | None, rows: Any, like: Any):
+        self.G = G
+        self.flat = None if rows is None else jax.vmap(lambda row: ravel_pytree(row)[0])(rows)
+        if self.flat is not None and self.flat.shape[1] != ravel_pytree(like)[0].size:
+            raise ValueError(f"scale_by_gauss_newton: rows= has {self.flat.shape[1]} entries per row, the gradient "
+                             f"{ravel_pytree(like)[0].size}; pass rows=lbp.ggn_factor(loss)(params, *batch).")
+        self.rows_count = self.G.outputs if self.flat is None else self.flat.shape[0]
+        self.size = ravel_pytree(like)[0].size
+
+    def mv(self, v: Any) -> Any:
+        if self.flat is None:
+            return self.G.mv(v)
+        flat, unravel = ravel_pytree(v)
+        return unravel(self.flat.T @ (self.flat @ flat))
+
+    def quadratic(self, v: Any) -> jax.Array:
+        """vᵀ G v."""
+        if self.flat is None:
+            return optax.tree.vdot(v, self.G.mv(v))
+        return jnp.sum((self.flat @ ravel_pytree(v)[0]) ** 2)
+
+    def solve(self, method: str, g: Any, lam: jax.Array, start: Any, maxiter: int, tol: float) -> Any:
+        """(G + λI)⁻¹ g by ``method``."""
+        if method == "cg":
+            damped = lambda v: optax.tree.add_scale(self.mv(v), lam, v)
+            return jax.scipy.sparse.linalg.cg(damped, g, x0=start, maxiter=maxiter, tol=tol)[0]
+        g_flat, unravel = ravel_pytree(g)
+        if method == "woodbury":
+            # Kᵀ = QR: (λI + KᵀK)⁻¹ g = Q (RRᵀ + λI)⁻¹ Qᵀg + (g − QQᵀg)/λ. Woodbury's own form
+            # (g − Kᵀ(λI + KKᵀ)⁻¹Kg)/λ subtracts nearly equal vectors: in float32 its error grows
+            # with cond(KKᵀ)/λ; the projection's stays at round-off of g.
+            k = self.flat if self.flat is not None else jax.vmap(lambda row: ravel_pytree(row)[0])(self.G.factor())
+            q, r = jnp.linalg.qr(k.T)
+            small = r @ r.T + lam * jnp.eye(r.shape[0], dtype=r.dtype)
+            inside = q.T @ g_flat
+            solved = jax.scipy.linalg.cho_solve(jax.scipy.linalg.cho_factor(small), inside)
+            return unravel(q @ solved + (g_flat - q @ inside) / lam)
+        dense = self.G.todense() if self.flat is None else self.flat.T @ self.flat
+        matrix = dense + lam * jnp.eye(g_flat.size, dtype=g_flat.dtype)
+        return unravel(jax.scipy.linalg.cho_solve(jax.scipy.linalg.cho_factor(matrix), g_flat))
+
+
+def _chosen(solver: Solver, matrix: _Curvature) -> str:
+    """"auto": Woodbury where the rows (G's rank bound) are fewer than the parameters; else CG on
+    the operator, or the dense P × P solve from rows."""
     if solver != "auto":
         return solver
-    return "woodbury" if G.outputs < G.size else "cg"
-
-
-def _cg(G: GaussNewton, g: Any, lam: jax.Array, start: Any, maxiter: int, tol: float) -> Any:
-    damped = lambda v: optax.tree.add_scale(G.mv(v), lam, v)
-    return jax.scipy.sparse.linalg.cg(damped, g, x0=start, maxiter=maxiter, tol=tol)[0]
-
-
-def _woodbury(G: GaussNewton, g: Any, lam: jax.Array, start: Any, maxiter: int, tol: float) -> Any:
-    """(λI + KᵀK)⁻¹ g = (g − Kᵀ(λI + KKᵀ)⁻¹ K g) / λ with K = G.factor() (C rows)."""
-    rows = G.factor()
-    flat = jax.vmap(lambda row: ravel_pytree(row)[0])(rows)  # [C, P]
-    g_flat, unravel = ravel_pytree(g)
-    gram = flat @ flat.T + lam * jnp.eye(flat.shape[0], dtype=flat.dtype)
-    y = jax.scipy.linalg.cho_solve(jax.scipy.linalg.cho_factor(gram), flat @ g_flat)
-    return unravel((g_flat - flat.T @ y) / lam)
-
-
-def _dense(G: GaussNewton, g: Any, lam: jax.Array, start: Any, maxiter: int, tol: float) -> Any:
-    g_flat, unravel = ravel_pytree(g)
-    matrix = G.todense() + lam * jnp.eye(g_flat.size, dtype=g_flat.dtype)
-    return unravel(jax.scipy.linalg.cho_solve(jax.scipy.linalg.cho_factor(matrix), g_flat))
-
-
-_directions: dict[str, Callable] = {"cg": _cg, "woodbury": _woodbury, "dense": _dense}
+    if matrix.rows_count < matrix.size:
+        return "woodbury"
+    return "cg" if matrix.flat is None else "dense"
 
 
 class ScaleByKfacState(NamedTuple):

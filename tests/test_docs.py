@@ -16,6 +16,7 @@ import linbackprop as lbp
 
 MODULES = ["_capture._marks", "_capture._program", "_capture._rewrite", "_curvature._clipping",
            "_curvature._gauss_newton", "_curvature._ggn", "_curvature._per_example", "_graph", "_interop",
+           "_laplacian",
            "_operators", "_optim", "_pictures", "_transforms"]
 
 

@@ -70,6 +70,55 @@ def diag_ggn(fun: Callable, argnums: int | Sequence[int] = 0, *, engine: str = "
     return run
 
 
+def ggn_factor(fun: Callable, argnums: int | Sequence[int] = 0, *, rank: int | None = None, engine: str = "auto",
+               layers: Any = None) -> Callable:
+    """K with G = Kᵀ K from per-example Jacobian rows, shaped like the arguments ``argnums``
+    names with a leading axis of r·B rows (r per example, B examples):
+
+        G = Σ_b J_b* H_b J_b = Σ_b Σ_k (J_b* √λ_bk s_bk)(J_b* √λ_bk s_bk)ᵀ,   H_b = Σ_k λ_bk s_bk s_bkᵀ
+
+    ``fun`` returns a scalar loss that is a sum (or mean) over examples, so that H is block
+    diagonal (each example's C × C block factored by ``eigh``, as in [`diag_ggn`][linbackprop.diag_ggn]); row
+    (k, b) is example b's gradient of the k-th column of its factor: one back substitution for
+    all examples per k, then ℳ per example. ``rank=r`` keeps each example's r largest
+    eigenvalues: exact where each example has at most r residuals — a least-squares loss
+    ½ Σ_b ‖r_b‖² with one residual per example (a physics-informed network's ½ (Δu + f)² at each
+    point) has rank 1, and its rows are then the residuals' Jacobian rows. H's negative part is
+    dropped (exact for squared error and softmax cross-entropy).
+
+    With R = r·B rows, (G + λI)⁻¹ g is a P × P solve from KᵀK or, where R < P, the R × R
+    Woodbury solve (g − Kᵀ(λI + KKᵀ)⁻¹K g)/λ: [`scale_by_gauss_newton`][linbackprop.scale_by_gauss_newton] takes the
+    rows as ``update(..., rows=K)`` (exact energy natural gradient, ENGD). About r + 1 gradients.
+    Layers that mix examples raise a ``ValueError``.
+
+    Examples:
+        >>> import jax.numpy as jnp, linbackprop as lbp
+        >>> net = lbp.Network([lbp.Layer("y", lambda th, x: x @ th[0], ("x",), ("W",))], ["x"], "y")
+        >>> loss = lambda p, x: 0.5 * jnp.sum(net(p, x) ** 2)
+        >>> K = lbp.ggn_factor(loss, rank=1)({"W": jnp.ones((2, 1))}, jnp.array([[1.0, 0.0], [0.0, 2.0]]))["W"]
+        >>> K.shape, K[:, :, 0].tolist()                          # the examples' Jacobian rows: x_b
+        ((2, 2, 1), [[1.0, 0.0], [0.0, 2.0]])
+    """
+    if layers is not None:
+        return on_model(lambda f, a: ggn_factor(f, a, rank=rank, engine=engine), fun, argnums, layers)
+    nums, single = normalise_argnums(argnums)
+    if rank is not None and (not isinstance(rank, int) or rank < 1):
+        raise ValueError(f"ggn_factor(rank={rank!r}): a positive int (the residuals per example), or None for all.")
+
+    def run(*args: Any) -> Any:
+        calls, batch, unflatten, lam, vecs = _hessian_blocks(fun, args, nums, engine, "ggn_factor")
+        coords = lam.shape[1]
+        keep = coords if rank is None else min(rank, coords)
+        rows = []
+        for k in range(coords - keep, coords):  # eigh's order is ascending: the largest last
+            s = vecs[:, :, k] * jnp.sqrt(jnp.maximum(lam[:, k], 0.0))[:, None]
+            rows.append(calls.per_example(calls.adjoints(unflatten(s), batch), batch))
+        out = jax.tree.map(lambda *r: jnp.concatenate(r, axis=0), *rows)
+        return out[0] if single else out
+
+    return run
+
+
 class Kronecker(NamedTuple):
     """K-FAC factors of one parameter leaf W: its block of G ≈ left ⊗ right, W read row-major as
     a [left.shape[-1], right.shape[-1]] matrix (a dense layer's W of shape [in, out] in u @ W:
