@@ -1,7 +1,7 @@
 """Benchmarks: grad_by_solve against jax.grad, side by side in one process.
 
     python benchmarks/run.py [--repeats 15] [--write-docs] [--quick]
-        [--rows {all,gradients,curvature,headline,eager,capture,private}]
+        [--rows {all,gradients,curvature,headline,eager,capture,private,pinn}] [--pinn-seconds 300]
 
 Every timing row runs jit(grad_by_solve) and its reference jit(jax.grad) interleaved (medians of
 ``--repeats`` runs each) and prints the ratio: absolute times are not comparable across runs on a
@@ -12,7 +12,10 @@ markers in docs/performance.md (gradients, and where ℳ after the loop pays) an
 docs/guides/curvature.md (curvature), and the headline rows those in README.md. ``--rows headline``
 is the short list for an accelerator (README's rows and the ℳ-after-the-loop sweep, a few
 minutes); on an accelerator ``--write-docs`` writes README's accelerator rows only, naming the
-device, and leaves the CPU tables as they are.
+device, and leaves the CPU tables as they are. ``--rows pinn`` (not in ``all``: it takes
+≈ 6 × ``--pinn-seconds`` per network) trains the kfac-pinns Poisson problem of
+examples/pinn_poisson.py with each method on the same budget (2-64-1; ``--pinn-deep`` adds
+2-64-64-48-48-1) and writes its table into docs/guides/training.md.
 """
 
 from __future__ import annotations
@@ -454,7 +457,47 @@ def gauss_newton_rows(repeats: int) -> list[tuple[str, str, str]]:
         out.append(("same / recomputing the forward pass per product (jax.jvp + jax.vjp)",
                     f"{t_ours / t_recomputed:.2f} ({t_recomputed * 1e3:.1f} ms)", "—"))
         print(out[-2:], flush=True)
+    out.append(_cross_entropy_gauss_newton_row(repeats))
+    print(out[-1], flush=True)
     return out
+
+
+def _cross_entropy_gauss_newton_row(repeats: int, shape: tuple[int, int, int] = (512, 32, 8),
+                                    classes: int = 10) -> tuple[str, str, str]:
+    """The Gauss–Newton step above with the loss most users have: a 10-class head and softmax
+    cross-entropy (H the softmax's Fisher, no longer the identity), against the same step written
+    with jax.linearize of the lax.scan network and head, H from linearising the loss's gradient."""
+    _, (params, x), _, _ = chain(*shape)
+    depth, width, batch = shape
+    params = {**params, "head": _normal(jax.random.PRNGKey(1), (width, classes), 1 / np.sqrt(width))}
+    labels = jnp.arange(batch) % classes
+    layer, head = _fresh(residual), lambda th, u: u @ th[0]
+    net = lbp.Network([lbp.Layer(i, layer, (i - 1,), (lbp.Row("W", i - 1), lbp.Row("b", i - 1)))
+                       for i in range(1, depth + 1)] + [lbp.Layer("logits", head, (depth,), ("head",))], [0], "logits")
+    xent = lambda logits: optax.softmax_cross_entropy_with_integer_labels(logits, labels).sum()
+    damped = lambda mv: (lambda v: jax.tree.map(lambda a, b: a + 1e-2 * b, mv(v), v))
+
+    def model(p, x):
+        u, _ = jax.lax.scan(lambda u, wb: (layer(wb, u), None), x, (p["W"], p["b"]))
+        return u @ p["head"]
+
+    def ours(p, x):
+        _, grad, G = lbp.gauss_newton(lambda q, x: xent(net(q, x)))(p, x)
+        return jax.scipy.sparse.linalg.cg(damped(G.mv), grad, maxiter=10)[0]
+
+    def held(p, x):
+        out, jvp = jax.linearize(lambda q: model(q, x), p)
+        vjp = jax.linear_transpose(jvp, p)
+        g_out, hvp = jax.linearize(jax.grad(xent), out)
+        grad = vjp(g_out)[0]
+        return jax.scipy.sparse.linalg.cg(damped(lambda v: vjp(hvp(jvp(v)))[0]), grad, maxiter=10)[0]
+
+    args = (params, x)
+    fns = [compiled(f, args)[0] for f in (ours, held)]
+    t_ours, t_held = interleaved([(f, args) for f in fns], repeats)
+    return (f"same with a {classes}-class head and softmax cross-entropy, deep narrow chain {depth}×{width}×{batch}: "
+            f"`lbp.gauss_newton` / jax.linearize + linear_transpose (held once)",
+            f"{t_ours / t_held:.2f} ({t_ours * 1e3:.1f} ms / {t_held * 1e3:.1f} ms)", "<= 0.8")
 
 
 def per_example_rows(repeats: int) -> list[tuple[str, str, str]]:
@@ -716,6 +759,25 @@ def eager_rows(repeats: int) -> list[tuple[str, str, str]]:
     return rows
 
 
+def pinn_rows(args: argparse.Namespace) -> list[tuple[str, str, str]]:
+    """Each method of examples/pinn_poisson.py on the same step-time budget (float64)."""
+    spec = importlib.util.spec_from_file_location("pinn_poisson", ROOT / "examples" / "pinn_poisson.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    rows = []
+    for widths in ("64", "64,64,48,48") if args.pinn_deep else ("64",):
+        params, _, _, _, scale = example.make_problem(tuple(int(w) for w in widths.split(",")))
+        size = sum(x.size for x in jax.tree.leaves(params))
+        result = example.main(["--seconds", str(args.pinn_seconds), "--widths", widths, "--out", ""])
+        best_adam = min((v, k) for k, v in result.items() if k.startswith("Adam"))
+        for name, error in result.items():
+            if not name.startswith("Adam") or name == best_adam[1]:
+                label = f"{name} (best of three rates)" if name.startswith("Adam") else name
+                rows.append((f"2-{widths.replace(',', '-')}-1 ({size} parameters): {label}",
+                             f"{error:.2e} ({error / scale:.2e})", f"{args.pinn_seconds:g} s"))
+    return rows
+
+
 def tables(timing: list[dict], compile_: list[tuple[str, str, str]]) -> str:
     lines = ["| network | reference | run ratio | solve ms | ref ms | compile s (solve / ref) | peak memory ratio "
              "| temp memory ratio | grad / forward |", "|---|---|---|---|---|---|---|---|---|"]
@@ -740,7 +802,10 @@ def main() -> None:
                         help="write the tables into docs/performance.md, docs/guides/curvature.md and README.md "
                              "(on an accelerator: README's accelerator rows only)")
     parser.add_argument("--quick", action="store_true", help="smaller compile-scaling rows (a smoke test)")
-    parser.add_argument("--rows", choices=["all", "gradients", "curvature", "headline", "eager", "capture", "private"],
+    parser.add_argument("--pinn-seconds", type=float, default=300.0, help="--rows pinn: seconds per method")
+    parser.add_argument("--pinn-deep", action="store_true", help="--rows pinn: the deep-wide network too")
+    parser.add_argument("--rows", choices=["all", "gradients", "curvature", "headline", "eager", "capture", "private",
+                                           "pinn"],
                         default="all",
                         help="which tables to measure (and write); headline: README's rows and where ℳ after the "
                              "loop stops paying, the short list for an accelerator")
@@ -752,6 +817,12 @@ def main() -> None:
         print(headline(timing), small_table("where ℳ after the loop pays", threshold), sep="\n\n")
         if args.write_docs:
             _write_headline(timing, threshold, args.rows, on_cpu)
+        return
+    if args.rows == "pinn":
+        text = small_table("Poisson PINN, L2 error (relative) after the budget", pinn_rows(args), "budget")
+        print(text)
+        if args.write_docs and on_cpu:
+            _write_between(ROOT / "docs" / "guides" / "training.md", "pinn table", text, args.rows)
         return
     if args.rows in ("all", "private"):
         text = small_table("DP-SGD's clipped sum", private_rows(r))
@@ -824,7 +895,7 @@ def _write_between(path: Path, marker: str, text: str, rows: str) -> None:
     device = jax.devices()[0]
     where = "CPU" if device.platform == "cpu" else f"{device.platform.upper()} ({device.device_kind})"
     block = (f"<!-- {marker} -->\n`python benchmarks/run.py --write-docs{flag}` on "
-             f"{where} (float32), jax {jax.__version__}:\n\n{text}\n"
+             f"{where} ({'float64' if jax.config.jax_enable_x64 else 'float32'}), jax {jax.__version__}:\n\n{text}\n"
              f"<!-- /{marker} -->")
     content, found = re.subn(f"<!-- {marker} -->.*<!-- /{marker} -->", lambda _: block, path.read_text(), flags=re.S)
     if not found:

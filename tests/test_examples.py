@@ -121,3 +121,12 @@ def test_gauss_newton_example_beats_adam(tmp_path):
     result = load("gauss_newton").main(["--seconds", "1.5", "--width", "12", "--out", str(png)])
     assert result["lm"] * 10 < result["adam"]
     assert png.stat().st_size > 10_000
+
+
+def test_pinn_example_engd_beats_adam(tmp_path):
+    """The Poisson PINN: exact ENGD (the residuals' rows) far below the best Adam on one budget."""
+    png = tmp_path / "pinn.png"
+    result = load("pinn_poisson").main(["--seconds", "3", "--widths", "16", "--methods", "engd,adam",
+                                        "--out", str(png)])
+    assert result["ENGD (dense)"] * 10 < min(v for k, v in result.items() if k.startswith("Adam"))
+    assert png.stat().st_size > 10_000
