@@ -65,7 +65,7 @@ def dense_direction(G, grad, lam):
 
 
 @pytest.mark.parametrize("loss", [squared, xent], ids=["squared", "cross-entropy"])
-@pytest.mark.parametrize("solver", ["cg", "woodbury", "dense", "auto"])
+@pytest.mark.parametrize("solver", ["cg", "woodbury", "dense"])  # "auto": the rows' test
 def test_direction_is_the_damped_solve(loss, solver):
     params = problem()[0]
     lam = 0.3
