@@ -131,12 +131,12 @@ class _Curvature:
 
     def __init__(self, G: GaussNewton | None, rows: Any, like: Any):
         self.G = G
-        self.flat = None if rows is None else jax.vmap(lambda row: ravel_pytree(row)[0])(rows)
-        if self.flat is not None and self.flat.shape[1] != ravel_pytree(like)[0].size:
-            raise ValueError(f"scale_by_gauss_newton: rows= has {self.flat.shape[1]} entries per row, the gradient "
-                             f"{ravel_pytree(like)[0].size}; pass rows=lbp.ggn_factor(loss)(params, *batch).")
-        self.rows_count = self.G.outputs if self.flat is None else self.flat.shape[0]
+        self.flat = None if rows is None else _flat_rows(rows)
         self.size = ravel_pytree(like)[0].size
+        if self.flat is not None and self.flat.shape[1] != self.size:
+            raise ValueError(f"scale_by_gauss_newton: rows= has {self.flat.shape[1]} entries per row, the gradient "
+                             f"{self.size}; pass rows=lbp.ggn_factor(loss)(params, *batch).")
+        self.rows_count = self.G.outputs if self.flat is None else self.flat.shape[0]
 
     def mv(self, v: Any) -> Any:
         if self.flat is None:
@@ -160,7 +160,7 @@ class _Curvature:
             # Kᵀ = QR: (λI + KᵀK)⁻¹ g = Q (RRᵀ + λI)⁻¹ Qᵀg + (g − QQᵀg)/λ. Woodbury's own form
             # (g − Kᵀ(λI + KKᵀ)⁻¹Kg)/λ subtracts nearly equal vectors: in float32 its error grows
             # with cond(KKᵀ)/λ; the projection's stays at round-off of g.
-            k = self.flat if self.flat is not None else jax.vmap(lambda row: ravel_pytree(row)[0])(self.G.factor())
+            k = self.flat if self.flat is not None else _flat_rows(self.G.factor())
             q, r = jnp.linalg.qr(k.T)
             small = r @ r.T + lam * jnp.eye(r.shape[0], dtype=r.dtype)
             inside = q.T @ g_flat
@@ -169,6 +169,11 @@ class _Curvature:
         dense = self.G.todense() if self.flat is None else self.flat.T @ self.flat
         matrix = dense + lam * jnp.eye(g_flat.size, dtype=g_flat.dtype)
         return unravel(jax.scipy.linalg.cho_solve(jax.scipy.linalg.cho_factor(matrix), g_flat))
+
+
+def _flat_rows(rows: Any) -> jax.Array:
+    """Rows stacked on a leading axis of a parameter-shaped pytree, as an [R, P] matrix."""
+    return jax.vmap(lambda row: ravel_pytree(row)[0])(rows)
 
 
 def _chosen(solver: Solver, matrix: _Curvature) -> str:

@@ -79,8 +79,8 @@ class GaussNewton(LinearOperator):
         all at once (``vmap``). H's negative part is dropped (h_c < 0 → 0): exact for squared
         error and softmax cross-entropy, whose H is positive semi-definite. For least squares
         ½‖r‖² the rows are the residuals' Jacobian rows (in H's eigenbasis). Where C is below the
-        number of parameters, (G + λI)⁻¹ g = (g − Kᵀ(λI + KKᵀ)⁻¹K g)/λ is exact at a C × C solve
-        ([`scale_by_gauss_newton`][linbackprop.scale_by_gauss_newton]'s Woodbury path).
+        number of parameters, (G + λI)⁻¹ g is exact at a C × C solve (Woodbury's identity:
+        [`scale_by_gauss_newton`][linbackprop.scale_by_gauss_newton]'s Woodbury path).
 
         Examples:
             >>> import jax.numpy as jnp, linbackprop as lbp
@@ -95,29 +95,25 @@ class GaussNewton(LinearOperator):
     def root_apply(self, basis: jax.Array) -> Any:
         """J* on the columns of ``basis`` ([C, k], the outputs flattened in order): k rows shaped
         like the arguments, stacked on a leading axis."""
-        treedef, shapes = self._outputs
-        sizes = np.cumsum([int(np.prod(shape, dtype=np.int64)) for shape, _ in shapes])[:-1]
 
         def one(column: jax.Array) -> Any:
-            parts = jnp.split(column, sizes)
-            outs = treedef.unflatten([p.reshape(shape).astype(d) for p, (shape, d) in zip(parts, shapes)])
-            back = self._vjp(outs)
+            back = self._vjp(self._as_outputs(column))
             return back[0] if self._single else tuple(back)
 
         return jax.vmap(one, in_axes=1)(basis)
 
     def hessian(self) -> jax.Array:
         """H = ∂²ℓ/∂(outputs)², dense C × C over the outputs flattened in order (C products)."""
+        column = lambda e: jnp.concatenate([jnp.ravel(x) for x in jax.tree.leaves(self._hvp(self._as_outputs(e)))])
+        dtype = jnp.result_type(*[d for _, d in self._outputs[1]])
+        return jax.vmap(column)(jnp.eye(self.outputs, dtype=dtype)).T
+
+    def _as_outputs(self, flat: jax.Array) -> Any:
+        """A vector over the outputs flattened in order, as the outputs' pytree."""
         treedef, shapes = self._outputs
         sizes = np.cumsum([int(np.prod(shape, dtype=np.int64)) for shape, _ in shapes])[:-1]
-
-        def column(e: jax.Array) -> jax.Array:
-            parts = jnp.split(e, sizes)
-            outs = treedef.unflatten([p.reshape(shape).astype(d) for p, (shape, d) in zip(parts, shapes)])
-            return jnp.concatenate([jnp.ravel(x) for x in jax.tree.leaves(self._hvp(outs))])
-
-        dtype = jnp.result_type(*[d for _, d in shapes])
-        return jax.vmap(column)(jnp.eye(self.outputs, dtype=dtype)).T
+        parts = jnp.split(flat, sizes)
+        return treedef.unflatten([p.reshape(shape).astype(d) for p, (shape, d) in zip(parts, shapes)])
 
     def todense(self) -> jax.Array:
         """The dense matrix over the arguments flattened in order (``ravel_pytree``); tiny networks."""
@@ -142,6 +138,12 @@ class GaussNewton(LinearOperator):
 
 
 _gauss_newton_mv = jax.jit(lambda G, v: G.apply(v))
+
+
+def _structure(tree: Any) -> tuple:
+    """(treedef, ((shape, dtype) per leaf)): a pytree's structure, static (an operator's aux data)."""
+    leaves, treedef = jax.tree.flatten(tree)
+    return treedef, tuple((tuple(np.shape(x)), jnp.result_type(x)) for x in leaves)
 
 
 @jax.jit
@@ -207,11 +209,7 @@ def gauss_newton(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool 
             grad = found.gradient(grad, False)
             on = OnArguments(found.arguments)
             jvp, vjp = jax.tree_util.Partial(on.jvp, jvp), jax.tree_util.Partial(on.vjp, vjp)
-        leaves, treedef = jax.tree.flatten(grad[0] if single else grad)
-        example = (treedef, tuple((tuple(np.shape(x)), jnp.result_type(x)) for x in leaves))
-        out_leaves, out_treedef = jax.tree.flatten(outs)
-        outputs = (out_treedef, tuple((tuple(np.shape(x)), jnp.result_type(x)) for x in out_leaves))
-        G = GaussNewton(jvp, vjp, hvp, single, example, outputs)
+        G = GaussNewton(jvp, vjp, hvp, single, _structure(grad[0] if single else grad), _structure(outs))
         value = (value, aux) if has_aux else value
         return value, grad[0] if single else grad, G
 
