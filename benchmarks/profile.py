@@ -30,7 +30,7 @@ interleaved runs) of ``jit(grad_by_solve)`` with ``engine="loop"`` against ``"un
 networks of a few kinds and depths — a transformer with one layer per block (embedding, blocks,
 head: three kinds), residual chains (one kind), a shallow network of distinct layers — and what
 ``engine="auto"`` picks for each (for the transformers also ``jax.grad`` over ``lax.scan``'s
-compile): the measurement behind ``_plan.loop_pays``.
+compile): the measurement behind ``Policy.loop_pays``.
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ import numpy as np
 from run import _fresh, chain, compiled, interleaved, kinds_dag, memory, residual, rnn, transformer
 
 import linbackprop as lbp
+from linbackprop._policy import POLICY
 
 
 def _block_transformer(blocks: int, width: int = 128, context: int = 64, batch: int = 16):
@@ -79,7 +80,6 @@ def _distinct(depth: int, width: int = 128, batch: int = 64):
 
 
 def engine_rule(builds: int, only: str | None = None) -> None:
-    from linbackprop import _plan
 
     cases = [(f"transformer, {n} blocks (3 kinds, {n + 2} layers)", lambda n=n: _block_transformer(n), n + 2, 3)
              for n in (2, 4, 8, 12)]
@@ -102,7 +102,7 @@ def engine_rule(builds: int, only: str | None = None) -> None:
             times.setdefault("scan", float(np.median(scan)) if scan else None)
             runs.append((c, args))
         t_loop, t_unrolled = interleaved(runs, 9)
-        auto = "loop" if _plan.loop_pays(depth, kinds) else "unrolled"
+        auto = "loop" if POLICY.loop_pays(depth, kinds) else "unrolled"
         print(f"{name:42s} compile loop {times['loop']:6.2f} s  unrolled {times['unrolled']:6.2f} s   "
               f"run loop/unrolled {t_loop / t_unrolled:5.2f} ({t_loop * 1e3:7.2f} / {t_unrolled * 1e3:7.2f} ms)   "
               f"auto: {auto}" + (f"   (jax.grad over lax.scan compiles in {times['scan']:.2f} s: loop "

@@ -34,6 +34,7 @@ import numpy as np
 import optax
 
 import linbackprop as lbp
+from linbackprop._policy import POLICY
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -384,7 +385,6 @@ def threshold_rows(repeats: int, depth: int = 128) -> list[tuple[str, str, str]]
     ``param_products="after"`` against ``"in_loop"`` (interleaved) over state sizes (width × batch),
     with the temporaries of both and what the rule (``param_products="auto"``) picks there; the
     last row counts the sizes where the rule picks the faster one (within 3 %)."""
-    from linbackprop._transforms import after_loop_pays
 
     backend = jax.default_backend()
     shapes = [(64, 1), (32, 8), (64, 16), (16, 32), (32, 32), (128, 16), (16, 128), (64, 64), (128, 64), (256, 128)]
@@ -397,7 +397,7 @@ def threshold_rows(repeats: int, depth: int = 128) -> list[tuple[str, str, str]]
                 for where in ("after", "in_loop")]
         after, in_loop = interleaved(runs, repeats)
         temps = [memory(c)[1] / 1e3 for c, _ in runs]
-        picks_after = after_loop_pays(width * batch, batch, backend)
+        picks_after = POLICY.after_loop_pays(width * batch, batch, backend)
         right += (after <= 1.03 * in_loop) if picks_after else (in_loop <= 1.03 * after)
         out.append((f"chain {depth}×{width}×{batch} ({width * batch} elements in {batch} rows): time, ℳ after the "
                     "loop / ℳΛ in the loop", f"{after / in_loop:.2f} ({after * 1e3:.2f} / {in_loop * 1e3:.2f} ms; "
@@ -724,7 +724,7 @@ def eager_rows(repeats: int) -> list[tuple[str, str, str]]:
     """Outside the user's jit every call that enters the solve traces each kind of layer once
     more, to find a stale plan (a global a layer reads changed): that check's time against an
     eager grad_by_solve step (no jit of the user's) and an eager jax.grad step."""
-    from linbackprop import _traced, _transforms
+    from linbackprop import _call, _traced
 
     rows = []
     for name, made in (("chain 16×64×32", lambda: chain(16, 64, 32)),
@@ -733,18 +733,18 @@ def eager_rows(repeats: int) -> list[tuple[str, str, str]]:
         loss, args, ref_loss, ref_args = made()
         ours, ref = lbp.grad_by_solve(loss), jax.grad(ref_loss)
         plans = []
-        original = _transforms.current_plan  # the plan each network call checks, as network_call finds it
+        original = _call.current_plan  # the plan each network call checks, as network_call finds it
 
-        def spy(net, theta, inputs, engine="auto"):
-            plan = original(net, theta, inputs, engine)
+        def spy(net, theta, inputs, engine="auto", policy=POLICY):
+            plan = original(net, theta, inputs, engine, policy)
             plans.append(plan)
             return plan
 
-        _transforms.current_plan = spy
+        _call.current_plan = spy
         try:
             jax.block_until_ready(ours(*args))
         finally:
-            _transforms.current_plan = original
+            _call.current_plan = original
         plan = plans[-1]
 
         def check():

@@ -37,6 +37,7 @@ import numpy as np
 from jax import lax
 
 from ._graph import Layer, Network, Row, Stack, stack_states
+from ._policy import POLICY
 from ._stacking import under_vmap
 
 # ``call(net, theta, inputs, offsets)`` runs one network; ``offsets`` maps names of stacked inputs
@@ -79,22 +80,19 @@ def segment_length(layers: int, checkpoints: int) -> int:
     return -(-layers // (checkpoints + 1))
 
 
-# Periods of repeating layer patterns tried when evenly spaced segments are not translates.
-LONGEST_PERIOD = 16
-
-
 @functools.lru_cache(maxsize=32)
-def split(net: Network, checkpoints: int) -> tuple[Segment, ...]:
+def split(net: Network, checkpoints: int, longest_period: int = POLICY.longest_checkpoint_period
+          ) -> tuple[Segment, ...]:
     """The segments of ``net`` for ``checkpoints`` kept states (see the module docstring). Where
     ⌈N/(k+1)⌉-layer segments are not translates of each other — layers repeating with a period
     that does not divide that length (two kinds alternating, three kinds with skips) — segments
     of the next multiple of the period (at most twice as long, so at most k states kept) are,
-    if any: one scan, a program that does not grow with k."""
+    if any (periods up to ``longest_period``): one scan, a program that does not grow with k."""
     length = segment_length(len(net.layers), checkpoints)
     segments = _split(net, length)
     if len(_units(segments)) <= 3:  # one scan, and a first and a last segment of their own
         return segments
-    for period in range(2, LONGEST_PERIOD + 1):
+    for period in range(2, longest_period + 1):
         longer = period * -(-length // period)
         if longer == length or longer > 2 * length:
             continue
@@ -223,13 +221,14 @@ class _Scanned:
 
 
 def checkpointed_call(net: Network, theta: dict, inputs: tuple, checkpoints: int, call: Call,
-                      offsets: dict[Hashable, Any] | None = None) -> Any:
+                      offsets: dict[Hashable, Any] | None = None,
+                      longest_period: int = POLICY.longest_checkpoint_period) -> Any:
     """``net(theta, *inputs)`` segment by segment, every segment but the last under
     ``jax.checkpoint``; translated segments as one ``lax.scan``. ``call`` runs one network (it may
     be a checkpointed call again: the nested schedule). ``offsets``: stacked inputs given whole,
     read from that row on; segments hand them on whole too, with their own offsets (a slice per
-    level would copy a level's rows)."""
-    segments = split(net, checkpoints)
+    level would copy a level's rows). ``longest_period``: as in `split`."""
+    segments = split(net, checkpoints, longest_period)
     given = dict(zip(net.inputs, inputs))
     offsets = offsets or {}
     units = _typed_units(net, _units(segments), theta, given)
@@ -260,12 +259,13 @@ def checkpointed_call(net: Network, theta: dict, inputs: tuple, checkpoints: int
     return result[0] if net.single_output else tuple(result)
 
 
-def rows_cut(net: Network, checkpoints: int) -> dict[tuple[str, Hashable], int]:
+def rows_cut(net: Network, checkpoints: int, longest_period: int = POLICY.longest_checkpoint_period
+             ) -> dict[tuple[str, Hashable], int]:
     """Per stacked input or block (``("input" | "block", name)``): how many of its rows the
     segments that run on their own read — cut out as pieces (copies; a block's gradient is
     concatenated back from pieces). Scans slice their rows in place."""
     out: dict[tuple[str, Hashable], int] = {}
-    for unit in _units(split(net, checkpoints)):
+    for unit in _units(split(net, checkpoints, longest_period)):
         if len(unit) == 1:
             for kind, table in (("input", unit[0].row_inputs), ("block", unit[0].row_blocks)):
                 for name, _, span in table:

@@ -16,12 +16,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax.flatten_util import ravel_pytree
 
+from ._call import prepare
 from ._engine import Primal, back_substitution, forward_substitution, param_adjoint, param_forward, state_product
 from ._graph import Network, Row, block_of, call_layer, layer_theta, resolve
 from ._plan import Plan, current_plan
 from ._render import block_matrix_text
-from ._settings import Settings, using
-from ._transforms import prepare
+from ._settings import Settings, current
 
 
 class LinearOperator(abc.ABC):
@@ -386,11 +386,12 @@ class Linearization:
     def __init__(self, net: Network, params: Mapping, inputs: tuple[Any, ...]):
         net.check_inputs(inputs)
         self.params = net.select_params(params)
-        # the default settings, whatever transform linearize is called in: the plan and the
-        # forward pass must agree on the engine (and keep residuals)
-        with using(Settings()):
-            self._plan = current_plan(net, self.params, tuple(inputs))
-            self._prim = jax.jit(lambda theta, inputs: prepare(net, theta, inputs)[1])(self.params, tuple(inputs))
+        # the default options, whatever transform linearize is called in: the plan and the
+        # forward pass must agree on the engine (and keep residuals); the policy in force
+        settings = Settings(policy=current().policy)
+        self._plan = current_plan(net, self.params, tuple(inputs), settings.engine, settings.policy)
+        self._prim = jax.jit(lambda theta, inputs: prepare(net, theta, inputs, settings)[1])(self.params,
+                                                                                            tuple(inputs))
         self._jitted: dict = {}
         self.states = {**dict(zip(net.inputs, inputs)),
                        **self._plan.unpack(self._prim.states, net.order, self._plan.state_loc)}

@@ -4,7 +4,7 @@ Both are context values that JAX keys its caches on (``jax.make_user_context``: 
 and of the trace context), so ``grad_by_solve(jax.jit(f))`` traces ``f`` again in solve mode
 instead of reusing a plain trace, and a function traced with one set of options is not reused
 for another. A transform enters both once (`solving_with`); everything below reads
-`current` — the one place options come from.
+`current` once, where JAX calls in (a network call, its JVP rule), and passes them down.
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ from collections.abc import Iterator
 from typing import Any, Literal, get_args
 
 import jax
+
+from ._policy import POLICY, Policy
 
 Engine = Literal["auto", "loop", "unrolled"]
 Schedule = Literal["even", "nested"]
@@ -45,6 +47,11 @@ class Settings:
         products: the calls are linearised once for many products with their Jacobians
             (``gauss_newton``; the checkpoint memory rule counts them).
         segments: the calls traced are segments of a checkpointed call (memory was asked for).
+        policy: the thresholds of the measured rules (`Policy`). Not an option of the transforms:
+            each transform takes the policy in force where it is called (`using` injects one).
+        capture: the number of the capture being traced (0: none). Part of jit's key: a
+            ``jax.jit`` of the user's around the model, traced before without capturing, is
+            traced again with its layer calls marked.
     """
 
     engine: Engine = "auto"
@@ -55,6 +62,8 @@ class Settings:
     forward_only: bool = False
     products: bool = False
     segments: bool = False
+    policy: Policy = POLICY
+    capture: int = 0
 
     def __post_init__(self) -> None:
         _check_choice("param_products", self.param_products, PARAM_PRODUCTS)
@@ -131,8 +140,9 @@ def current() -> Settings:
 @contextlib.contextmanager
 def solving_with(settings: Settings) -> Iterator[None]:
     """Network calls solved, with ``settings`` (all of them: nothing of an enclosing transform's
-    options leaks in)."""
-    with _SOLVING(True), _SETTINGS(settings):
+    options leaks in), under the policy and capture in force."""
+    around = current()
+    with _SOLVING(True), _SETTINGS(settings.replace(policy=around.policy, capture=around.capture)):
         yield
 
 
@@ -145,6 +155,7 @@ def using(settings: Settings) -> Iterator[None]:
 
 @contextlib.contextmanager
 def settings_changed(**changes: Any) -> Iterator[None]:
-    """The current settings with ``changes`` (a checkpointed call's segments: ``segments=True``)."""
+    """The current settings with ``changes`` (a checkpointed call's segments: ``segments=True``;
+    a capture: ``capture=n``)."""
     with _SETTINGS(current().replace(**changes)):
         yield

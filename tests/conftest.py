@@ -8,8 +8,8 @@ jax.config.update("jax_enable_x64", True)
 def always_checkpoint():
     """``checkpoints=k`` as asked, even where the memory rule would run the call without (the
     small networks of tests of the segments themselves keep no less by checkpointing)."""
-    from linbackprop import _transforms
+    from linbackprop._policy import Policy
+    from linbackprop._settings import Settings, using
 
-    saved, _transforms.checkpoints_keep_less = _transforms.checkpoints_keep_less, lambda *_: True
-    yield
-    _transforms.checkpoints_keep_less = saved
+    with using(Settings(policy=Policy(checkpoint_saving=float("inf"), checkpoint_bound=float("inf")))):
+        yield

@@ -125,7 +125,7 @@ def reference_ggn(losses, params, inputs):
 
 def _outputs_of(losses, params, inputs):
     recorded = []
-    from linbackprop._transforms import calls_intercepted
+    from linbackprop._call import calls_intercepted
 
     def record(net, p, xs):
         out = net(p, *xs)
@@ -138,7 +138,7 @@ def _outputs_of(losses, params, inputs):
 
 
 def _loss_of_outputs(losses, params, inputs, outs):
-    from linbackprop._transforms import calls_intercepted
+    from linbackprop._call import calls_intercepted
 
     replay = iter(outs)
     with calls_intercepted(lambda net, p, xs: next(replay)):

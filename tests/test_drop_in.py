@@ -235,7 +235,7 @@ def test_weakly_typed_and_repeated_arguments_still_reuse_the_forward_linearisati
     def traced(p, x):
         theta = net.select_params(p)
         with _settings.using(_settings.Settings(engine=engine)):
-            prim = lbp._transforms.prepare(net, theta, (x,))[1]
+            prim = lbp._call.prepare(net, theta, (x,), lbp._settings.Settings())[1]
         seen.append(prim.residuals is not None)
         return prim.states
 

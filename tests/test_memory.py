@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import linbackprop as lbp
-from linbackprop import _plan, _transforms
+from linbackprop import _call, _plan
 
 
 class Model:
@@ -24,7 +24,7 @@ class Model:
 def test_networks_built_in_a_loop_are_released():
     x, p = jnp.ones((2, 4)), {"W": jnp.ones((4, 4))}
     first = None
-    count = _plan.make_plan.cache_info().maxsize + _transforms.JITTED_NETWORKS + 8
+    count = _plan.make_plan.cache_info().maxsize + _call.JITTED_NETWORKS + 8
     for n in range(count):
         model = Model(n)
         layer = lambda th, u, model=model: jnp.tanh(u @ th[0]) * model.scale[0, 0]

@@ -97,8 +97,10 @@ import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 import linbackprop as lbp
 
-from linbackprop import _transforms
-_transforms.checkpoints_keep_less = lambda *_: True  # checkpoints=2 as asked: the segments' shardings are under test
+from linbackprop._policy import Policy
+from linbackprop._settings import Settings, using
+# checkpoints=2 as asked: the segments' shardings are under test
+using(Settings(policy=Policy(checkpoint_saving=float("inf"), checkpoint_bound=float("inf")))).__enter__()
 mesh = jax.make_mesh((8,), ("data",))  # Explicit axes, and no jax.set_mesh
 put = lambda x, *spec: jax.device_put(x, NamedSharding(mesh, P(*spec)))
 D = 6

@@ -2,6 +2,9 @@
 
 Every gradient is compared with jax.grad of the same network called plainly (float64)."""
 
+import dataclasses
+import typing
+
 import jax
 import jax.extend
 import jax.numpy as jnp
@@ -9,9 +12,9 @@ import numpy as np
 import pytest
 
 import linbackprop as lbp
-from linbackprop import _transforms
 from linbackprop._checkpoint import _units, split
-from linbackprop._transforms import nested_levels
+from linbackprop._policy import POLICY, Policy
+from linbackprop._settings import Settings, current, using
 
 pytestmark = pytest.mark.usefixtures("always_checkpoint")  # the segments are under test
 
@@ -251,18 +254,26 @@ def test_blocks_of_the_operators_of_a_network_reading_rows_of_an_input():
     close(lin.M.T.block(3, "A").todense(), jac_a.reshape(B * W, W * W))
 
 
-@pytest.fixture
-def levels_by_layers_alone(monkeypatch):
+@dataclasses.dataclass(frozen=True)
+class _LevelsByLayersAlone(Policy):
     """Nested levels chosen without the cost of a level (these tiny parameters would make one
-    level cheapest): every test below runs two or three levels."""
-    chosen = []
+    level cheapest), each choice recorded."""
 
-    def levels(layers, checkpoints, level_cost=0.0):
-        chosen.append(nested_levels(layers, checkpoints))
-        return chosen[-1]
+    chosen: typing.ClassVar[list] = []
 
-    monkeypatch.setattr(_transforms, "nested_levels", levels)
-    return chosen
+    def nested_levels(self, layers, checkpoints, level_cost=0.0):
+        self.chosen.append(super().nested_levels(layers, checkpoints, 0.0))
+        return self.chosen[-1]
+
+
+@pytest.fixture
+def levels_by_layers_alone():
+    """Every test below runs two or three levels: the policy injected, the levels it chose."""
+    _LevelsByLayersAlone.chosen.clear()
+    around = current().policy  # always_checkpoint's
+    with using(Settings(policy=_LevelsByLayersAlone(**{f.name: getattr(around, f.name)
+                                                       for f in dataclasses.fields(Policy)}))):
+        yield _LevelsByLayersAlone.chosen
 
 
 @pytest.mark.parametrize(("steps", "checkpoints", "outputs"), [(64, 9, "last"), (40, 3, "mixed")])
@@ -288,14 +299,14 @@ def test_nested_schedule_on_a_chain_with_row_blocks_and_skips(levels_by_layers_a
 def test_nested_levels_fit_the_budget():
     for layers, checkpoints in [(2048, 45), (16384, 45), (100, 3), (64, 9), (10, 1), (1000, 45)]:
         for cost in (0.0, 8.0, 1e4):
-            levels = nested_levels(layers, checkpoints, cost)
+            levels = POLICY.nested_levels(layers, checkpoints, cost)
             assert sum(levels) <= checkpoints and all(k >= 1 for k in levels)
     # 2048 = 8 · 8 · 8 · 4: three levels of 7 states, leaves of 4 layers, no segment of another
     # length (a remainder is another program below, with buffers of its own).
-    assert nested_levels(2048, 45, 8.0) == (7, 7, 7)
-    assert nested_levels(16384, 45, 8.0) == (7, 7, 7, 7)  # a longer sequence: one more level
-    assert nested_levels(2048, 45, 1e4) == (45,)  # levels dearer than states: evenly spaced
-    assert nested_levels(2048, 9, 8.0) == (1, 1, 1, 3, 3)  # few states: more levels (as revolve)
+    assert POLICY.nested_levels(2048, 45, 8.0) == (7, 7, 7)
+    assert POLICY.nested_levels(16384, 45, 8.0) == (7, 7, 7, 7)  # a longer sequence: one more level
+    assert POLICY.nested_levels(2048, 45, 1e4) == (45,)  # levels dearer than states: evenly spaced
+    assert POLICY.nested_levels(2048, 9, 8.0) == (1, 1, 1, 3, 3)  # few states: more levels (as revolve)
     with pytest.raises(ValueError, match="give their number, checkpoints=k"):
         lbp.grad_by_solve(lambda x: x, schedule="nested")
     with pytest.raises(ValueError, match="schedule must be one of"):

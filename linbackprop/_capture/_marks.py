@@ -15,8 +15,6 @@ from typing import Any
 import jax
 from jax.extend.core import Literal
 
-from .._settings import context_value
-
 MARK = "linbackprop_layer"
 
 
@@ -29,9 +27,6 @@ class _Capturing(threading.local):
 
 
 CAPTURING = _Capturing()
-# Each capture's own value in jit's key: a jax.jit of the user's around the model, traced before
-# without capturing (by jax.grad of the same loss, say), is traced again, its calls then marked.
-CAPTURE_KEY = context_value(0)
 capture_numbers = itertools.count(1)
 
 

@@ -14,8 +14,9 @@ from typing import Any
 import jax
 import numpy as np
 
+from .._settings import settings_changed
 from .._traced import Constant
-from ._marks import CAPTURE_KEY, CAPTURING, Patched, capture_numbers
+from ._marks import CAPTURING, Patched, capture_numbers
 from ._program import NETWORKS, Capture, Program, at_any_batch, build, shared_value
 
 
@@ -133,7 +134,7 @@ def _program(flat: Callable, diff: list, rest: list, entries: tuple, names: list
     saved = CAPTURING.calls, CAPTURING.functions
     CAPTURING.calls, CAPTURING.functions = [], set()
     try:
-        with patched, CAPTURE_KEY(next(capture_numbers)):
+        with patched, settings_changed(capture=next(capture_numbers)):  # its own jit key (Settings.capture)
             closed, shape = jax.make_jaxpr(flat, return_shape=True)(diff, rest)
         calls, functions = tuple(CAPTURING.calls), CAPTURING.functions
     finally:

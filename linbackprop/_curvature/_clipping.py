@@ -22,12 +22,13 @@ import jax
 import jax.numpy as jnp
 
 from .._capture import rewrite
+from .._settings import Engine
 from ._per_example import per_example_setup, squared_grad_norms
 from ._split import add_trees, normalise_argnums
 
 
 def clipped_grad(losses: Callable, clip: float | jax.Array, argnums: int | Sequence[int] = 0, *,
-                 engine: str = "auto", layers: Any = None) -> Callable:
+                 engine: Engine = "auto", layers: Any = None) -> Callable:
     """The DP-SGD sum of per-example gradients clipped to norm ``clip``, and the norms.
 
     ``clipped_grad(losses, clip)(params, *args)`` returns ``(clipped, norms)``: ``clipped`` =

@@ -14,6 +14,7 @@ from jax.flatten_util import ravel_pytree
 
 from .._capture import rewrite
 from .._operators import LinearOperator
+from .._settings import Engine, ParamProducts, Schedule
 from .._transforms import solve_mode
 from ._split import OnArguments, Split, add_trees, normalise_argnums
 
@@ -154,8 +155,8 @@ def _factor(G: GaussNewton) -> Any:
 
 
 def gauss_newton(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool = False, *,
-                 remat: bool = False, checkpoints: int | None = None, schedule: str = "even",
-                 param_products: str = "auto", engine: str = "auto", layers: Any = None) -> Callable:
+                 remat: bool = False, checkpoints: int | None = None, schedule: Schedule = "even",
+                 param_products: ParamProducts = "auto", engine: Engine = "auto", layers: Any = None) -> Callable:
     """``(value, grad, G)`` of ``fun`` at its arguments: value and gradient as
     [`value_and_grad_by_solve`][linbackprop.value_and_grad_by_solve], and the generalised Gauss–Newton matrix
 

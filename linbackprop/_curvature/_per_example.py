@@ -15,11 +15,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import Literal
 
+from .._call import output_tangents, outputs_of, prepare
 from .._engine import ParamSquares, back_substitution, param_adjoint, param_adjoint_per_example
 from .._graph import Network
 from .._plan import Plan, current_plan, differentiable_dtype
-from .._settings import current
-from .._transforms import output_tangents, outputs_of, prepare, solve_mode
+from .._settings import Engine, current
+from .._transforms import solve_mode
 from ._ghost import ParamNorms, weighted_by_example
 from ._split import Split, add_trees, normalise_argnums, on_model
 
@@ -49,8 +50,10 @@ class Calls:
                     outputs.append(out)
                     return out
                 theta = {p: net.select_params(params)[p] for p in live.param_names}
-                current_plan(live, theta, tuple(inputs), current().engine)  # anew where a layer's computation changed
-                plan, prim = prepare(live, jax.lax.stop_gradient(theta), tuple(jax.lax.stop_gradient(inputs)))
+                settings = current()  # where the model calls in (under solve_mode)
+                current_plan(live, theta, tuple(inputs), settings.engine, settings.policy)  # anew where changed
+                plan, prim = prepare(live, jax.lax.stop_gradient(theta), tuple(jax.lax.stop_gradient(inputs)),
+                                     settings)
                 outs = outputs_of(plan, prim.states)
                 thetas.append(theta)
                 self.placement.append([position.get(id(leaf)) for leaf in jax.tree.leaves(theta)])
@@ -280,7 +283,7 @@ def per_example_losses(split: Split, outs: tuple, diff: tuple) -> jax.Array:
     return losses
 
 
-def per_example_grads(fun: Callable, argnums: int | Sequence[int] = 0, *, engine: str = "auto",
+def per_example_grads(fun: Callable, argnums: int | Sequence[int] = 0, *, engine: Engine = "auto",
                       layers: Any = None) -> Callable:
     """The gradient of each example's loss, stacked on a leading axis — ``jax.jacrev(fun)``.
 
@@ -316,7 +319,7 @@ def per_example_grads(fun: Callable, argnums: int | Sequence[int] = 0, *, engine
     return run
 
 
-def per_example_grad_norms(fun: Callable, argnums: int | Sequence[int] = 0, *, engine: str = "auto",
+def per_example_grad_norms(fun: Callable, argnums: int | Sequence[int] = 0, *, engine: Engine = "auto",
                            chunk: int = 16, layers: Any = None) -> Callable:
     """The (B,) Euclidean norms of the per-example gradients (over every argument ``argnums``
     names), as ``jnp.linalg.norm`` of [`per_example_grads`][linbackprop.per_example_grads]

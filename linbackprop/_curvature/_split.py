@@ -9,8 +9,8 @@ from typing import Any
 
 import jax
 
+from .._call import calls_intercepted
 from .._capture import rewrite
-from .._transforms import calls_intercepted
 
 
 def normalise_argnums(argnums: int | Sequence[int]) -> tuple[tuple[int, ...], bool]:

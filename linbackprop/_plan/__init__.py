@@ -31,16 +31,12 @@ from ._layout import Plan
 from ._make import current_plan, make_plan, plan_for, plans_generation
 from ._residuals import CHEAP_PRIMITIVES, MAX_RECIPE_DEPTH, Recipe, analyse_kind, avals_of
 from ._schedule import (
-    LOOP_MIN_DEPTH,
-    LOOP_MIN_LAYERS_PER_KIND,
-    MAX_PERIOD,
-    loop_pays,
     periodic_segments,
     straight_line_kinds,
 )
 
-__all__ = ["CHEAP_PRIMITIVES", "LOOP_MIN_DEPTH", "LOOP_MIN_LAYERS_PER_KIND", "MAX_PERIOD", "MAX_RECIPE_DEPTH", "Aval",
+__all__ = ["CHEAP_PRIMITIVES", "MAX_RECIPE_DEPTH", "Aval",
            "Forwarding", "Group", "Kind", "MemberRows", "Plan", "Recipe", "RowList", "Same", "StepRows",
            "Writes", "analyse_kind", "as_dtype", "avals_of", "current_plan", "differentiable_dtype",
-           "dtype_key", "float0_zeros", "function_key", "leaf_aval", "loop_pays", "make_plan", "make_writes",
+           "dtype_key", "float0_zeros", "function_key", "leaf_aval", "make_plan", "make_writes",
            "periodic_segments", "plan_for", "plans_generation", "straight_line_kinds", "weakly_typed"]

@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from .._graph import Layer, Network
+from .._policy import POLICY
 from .._stacking import take
 from ._groups import Aval, Group, RowList
 from ._kinds import Forwarding, Kind, Writes, make_writes
@@ -37,7 +38,8 @@ class Plan:
     res_avals: tuple[Aval, ...]  # the stored residuals, one buffer per shape and dtype ...
     res_rows: tuple[int, ...]  # ... with this many rows (and a pad row)
     res_as_rows: tuple[bool, ...]  # per residual buffer: kept as a list of rows (see _ResidualBuffers)
-    unrolled: bool = False  # the substitutions as straight-line code (shallow networks, see loop_pays)
+    unrolled: bool = False  # the substitutions as straight-line code (shallow networks, see Policy.loop_pays)
+    max_period: int = POLICY.max_period  # the longest pattern of kinds run without a switch (Policy.max_period)
     full: Plan | None = None  # for a compact plan (see ``compact``): the plan it was made from
     to_compact: tuple[np.ndarray, ...] | None = None  # ... and per state group, its row of each full row
     # per kind: (its first layer, θ avals, input avals, what it computed there: computation_of)
@@ -110,7 +112,7 @@ class Plan:
     def segments(self) -> list[tuple[int, int, int]]:
         """The loop's segments (start, stop, period): period 0 switches over kinds step by step;
         a period p > 0 runs p steps of known kinds per iteration (no switch)."""
-        return periodic_segments(self.step_kind, len(self.kinds))
+        return periodic_segments(self.step_kind, len(self.kinds), self.max_period)
 
     def writes(self, loop: str, with_params: bool = False, absent: frozenset[int] = frozenset()) -> Writes:
         """The write slots of ``loop``: "forward", "forward+res", "forward+tangent", "forward_sub"

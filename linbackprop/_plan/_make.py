@@ -13,20 +13,22 @@ import jax
 import numpy as np
 
 from .._graph import Layer, Network, Row, Stack
+from .._policy import POLICY, Policy
 from .._stacking import explicit_sharding, mesh_of
 from .._traced import computation_of
 from ._groups import Aval, Group, dtype_key
 from ._kinds import Kind, MemberRows, StepRows, function_key
 from ._layout import Plan
 from ._residuals import analyse_kind, avals_of
-from ._schedule import loop_pays, straight_line_kinds
+from ._schedule import straight_line_kinds
 
 
 @functools.lru_cache(maxsize=32)
 def make_plan(net: Network, param_structs: tuple, input_structs: tuple, engine: str = "auto",
-              generation: int = 0) -> Plan:
+              generation: int = 0, policy: Policy = POLICY) -> Plan:
     """The layout for ``net`` at the given shapes (``param_structs`` follows ``net.param_names``);
-    ``generation`` (`plans_generation`) keys the cache only."""
+    ``generation`` (`plans_generation`) keys the cache only; ``policy``: where a loop pays and its
+    longest period."""
     _plans_made.count += 1
     params = {p: _unstruct(s) for p, s in zip(net.param_names, param_structs)}
     plain = [(p, a) for p, a in params.items() if p not in net.stacked_blocks]
@@ -71,7 +73,7 @@ def make_plan(net: Network, param_structs: tuple, input_structs: tuple, engine: 
     keys = list(dict.fromkeys(layer_kind))
     step_kind = np.array([keys.index(k) for k in layer_kind], dtype=np.int32)
     residuals = _ResidualBuffers()
-    straight_only = straight_line_kinds(step_kind, len(keys))
+    straight_only = straight_line_kinds(step_kind, len(keys), policy.max_period)
     kinds = []
     for k, key in enumerate(keys):
         members = np.flatnonzero(step_kind == k)
@@ -90,11 +92,11 @@ def make_plan(net: Network, param_structs: tuple, input_structs: tuple, engine: 
             by_member=by_member, by_step=_by_step(by_member, members, len(net.layers), state_groups, rgroups, ogroup),
             out_aval=out_aval, vjp_treedef=treedef, res_sources=sources, kept=kept,
             recipes=recipes, probe=probe, **residuals.assign(own, len(layers), as_rows=k in straight_only)))
-    unrolled = engine == "unrolled" or (engine == "auto" and not loop_pays(len(net.layers), len(kinds)))
+    unrolled = engine == "unrolled" or (engine == "auto" and not policy.loop_pays(len(net.layers), len(kinds)))
     return Plan(net=net, state_groups=state_groups, param_groups=param_groups, state_loc=state_loc,
                 param_loc=param_loc, kinds=tuple(kinds), step_kind=step_kind, res_avals=tuple(residuals.avals),
                 res_rows=tuple(residuals.rows), res_as_rows=tuple(residuals.as_rows), unrolled=unrolled,
-                computations=tuple(computations))
+                max_period=policy.max_period, computations=tuple(computations))
 
 
 def _table(rows: list[list[int]], width: int) -> np.ndarray:
@@ -218,15 +220,16 @@ def _group(items: list[tuple[Hashable, Any]], pad: bool) -> tuple[tuple[Group, .
     return tuple(groups), loc
 
 
-def plan_for(net: Network, theta: dict[Hashable, Any], inputs: tuple[Any, ...], engine: str = "auto") -> Plan:
+def plan_for(net: Network, theta: dict[Hashable, Any], inputs: tuple[Any, ...], engine: str = "auto",
+             policy: Policy = POLICY) -> Plan:
     """Validate the arguments' leaves and return the (cached) plan for their shapes.
 
-    ``engine``: "loop" (``lax.fori_loop`` substitutions), "unrolled", or "auto" (`loop_pays`).
+    ``engine``: "loop" (``lax.fori_loop`` substitutions), "unrolled", or "auto" (`Policy.loop_pays`).
     """
     param_structs = tuple(_struct_of(theta[p], f"Parameter block {p!r}") for p in net.param_names)
     input_structs = tuple(_struct_of(x, f"Network input {name!r}") for name, x in zip(net.inputs, inputs))
     with mesh_of((theta, inputs)):  # the layers' analysis types its arrays on the arguments' mesh
-        return make_plan(net, param_structs, input_structs, engine, _generation[0])
+        return make_plan(net, param_structs, input_structs, engine, _generation[0], policy)
 
 
 # Bumped whenever a plan is found stale: every plan and compiled solve is then made anew (what
@@ -248,14 +251,15 @@ def plans_generation() -> int:
     return _generation[0]
 
 
-def current_plan(net: Network, theta: dict[Hashable, Any], inputs: tuple[Any, ...], engine: str = "auto") -> Plan:
+def current_plan(net: Network, theta: dict[Hashable, Any], inputs: tuple[Any, ...], engine: str = "auto",
+                 policy: Policy = POLICY) -> Plan:
     """`plan_for`, made anew — with every cached plan and compiled solve — where a layer
     computes something other than when its plan was made (a Python global it reads changed:
     ``computation_of`` differs). Called where a network call enters the solve from user code
     (once per trace: each kind's layer traced once more), so that outside the user's ``jit`` a
     result is always what ``jax.grad`` gives; under it, JAX's own caching holds."""
     made = _plans_made.count
-    plan = plan_for(net, theta, inputs, engine)
+    plan = plan_for(net, theta, inputs, engine, policy)
     if _plans_made.count != made:  # made just now, from what the layers compute now
         return plan
     with mesh_of((theta, inputs)):
@@ -263,7 +267,7 @@ def current_plan(net: Network, theta: dict[Hashable, Any], inputs: tuple[Any, ..
     if stale:
         with _generation_lock:
             _generation[0] += 1
-        plan = plan_for(net, theta, inputs, engine)
+        plan = plan_for(net, theta, inputs, engine, policy)
     return plan
 
 

@@ -1,0 +1,122 @@
+"""What a network call keeps: where ℳΛ is formed (which decides whether the back substitution
+keeps every Λ), and the memory model of checkpointed calls (whether checkpointing keeps less, and
+the levels of the nested schedule). The thresholds are the settings' `Policy`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from typing import Any
+
+import jax
+import numpy as np
+
+from ._checkpoint import rows_cut, segment_length, split
+from ._graph import Network
+from ._plan import Plan, plan_for
+from ._settings import Settings
+from ._stacking import under_vmap
+
+
+def nbytes(tree: Any) -> int:
+    """Bytes of the leaves of ``tree`` (arrays or abstract values)."""
+    return sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for a in jax.tree.leaves(tree))
+
+
+def params_in_loop(plan: Plan, settings: Settings, checkpointed: bool = False) -> bool:
+    """Whether ℳΛ is formed in the back substitution for ``plan`` (`Policy.params_in_loop`,
+    from the plan's shapes on the default backend)."""
+    return settings.policy.params_in_loop(settings.param_products, settings.remat, unrolled=plan.unrolled,
+                                          shared=plan.params_shared_by_members,
+                                          largest_state=_largest_state(plan), backend=jax.default_backend(),
+                                          checkpointed=checkpointed)
+
+
+def _largest_state(plan: Plan) -> tuple[int, int]:
+    """(elements, rows) of the largest state of any kind (rows: of its largest leaf, the elements
+    over the last axis)."""
+    def size(a: Any) -> int:
+        return int(np.prod(a.shape))
+
+    leaves = max((jax.tree.leaves(k.out_aval) for k in plan.kinds), key=lambda ls: sum(map(size, ls)))
+    leaf = max(leaves, key=size)
+    return sum(map(size, leaves)), size(leaf) // leaf.shape[-1] if leaf.shape and leaf.shape[-1] else 1
+
+
+def checkpoint_levels(net: Network, theta: dict, inputs: tuple, settings: Settings) -> tuple[int, ...] | None:
+    """The checkpoints of each level (one level: evenly spaced) for a call of ``net`` with
+    ``settings.checkpoints``, or None where the call runs without checkpoints: none asked for,
+    too few layers, forward mode, or not predicted to keep less (`checkpoint_memory_ratio`,
+    `Policy.checkpoints_pay`)."""
+    k = settings.checkpoints
+    if not k or settings.forward_only or k >= len(net.layers) - 1:
+        return None
+    levels = (k,)
+    if settings.schedule == "nested":
+        state = _state_bytes(plan_for(net, theta, inputs, settings.engine, settings.policy))
+        level_cost = nbytes(theta) / max(sum(state.values()) / len(state), 1)
+        levels = settings.policy.nested_levels(len(net.layers), k, level_cost)
+    if settings.policy.checkpoints_pay(*checkpoint_memory_ratio(net, theta, inputs, levels, settings)):
+        return levels
+    return None
+
+
+def _state_bytes(plan: Plan) -> dict[Hashable, int]:
+    """Bytes of one row of each state (by name)."""
+    return {name: nbytes(plan.state_groups[g].row_avals()) for name, (g, _) in plan.state_loc.items()}
+
+
+def checkpoint_memory_ratio(net: Network, theta: dict, inputs: tuple, levels: tuple[int, ...],
+                            settings: Settings) -> tuple[float, float]:
+    """What checkpointing with ``levels`` (states per level, `Policy.nested_levels`) is predicted
+    to keep, as a fraction of the same call without (by the shapes alone): an estimate and a
+    pessimistic bound.
+
+    The estimate. Without: every state, every stored residual and Λ. With: the states the top
+    level's segments return (outputs, and states later segments read), twice (kept, then stacked
+    or concatenated into the outputs), twice the states each level below keeps, twice a leaf
+    segment's share of the above (its recomputation and its back substitution), and the rows of
+    stacked blocks and inputs cut out for segments that run on their own, with their gradients.
+    Where every state is an output (a ``Stack`` of them), or with one checkpoint (two halves),
+    checkpointing keeps no less; the call then runs without it.
+
+    Products with the Jacobians of a checkpointed call (``settings.products``: gauss_newton)
+    transpose the scan over its segments once per product, each into a parameter-sized cotangent
+    stack that XLA allocates before the first; under vmap the scan's parameter cotangents are
+    stacked per example: both counted as two copies of the parameters.
+
+    The bound adds what a leaf segment may copy — the rows of stacked blocks its layers have to
+    themselves, and its products with them — and counts the plain call at its least: with ℳΛ
+    formed in the back substitution it carries Λ from step to step instead of keeping every Λ.
+    Both are rough — XLA's buffer assignment decides — and were checked against
+    ``memory_analysis()`` over random networks (``benchmarks/profile.py checkpoint-memory
+    --sweep``; the numbers are in docs/performance.md)."""
+    plan = plan_for(net, theta, inputs, settings.engine, settings.policy)
+    state = _state_bytes(plan)
+    param_cotangents = 2 * nbytes(theta) if settings.products or under_vmap() else 0
+    residuals = 0 if settings.remat else sum(nbytes(a) * (n + 1) for a, n in zip(plan.res_avals, plan.res_rows))
+    layers = [layer.name for layer in net.layers]
+    states = sum(state[name] for name in layers)
+    plain = 2 * states + residuals
+    segments = split(net, levels[0], settings.policy.longest_checkpoint_period)
+    kept = sum(state[layers[sg.start + j]] for sg in segments for j in sg.returns)
+    leaf, below = max(len(sg.net.layers) for sg in segments), 0
+    for k in levels[1:]:
+        if k < leaf - 1:
+            leaf, below = segment_length(leaf, k), below + 2 * k * states / len(layers)
+    given = dict(zip(net.inputs, inputs))
+    cut = 0
+    for (kind, name), rows in rows_cut(net, levels[0], settings.policy.longest_checkpoint_period).items():
+        source = theta[name] if kind == "block" else given[name]
+        cut += 2 * nbytes(source) * rows // max(jax.tree.leaves(source)[0].shape[0], 1)
+    checkpointed = 2 * kept + below + 2 * leaf * plain / len(layers) + cut + param_cotangents
+    segment_rows = 2 * leaf * _own_param_row_bytes(plan) / len(layers)
+    least = states + residuals if params_in_loop(plan, settings) else plain
+    return checkpointed / plain, (checkpointed + segment_rows) / least
+
+
+def _own_param_row_bytes(plan: Plan) -> int:
+    """Bytes of the parameter rows the layers do not share with the other members of their kind
+    (a chain's stacked weights; nothing of an RNN's A, B, c), summed over the layers."""
+    return sum(kind.size * nbytes(plan.param_groups[g].row_avals()) for kind in plan.kinds
+               for g, row in zip(kind.param_groups, kind.shared_rows) if row is None)
