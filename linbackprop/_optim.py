@@ -195,8 +195,8 @@ class ScaleByKfacState(NamedTuple):
     inverses: Any
 
 
-def scale_by_kfac(damping: float = 1e-3, decay: float = 0.95, update_every: int = 1, *,
-                  approximation: Literal["expand"] = "expand") -> optax.GradientTransformationExtraArgs:
+def scale_by_kfac(damping: float = 1e-3, decay: float = 0.95, update_every: int = 1
+                  ) -> optax.GradientTransformationExtraArgs:
     """K-FAC's preconditioned gradient from ``update(..., factors=lbp.kfac_factors(loss)(params,
     *batch))``: per leaf W with factors A ⊗ Γ (averaged over steps),
 
@@ -207,8 +207,9 @@ def scale_by_kfac(damping: float = 1e-3, decay: float = 0.95, update_every: int 
     ``factors``) the damped diagonal d = ḡ / (diag G + λ) from ``diagonal=lbp.diag_ggn(loss)(params,
     *batch)``. The factors are averaged with ``decay`` (F ← decay F + (1 − decay) F_new; the first
     step takes F_new); the inverses are recomputed every ``update_every`` steps (``eigh``-free:
-    Cholesky of the damped factors) and held in between. ``approximation="expand"`` is what
-    [`kfac_factors`][linbackprop.kfac_factors] computes for shared weights (every use a term of the sums).
+    Cholesky of the damped factors) and held in between. For shared weights the factors say how
+    uses count: ``lbp.kfac_factors(loss, approximation="expand")`` (every use a term, the default)
+    or ``"reduce"`` (each example's uses summed first); the transform takes either.
 
     The state's factors are made at the first update (``init`` cannot know which leaves have
     Kronecker factors): a jitted step compiles twice, once for the first state and once for the
@@ -226,9 +227,6 @@ def scale_by_kfac(damping: float = 1e-3, decay: float = 0.95, update_every: int 
         >>> jnp.round(optax.apply_updates(params, updates)["W"].ravel(), 3).tolist()  # G_W = A ⊗ Γ: exact here
         [1.0, 1.0]
     """
-    if approximation != "expand":
-        raise NotImplementedError(f"scale_by_kfac(approximation={approximation!r}): only 'expand' is implemented "
-                                  "(kfac_factors sums every use of a shared weight).")
     if not 0 <= decay < 1 or update_every < 1 or damping <= 0:
         raise ValueError(f"scale_by_kfac: needs damping > 0 ({damping}), 0 ≤ decay < 1 ({decay}) and "
                          f"update_every ≥ 1 ({update_every}).")

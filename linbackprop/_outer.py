@@ -198,7 +198,8 @@ class OuterFactors:
         Σ_b vec(x_bᵀ y_b) vec(x_bᵀ y_b)ᵀ  ≈  (1/N) (Σ_b x_bᵀ x_b) ⊗ (Σ_b y_bᵀ y_b)
 
     (K-FAC; exact for one example and one position; N counts the (example, position) terms, each
-    use in a sum counted: K-FAC "expand").
+    use in a sum counted: K-FAC "expand"). `example_sums` gives what K-FAC "reduce" needs
+    instead: each example's operands summed over its uses and positions.
     `parts` forms Σ_b w_b y_bᵀ y_b for one (adjoint, weights) — parts add up over the GGN's
     columns k — and `total` the λ-free Σ_b x_bᵀ x_b once; `layout` says in which
     order they make the leaf's Kronecker product. Leaves that are no such product (and all
@@ -247,29 +248,40 @@ class OuterFactors:
         return batch * sum(math.prod(eqn.invars[side].aval.shape[d] for d in eqn.params["dimension_numbers"][0][side])
                            for (eqn, side, _), *_ in self.sources[n])
 
-    def _grams(self, batched_args: list, in_axes: list, operand: int, weights: jax.Array | None) -> list:
+    def _uses(self, batched_args: list, in_axes: list, operand: int) -> list[list[tuple] | None]:
+        """Per leaf: each use's operand ``operand`` (0: λ-free, 1: the adjoint's), [B, ...] one
+        example per row, with its contracted (position) axes; None where not factored."""
         # a use's λ-free operand once, its adjoint operands added (xᵀy₁ + xᵀy₂ = xᵀ(y₁ + y₂))
         wanted = [eqn.invars[side if operand else 1 - side] for src in self.sources if src is not None
                   for group in src for eqn, side, _ in (group if operand else group[:1])]
         closed = self.closed
         values = iter(jax.vmap(lambda a: _evaluate(closed.jaxpr, closed.consts, a, wanted), in_axes=(in_axes,))(
             list(batched_args)))
-        out = []
+        out: list[list[tuple] | None] = []
         for src in self.sources:
             if src is None:
                 out.append(None)
                 continue
-            total = None
-            for group in src:  # each use's Gram matrix, added up
+            uses = []
+            for group in src:
                 eqn, side, _ = group[0]
                 contracted = eqn.params["dimension_numbers"][0][side if operand else 1 - side]
-                x = next(values)  # [B, ...]: one example's operand per row
+                x = next(values)
                 for _ in group[1:] if operand else ():
                     x = x + next(values)
-                axes = (0, *(d + 1 for d in contracted))
+                uses.append((x, tuple(d + 1 for d in contracted)))
+            out.append(uses)
+        return out
+
+    def _grams(self, batched_args: list, in_axes: list, operand: int, weights: jax.Array | None) -> list:
+        out = []
+        for uses in self._uses(batched_args, in_axes, operand):
+            total = None
+            for x, contracted in uses or ():  # each use's Gram matrix, added up
+                axes = (0, *contracted)
                 scaled = x if weights is None else weights.reshape((-1,) + (1,) * (x.ndim - 1)).astype(x.dtype) * x
                 gram = lax.dot_general(scaled, x, ((axes, axes), ((), ())))
-                size = math.prod(x.shape[1:]) // math.prod(x.shape[d] for d in axes[1:])
+                size = math.prod(x.shape[1:]) // math.prod(x.shape[d] for d in contracted)
                 gram = gram.reshape(size, size)
                 total = gram if total is None else total + gram
             out.append(total)
@@ -282,6 +294,21 @@ class OuterFactors:
     def total(self, batched_args: list, in_axes: list) -> list:
         """Per leaf: Σ_b x_bᵀ x_b (the λ-free operand; None where not factored)."""
         return self._grams(batched_args, in_axes, 0, None) if self.closed is not None else []
+
+    def example_sums(self, batched_args: list, in_axes: list, adjoint: bool) -> list:
+        """Per leaf: each example's operand summed over its uses and positions, [B, size] — the
+        λ-free one (x̄_b = Σ_t x_bt) or the adjoint's (ȳ_b = Σ_t y_bt): K-FAC "reduce" forms its
+        factors from these (None where not factored)."""
+        if self.closed is None:
+            return []
+        out = []
+        for uses in self._uses(batched_args, in_axes, int(adjoint)):
+            total = None
+            for x, contracted in uses or ():
+                summed = x.sum(axis=contracted).reshape(x.shape[0], -1)
+                total = summed if total is None else total + summed
+            out.append(total)
+        return out
 
 
 def _merged(terms: list[tuple]) -> list[list[tuple]]:

@@ -2,7 +2,8 @@
 are the GGN block itself (jax.jacfwd and jax.hessian); for a batch, for weights shared along a
 sequence and for positions of a sequence, they are the K-FAC "expand" sums A = (1/N) Σ x xᵀ and
 Γ = Σ Jᵀ H J over the examples and uses, J the Jacobian of the outputs w.r.t. each use's product
-(perturbations added to the products of a plain-JAX copy of the network)."""
+(perturbations added to the products of a plain-JAX copy of the network), and the "reduce" sums
+of each example's uses summed first."""
 
 from __future__ import annotations
 
@@ -148,6 +149,17 @@ def test_weights_shared_along_a_sequence_sum_every_step():
     close(factors["A"].right, gamma)
     close(factors["B"].left, jnp.einsum("tbi,tbj->ij", xs, xs) / (B * T))
     close(factors["B"].right, gamma)
+    # "reduce": each example's steps summed first, A = (1/(B T²)) Σ_b h̄_b h̄_bᵀ, Γ = Σ_b J̄_bᵀ H_b J̄_b
+    reduced = lbp.kfac_factors(loss, approximation="reduce")(params, h0, xs)
+    jac_sum = jac.sum(axis=2)  # [B, W(out), W(e)]: the steps' perturbations summed
+    gamma_sum = jnp.einsum("bcx,bcd,bdy->xy", jac_sum, hess, jac_sum)
+    close(reduced["A"].left, jnp.einsum("bi,bj->ij", hs.sum(0), hs.sum(0)) / (B * T * T))
+    close(reduced["A"].right, gamma_sum)
+    close(reduced["B"].left, jnp.einsum("bi,bj->ij", xs.sum(0), xs.sum(0)) / (B * T * T))
+    close(reduced["B"].right, gamma_sum)
+    assert reduced["c"] is None
+    with pytest.raises(ValueError, match="approximation='mean'"):
+        lbp.kfac_factors(loss, approximation="mean")
 
 
 def test_positions_of_a_sequence_are_summed_and_tied_embeddings_have_no_factors():
@@ -186,6 +198,11 @@ def test_positions_of_a_sequence_are_summed_and_tied_embeddings_have_no_factors(
     # Γ = Σ_b Σ_t J_btᵀ H_b J_bt, J_bt the outputs' Jacobian w.r.t. position t's product (each
     # position its own use; jac: [B, L(out), V, L(e), E], hess: [B, L, V, L, V]).
     close(factors["M"].right, jnp.einsum("bpvtx,bpvqw,bqwty->xy", jac, hess, jac))
+    # "reduce": the positions summed per example before the products
+    reduced = jax.jit(lbp.kfac_factors(loss, approximation="reduce"))(params, ids)
+    assert reduced["emb"] is None and reduced["pos"] is None
+    close(reduced["M"].left, jnp.einsum("bi,bj->ij", h0.sum(1), h0.sum(1)) / (B * L * L))
+    close(reduced["M"].right, jnp.einsum("bpvx,bpvqw,bqwy->xy", jac.sum(3), hess, jac.sum(3)))
 
 
 def test_monte_carlo_factors_estimate_the_exact_ones():

@@ -1,7 +1,7 @@
 """The forward-Laplacian lift against plain JAX: (u, ∇u, Δu) equal jax.grad and the trace of
 jax.hessian at each point; a physics-informed loss on the lifted network has the gradient of
 jax.grad and the Gauss–Newton matrix JᵀJ of its residuals (jax.jacfwd); K-FAC's factors of the
-first weight are the "expand" sum over the three uses (u, ∇u, Δu)."""
+first weight are the "expand" and "reduce" sums over the three uses (u, ∇u, Δu)."""
 
 from __future__ import annotations
 
@@ -72,14 +72,15 @@ def test_lifted_states_are_the_derivatives():
 def test_physics_informed_gradient_and_gauss_newton():
     p, (inner, edge) = params(), points()
     value, grad, G = lbp.gauss_newton(pinn_loss)(p, inner, edge)
-    close(value, 0.5 * jnp.sum(residuals(p, inner, edge) ** 2))
-    close(ravel_pytree(grad)[0], ravel_pytree(jax.grad(lambda q: 0.5 * jnp.sum(residuals(q, inner, edge) ** 2))(p))[0])
+    r = residuals(p, inner, edge)
+    close(value, 0.5 * jnp.sum(r ** 2))
     jac = jax.jacfwd(lambda flat: residuals(ravel_pytree(p)[1](flat), inner, edge))(ravel_pytree(p)[0])
+    close(ravel_pytree(grad)[0], jac.T @ r)  # the gradient of ½‖r‖²
     close(G.todense(), jac.T @ jac, rtol=1e-8, atol=1e-10)
     close(ravel_pytree(lbp.grad_by_solve(pinn_loss)(p, inner, edge))[0], ravel_pytree(grad)[0])
 
 
-def test_kfac_expand_over_the_three_uses():
+def test_kfac_expand_and_reduce_over_the_three_uses():
     """First weight: A = (1/N) Σ over the N = B(d + 2) uses of its input rows: x_b, the unit
     vectors e_k (∇x = I) and 0 (Δx = 0)."""
     p, (inner, _) = params(), points()
@@ -88,6 +89,10 @@ def test_kfac_expand_over_the_three_uses():
     b, d = inner.shape
     assert isinstance(factors["W1"], lbp.Kronecker) and factors["b1"] is None
     close(factors["W1"].left, (inner.T @ inner + b * jnp.eye(d)) / (b * (d + 2)))
+    # "reduce": each point's d + 2 uses summed first, x̄_b = x_b + Σ_k e_k + 0
+    summed = inner + 1.0
+    reduced = lbp.kfac_factors(only_inner, approximation="reduce")(p, inner)
+    close(reduced["W1"].left, summed.T @ summed / (b * (d + 2) ** 2))
 
 
 def test_bad_coordinates_name_the_fix():

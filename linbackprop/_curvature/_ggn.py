@@ -5,7 +5,7 @@ example's block of H factored, its columns back-substituted for all examples at 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -14,11 +14,12 @@ import numpy as np
 from .._engine import ParamFactors
 from .._graph import Stack
 from .._outer import weighted_square_sum
+from .._settings import Engine
 from ._per_example import Calls
 from ._split import Split, normalise_argnums, on_model
 
 
-def diag_ggn(fun: Callable, argnums: int | Sequence[int] = 0, *, engine: str = "auto", samples: int | None = None,
+def diag_ggn(fun: Callable, argnums: int | Sequence[int] = 0, *, engine: Engine = "auto", samples: int | None = None,
              key: jax.Array | None = None, layers: Any = None) -> Callable:
     """The exact diagonal of G = J* H J, shaped like the arguments ``argnums`` names (or, with
     ``samples=M`` and a PRNG ``key``, a Monte Carlo estimate from M back substitutions instead of C).
@@ -70,7 +71,7 @@ def diag_ggn(fun: Callable, argnums: int | Sequence[int] = 0, *, engine: str = "
     return run
 
 
-def ggn_factor(fun: Callable, argnums: int | Sequence[int] = 0, *, rank: int | None = None, engine: str = "auto",
+def ggn_factor(fun: Callable, argnums: int | Sequence[int] = 0, *, rank: int | None = None, engine: Engine = "auto",
                layers: Any = None) -> Callable:
     """K with G = Kᵀ K from per-example Jacobian rows, shaped like the arguments ``argnums``
     names with a leading axis of r·B rows (r per example, B examples):
@@ -137,8 +138,9 @@ class Kronecker(NamedTuple):
     right: jax.Array
 
 
-def kfac_factors(fun: Callable, argnums: int | Sequence[int] = 0, *, engine: str = "auto",
-                 samples: int | None = None, key: jax.Array | None = None, layers: Any = None) -> Callable:
+def kfac_factors(fun: Callable, argnums: int | Sequence[int] = 0, *, engine: Engine = "auto",
+                 samples: int | None = None, key: jax.Array | None = None, layers: Any = None,
+                 approximation: Literal["expand", "reduce"] = "expand") -> Callable:
     """K-FAC factors of G = J* H J, shaped like the arguments ``argnums`` names: a
     [`Kronecker`][linbackprop.Kronecker] pair at each parameter leaf whose every use is a dense product (its
     per-example cotangent x_bᵀ δ_b, a ``dot_general`` of one example's operands, contracted
@@ -151,7 +153,13 @@ def kfac_factors(fun: Callable, argnums: int | Sequence[int] = 0, *, engine: str
     shared weights, RNNs and tied embeddings alike) and the columns of each example's factored H
     (as [`diag_ggn`][linbackprop.diag_ggn]: λ_bk, s_bk from ``eigh``, δ_bk from one back substitution for all
     examples per k; with ``samples=M`` and a PRNG ``key``, M sampled columns instead). Exact for
-    one example and one use. ``fun`` returns a scalar loss that is a sum (or mean) over examples;
+    one example and one use. ``approximation="reduce"`` (Eschenhagen et al. 2023) sums each
+    example's R uses first, x̄_b = Σ_t x_bt and δ̄_bk = Σ_t δ_btk:
+
+        A = (1/(B R²)) Σ_b x̄_bᵀ x̄_b,   Γ = Σ_k Σ_b λ_bk δ̄_bkᵀ δ̄_bk
+
+    — for a weight shared where the loss is one term per example (pooled sequences, a PINN's
+    operator), as "expand" is for one term per use. ``fun`` returns a scalar loss that is a sum (or mean) over examples;
     each argument leaf must be one parameter block as it is (not transformed before the network
     uses it). Layers that mix examples raise a ``ValueError``.
 
@@ -163,9 +171,12 @@ def kfac_factors(fun: Callable, argnums: int | Sequence[int] = 0, *, engine: str
         >>> f.left.tolist(), f.right.tolist()                   # one example: exact, x xᵀ ⊗ 1
         ([[1.0, 2.0], [2.0, 4.0]], [[1.0]])
     """
+    if approximation not in ("expand", "reduce"):
+        raise ValueError(f"kfac_factors(approximation={approximation!r}): use 'expand' (every use of a weight a "
+                         "term) or 'reduce' (each example's uses summed first).")
     if layers is not None:
-        return on_model(lambda f, a: kfac_factors(f, a, engine=engine, samples=samples, key=key), fun, argnums,
-                         layers)
+        return on_model(lambda f, a: kfac_factors(f, a, engine=engine, samples=samples, key=key,
+                                                  approximation=approximation), fun, argnums, layers)
     nums, single = normalise_argnums(argnums)
 
     def run(*args: Any) -> Any:
@@ -175,7 +186,8 @@ def kfac_factors(fun: Callable, argnums: int | Sequence[int] = 0, *, engine: str
                 "kfac_factors needs each differentiated argument leaf to be one parameter block of one network "
                 "call, as it is (here parameters are transformed or shared between calls before the network "
                 "uses them); use diag_ggn or gauss_newton for such parameters.")
-        maps = [ParamFactors(plan, prim, batch) for plan, prim in zip(calls.plans, calls.stored)]
+        maps = [ParamFactors(plan, prim, batch, reduce=approximation == "reduce")
+                for plan, prim in zip(calls.plans, calls.stored)]
         share = lambda s, weights: [m.parts(lam_c, weights)
                                     for m, lam_c in zip(maps, calls.adjoints(unflatten(s), batch))]
         summed = _over_columns(share, lam, vecs, samples, key, "kfac_factors")

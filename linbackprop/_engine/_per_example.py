@@ -206,10 +206,14 @@ class ParamFactors:
     x_bᵀ x_b over the examples and every layer (and position) using the row, Γ = Σ_k Σ_b w_kb
     y_kbᵀ y_kb, N the number of (example, layer, position) terms — in the order of the leaf's axes
     (`OuterFactors`): the GGN block of a row ≈ left ⊗ right. None elsewhere. A row used by
-    several layers sums their factors (K-FAC "expand" for shared weights)."""
+    several layers sums their factors (K-FAC "expand" for shared weights).
 
-    def __init__(self, plan: Plan, prim: Primal, batch: int):
-        self.plan, self.prim, self.batch = plan, prim, batch
+    With ``reduce`` (K-FAC "reduce", Eschenhagen et al. 2023), each example's operands are summed
+    over every use of the row first — layers, positions and terms, R per example — and then
+    squared: A = (1/(B R²)) Σ_b x̄_bᵀ x̄_b, Γ = Σ_k Σ_b w_kb ȳ_kbᵀ ȳ_kb."""
+
+    def __init__(self, plan: Plan, prim: Primal, batch: int, reduce: bool = False):
+        self.plan, self.prim, self.batch, self.reduce = plan, prim, batch, reduce
         self.kinds = param_kinds(plan)
         self.members = []
         layouts: dict[tuple[int, int], Any] = {}
@@ -227,39 +231,55 @@ class ParamFactors:
         return [(p, g, leaf) for p, g in enumerate(kind.param_groups)
                 for leaf in range(tangent_leaves(self.plan.param_groups[g]))]
 
-    def _gathered(self, grams: list, operand: int) -> dict[tuple[int, int], jax.Array]:
-        """Per factored (group, leaf): the members' Gram matrices added into their rows."""
+    def _gathered(self, per_member: list) -> dict[tuple[int, int], jax.Array]:
+        """Per factored (group, leaf): the members' Gram matrices (or, reducing, their examples'
+        summed operands) added into their rows."""
         out: dict[tuple[int, int], jax.Array] = {}
-        for kind, per_kind in zip(self.kinds, grams):
+        for kind, per_kind in zip(self.kinds, per_member):
             for n, (slot, g, leaf) in enumerate(self._leaves(kind)):
                 if (g, leaf) not in self.layouts:
                     continue
-                _, p, q = self.layouts[(g, leaf)]
-                size = p if operand == 0 else q
-                buf = out.get((g, leaf), jnp.zeros((self.plan.param_groups[g].rows, size, size), per_kind[n].dtype))
-                out[(g, leaf)] = scatter_add(buf, kind.by_member.params[:kind.size, slot], per_kind[n])
+                value = per_kind[n]
+                buf = out.get((g, leaf), jnp.zeros((self.plan.param_groups[g].rows, *value.shape[1:]), value.dtype))
+                out[(g, leaf)] = scatter_add(buf, kind.by_member.params[:kind.size, slot], value)
         return out
 
     def parts(self, lam: list[Any], weights: jax.Array) -> dict[tuple[int, int], jax.Array]:
-        """One adjoint's Σ_b w_b y_bᵀ y_b per factored (group, leaf), rows stacked."""
-        grams = []
+        """One adjoint's Σ_b w_b y_bᵀ y_b per factored (group, leaf), rows stacked (reducing:
+        Σ_b w_b ȳ_bᵀ ȳ_b of the rows' summed operands)."""
+        per_member = []
         for kind, (th, xs, axes, factors, _) in zip(self.kinds, self.members):
             lam_k = jax.tree.leaves(read_rows(lam[kind.out_group], kind.by_member.out[:kind.size]))
-            grams.append(jax.vmap(lambda th, xs, lm, f=factors, axes=axes: f.parts(
-                [*th, *xs, *lm], [*axes, *[0] * len(lm)], weights))(th, xs, lam_k))
-        return self._gathered(grams, 1)
+            if self.reduce:
+                one = lambda th, xs, lm, f=factors, axes=axes: f.example_sums([*th, *xs, *lm], [*axes, *[0] * len(lm)],
+                                                                             adjoint=True)
+            else:
+                one = lambda th, xs, lm, f=factors, axes=axes: f.parts([*th, *xs, *lm], [*axes, *[0] * len(lm)],
+                                                                      weights)
+            per_member.append(jax.vmap(one)(th, xs, lam_k))
+        gathered = self._gathered(per_member)
+        if self.reduce:
+            return {key: jnp.einsum("rbi,b,rbj->rij", s, weights.astype(s.dtype), s) for key, s in gathered.items()}
+        return gathered
 
     def total(self, parts: dict[tuple[int, int], jax.Array]) -> dict[int, list]:
         """Per parameter group, per leaf: (left, right) with rows stacked, or None."""
-        grams, counts = [], {}
+        per_member, counts = [], {}
         for kind, (th, xs, axes, factors, zeros) in zip(self.kinds, self.members):
-            grams.append(jax.vmap(lambda th, xs, f=factors, axes=axes: f.total(
-                [*th, *xs, *zeros], [*axes, *[None] * len(zeros)]))(th, xs))
+            if self.reduce:
+                one = lambda th, xs, f=factors, axes=axes: f.example_sums([*th, *xs, *zeros],
+                                                                          [*axes, *[None] * len(zeros)], adjoint=False)
+            else:
+                one = lambda th, xs, f=factors, axes=axes: f.total([*th, *xs, *zeros], [*axes, *[None] * len(zeros)])
+            per_member.append(jax.vmap(one)(th, xs))
             for n, (slot, g, leaf) in enumerate(self._leaves(kind)):
                 if (g, leaf) in self.layouts:
                     rows = counts.setdefault((g, leaf), np.zeros(self.plan.param_groups[g].rows, np.int64))
                     np.add.at(rows, kind.by_member.params[:kind.size, slot], factors.count(n, self.batch))
-        fixed = self._gathered(grams, 0)
+        fixed = self._gathered(per_member)
+        if self.reduce:  # (1/(B R²)) Σ_b x̄_bᵀ x̄_b with R = N/B uses per example: B/N² of the Gram
+            fixed = {key: jnp.einsum("rbi,rbj->rij", s, s) for key, s in fixed.items()}
+            counts = {key: n.astype(np.float64) ** 2 / self.batch for key, n in counts.items()}
         out: dict[int, list] = {}
         for g, group in enumerate(self.plan.param_groups):
             out[g] = []
