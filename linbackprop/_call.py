@@ -181,7 +181,7 @@ def prepare(net: Network, theta: dict[Hashable, Any], inputs: tuple[Any, ...],
 # The forward pass as a custom_jvp whose rule is its plain JVP: a network call's JVP rule is
 # partially evaluated under jax.grad, and JAX's partial evaluation of a loop re-analyses its body
 # even where every input is known (the forward pass's are); a custom_jvp call with known inputs is
-# bound as it is (measured: tracing the 12-block GPT 0.20 -> 0.15 s).
+# bound as it is (less tracing: docs/performance.md, "Measurements behind the code").
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
 def _forward_pass(plan: Plan, residuals: bool, params: list[Any], states: list[Any]) -> Primal:
     return forward(plan, params, states, residuals=residuals)
@@ -372,15 +372,15 @@ def _zero_tangent(plan: Plan, item: Hashable | Stack) -> Any:
 # A network call is a jax.custom_jvp whose primal (_call_by_solve) and rule (_call_by_solve_jvp,
 # its symbolic zeros static) are each a jax.jit: called eagerly, JAX compiles the solve (and its
 # JVP and transpose) as a whole instead of dispatching its operations one by one, and the traces
-# are cached: a loss that calls one network 20 times traces in 0.16 s (1.0 s with the rule traced
-# per call). Under differentiation only the rule is traced; a jit around the custom_jvp traced the
-# undifferentiated forward pass as well (measured: 0.84 -> 0.70 s of tracing for the 12-block GPT).
+# are cached (a loss that calls one network many times traces the rule once). Under
+# differentiation only the rule is traced; a jit around the custom_jvp would trace the
+# undifferentiated forward pass as well (the tracing times: docs/performance.md).
 #
 # One custom_jvp and jit per network, the most recently used JITTED_NETWORKS kept: JAX's caches
 # hold a function's traces, executables and what its layers close over weakly keyed on the
 # function, so they go with it, and a program that builds networks in a loop keeps memory bounded.
-# (One global custom_jvp with the network as a static argument kept every network until JAX's
-# own LRU caches evicted it: ~4 MB per network, up to thousands of networks.)
+# (One global custom_jvp with the network as a static argument would keep every network until
+# JAX's own LRU caches evicted it, thousands of them.)
 JITTED_NETWORKS = 32
 _jitted: collections.OrderedDict[tuple[Network, int], Callable] = collections.OrderedDict()
 _jitted_lock = threading.Lock()

@@ -401,8 +401,7 @@ def _scan(run: tuple[Segment, ...], theta: dict, given: dict, before: tuple,
     sources = [given[x] for x, _, _ in first.row_inputs] + [theta[b] for b, _, _ in first.row_blocks]
 
     # Under vmap a reshaped source's batch axis is moved behind the segments' axis: a copy of the
-    # whole source, twice (an RNN's inputs: 1.016× the temporaries of the call without
-    # checkpoints). Sliced in the body instead, only the rows of one segment at a time are.
+    # whole source, twice. Sliced in the body instead, only the rows of one segment at a time are.
     batched = under_vmap()
 
     def scanned(source: Any, r: int, span: int) -> Any:

@@ -110,12 +110,7 @@ class Block(LinearOperator):
     @property
     def T(self) -> Block:  # noqa: N802 - the mathematical name
         symbol = self.symbol[:-1] if self.symbol.endswith("′") else self.symbol + "′"
-        return Block(symbol, self.col, self.row, self._adjoint, self._fn, self._row_example, self._col_example)
-
-    def solve(self, b: Any) -> Any:
-        if self.symbol.startswith("ℐ"):
-            return b
-        return super().solve(b)
+        return type(self)(symbol, self.col, self.row, self._adjoint, self._fn, self._row_example, self._col_example)
 
     def todense(self) -> jax.Array:
         return _dense(self.mv, self._col_example)
@@ -131,6 +126,13 @@ class Block(LinearOperator):
 
     def __repr__(self) -> str:
         return f"{self.symbol}[{self.row!r}, {self.col!r}]"
+
+
+class IdentityBlock(Block):
+    """A diagonal block of ℒ: the identity, which solves by returning its right-hand side."""
+
+    def solve(self, b: Any) -> Any:
+        return b
 
 
 class _Operator(LinearOperator):
@@ -243,7 +245,7 @@ class StateOperator(_Operator):
             return self.T.block(j, i).T
         net, states = self._plan.net, self._lin.states
         if i == j and i in net.order:
-            return Block("ℐ", i, j, lambda x: x, lambda x: x, states[j], states[i])
+            return IdentityBlock("ℐ", i, j, lambda x: x, lambda x: x, states[j], states[i])
         layer = _layer(net, i)
         if j not in layer.reads:
             raise KeyError(f"Block ({i!r}, {j!r}) of ℒ is zero: layer {i!r} does not read {j!r}.")

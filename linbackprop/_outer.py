@@ -90,10 +90,7 @@ class SquareSums:
         try:
             closed = jax.make_jaxpr(per_example)(*example_args)
             jaxpr = closed.jaxpr
-            moving = {v for v, m in zip(jaxpr.invars, varying) if m}
-            for eqn in jaxpr.eqns:
-                if any(not isinstance(v, Literal) and v in moving for v in eqn.invars):
-                    moving.update(eqn.outvars)
+            moving = depending(jaxpr, varying)
             self.sources = []
             for var, sq in zip(jaxpr.outvars, squared):
                 src = _outer_source(jaxpr, var) if sq else None
@@ -153,8 +150,9 @@ def weighted_square_sum(x: jax.Array, weights: jax.Array) -> jax.Array:
     return jnp.einsum("b,b...->...", weights.astype(x.dtype), x * x)
 
 
-def _moving(jaxpr: Any, varying: list[bool]) -> set:
-    """The variables of ``jaxpr`` that depend on its inputs marked ``varying``."""
+def depending(jaxpr: Any, varying: list[bool]) -> set:
+    """The variables of ``jaxpr`` that depend on its inputs marked ``varying`` (an equation
+    counted as depending on all its operands: conservative)."""
     moving = {v for v, m in zip(jaxpr.invars, varying) if m}
     for eqn in jaxpr.eqns:
         if any(not isinstance(v, Literal) and v in moving for v in eqn.invars):
@@ -209,7 +207,7 @@ class OuterFactors:
         self.sources: list[Any] = []
         try:
             closed = jax.make_jaxpr(per_example)(*example_args)
-            moving = _moving(closed.jaxpr, varying)
+            moving = depending(closed.jaxpr, varying)
             for var in closed.jaxpr.outvars:
                 terms = _outer_terms(closed.jaxpr, var)
                 found = [] if terms is not None else None
@@ -361,7 +359,7 @@ class OuterTerms:
         self.terms: list[Any] = []
         try:
             closed = jax.make_jaxpr(per_example)(*example_args)
-            moving = _moving(closed.jaxpr, varying)
+            moving = depending(closed.jaxpr, varying)
             for var in closed.jaxpr.outvars:
                 terms = _outer_terms(closed.jaxpr, var)
                 described = []

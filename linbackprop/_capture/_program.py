@@ -116,9 +116,43 @@ def _input_name(var: Any, origin: dict, taken: set) -> str:
     return f"{base}.{k}"
 
 
-def _layer_fn(eqns: tuple, operands: tuple, outs: tuple, specs: tuple, name: str = "layer") -> Callable:
-    """A layer function ``fn(theta, *states)`` running ``eqns`` with its operands taken from
-    ``specs`` (per operand: ("param", k) | ("read", r, j) | ("input", r) | ("literal", value)):
+@dataclasses.dataclass(frozen=True)
+class FromParam:
+    """A layer's operand: its ``k``-th parameter block."""
+
+    k: int
+
+    def value(self, theta: tuple, states: tuple) -> Any:
+        return theta[self.k]
+
+
+@dataclasses.dataclass(frozen=True)
+class FromRead:
+    """A layer's operand: output ``j`` of the node it reads ``r``-th (a captured call's results)."""
+
+    r: int
+    j: int
+
+    def value(self, theta: tuple, states: tuple) -> Any:
+        return states[self.r][self.j]
+
+
+@dataclasses.dataclass(frozen=True)
+class FromInput:
+    """A layer's operand: the network input it reads ``r``-th (data computed before the network)."""
+
+    r: int
+
+    def value(self, theta: tuple, states: tuple) -> Any:
+        return states[self.r]
+
+
+Operand = FromParam | FromRead | FromInput
+
+
+def _layer_fn(eqns: tuple, operands: tuple, outs: tuple, specs: tuple[Operand, ...], name: str = "layer") -> Callable:
+    """A layer function ``fn(theta, *states)`` running ``eqns`` with its operands taken as
+    ``specs`` says (per operand: a parameter block, an output of a node read, a network input):
     returns the tuple of ``outs``. Equal programs share one function object (one kind), named
     after the first call it was made for (``Attention``, ``glue``)."""
     def raw(*values: Any) -> tuple:
@@ -145,16 +179,7 @@ def _replay(specs: tuple, programs: dict[tuple, ClosedJaxpr], name: str) -> Call
     """``fn(theta, *states)``: the program of ``programs`` traced at its operands' shapes, run on
     the operands ``specs`` picks (a call traced at the batch and at one example has two)."""
     def fn(theta: tuple, *states: Any) -> tuple:
-        values = []
-        for spec in specs:
-            if spec[0] == "param":
-                values.append(theta[spec[1]])
-            elif spec[0] == "read":
-                values.append(states[spec[1]][spec[2]])
-            elif spec[0] == "input":
-                values.append(states[spec[1]])
-            else:
-                values.append(spec[1])
+        values = [spec.value(theta, states) for spec in specs]
         shapes = _operand_shapes(values)
         if shapes not in programs:
             raise ValueError(
@@ -191,8 +216,7 @@ def at_any_batch(full: Program, one: Program) -> Program:
             "jax.vmap(jax.grad) of a per-example loss.")
     def merged(a: Callable, b: Callable) -> Callable:
         specs = a.__linbackprop_specs__
-        if [s[:3] if s[0] != "literal" else s[:1] for s in specs] != \
-                [s[:3] if s[0] != "literal" else s[:1] for s in b.__linbackprop_specs__]:
+        if specs != b.__linbackprop_specs__:
             raise ValueError(f"layers=: layer {a.__name__!r} reads other operands on one example than on the batch; "
                              "per-example quantities need the same call at both sizes.")
         key = ("any batch", a, b)  # functions compare by identity
@@ -264,16 +288,20 @@ def build(closed: ClosedJaxpr, n_diff: int, block_names: Sequence[Hashable], cal
     # the network's nodes: each marked call, and each run of glue between them
     nodes: list[tuple[str, list]] = []
     seen_names = collections.Counter()  # a call's name, numbered in order (a scan's steps repeat one call)
+    glue_open = False  # the last node is a run of glue, which the next unmarked equation joins
     for e, inside, m in zip(eqns, in_net, marked):
         if not inside:
             continue
         if m is not None:
             nodes.append((f"{calls[m]}{seen_names[calls[m]]}", [e]))
             seen_names[calls[m]] += 1
-        elif nodes and nodes[-1][0].startswith("glue"):
+            glue_open = False
+        elif glue_open:
             nodes[-1][1].append(e)
         else:
-            nodes.append((f"glue{sum(name.startswith('glue') for name, _ in nodes)}", [e]))
+            nodes.append((f"glue{seen_names['glue']}", [e]))
+            seen_names["glue"] += 1
+            glue_open = True
     producer: dict = {}
     used_later: set = set()
     for e in after:
@@ -299,18 +327,18 @@ def build(closed: ClosedJaxpr, n_diff: int, block_names: Sequence[Hashable], cal
                 if a in block_of_var:
                     if block_of_var[a] not in params:
                         params.append(block_of_var[a])
-                    specs.append(("param", params.index(block_of_var[a])))
+                    specs.append(FromParam(params.index(block_of_var[a])))
                 elif a in producer:
                     src, j = producer[a]
                     if src not in reads:
                         reads.append(src)
-                    specs.append(("read", reads.index(src), j))
+                    specs.append(FromRead(reads.index(src), j))
                 else:  # data: a value computed before the network, an argument, a constant
                     if a not in inputs:
                         inputs[a] = _input_name(a, origin, {*inputs.values(), *(name for name, _ in nodes)})
                     if inputs[a] not in reads:
                         reads.append(inputs[a])
-                    specs.append(("input", reads.index(inputs[a])))
+                    specs.append(FromInput(reads.index(inputs[a])))
         outs = [o for e in node_eqns for o in e.outvars if not isinstance(o, jax.extend.core.DropVar)]
         outs = [o for o in outs if o in used_later or readers[o] - {n}] or outs[:1]
         for j, o in enumerate(outs):

@@ -221,12 +221,12 @@ def _hessian_blocks(fun: Callable, args: tuple, nums: tuple[int, ...], engine: s
     loss = lambda o: split.loss(o, *split.diff)[0]
     if jnp.ndim(loss(calls.outs)) != 0:
         raise ValueError(f"{name} needs fun to return a scalar loss (a sum or mean over examples).")
-    batch = _batch_of(calls)
-    flat_outs, unflatten = _by_example(calls, batch)
+    batch = _batch_of(calls, name)
+    flat_outs, unflatten = _by_example(calls, batch, name=name)
     _, hvp = jax.linearize(jax.grad(loss), calls.outs)
     coords = flat_outs.shape[1]
     basis = jnp.broadcast_to(jnp.eye(coords, dtype=flat_outs.dtype)[:, None, :], (coords, batch, coords))
-    columns = jax.vmap(lambda e: _by_example(calls, batch, hvp(unflatten(e)))[0])(basis)  # [C(j), B, C(i)]
+    columns = jax.vmap(lambda e: _by_example(calls, batch, name, hvp(unflatten(e)))[0])(basis)  # [C(j), B, C(i)]
     h = jnp.moveaxis(columns, 0, 2)  # [B, i, j]
     lam, vecs = jnp.linalg.eigh((h + jnp.swapaxes(h, 1, 2)) / 2)
     return calls, batch, unflatten, lam, vecs
@@ -236,9 +236,9 @@ def _over_columns(share: Callable, lam: jax.Array, vecs: jax.Array, samples: int
                   name: str) -> Any:
     """Σ_k share(s_k, w_k) over H's factor: the eigenvectors s_k with weights λ_k (exact), or with
     ``samples=M`` the mean over M samples s = H_b^{1/2} z, z ~ N(0, I), weights 1 (H's positive
-    part: unbiased where H is positive semi-definite). One column (or sample) after another: as
-    one vmapped solve over the C columns the GGN diagonal took 1.4× longer (12 residual layers,
-    width 128, batch 256, C = 10: the batched substitution's buffers outgrow the caches)."""
+    part: unbiased where H is positive semi-definite). One column (or sample) after another: a
+    vmapped solve over the C columns has buffers C times as large, which outgrow the caches
+    (slower: docs/performance.md)."""
     batch, coords = lam.shape
 
     def summed(one: Callable, ks: jax.Array) -> Any:
@@ -255,21 +255,22 @@ def _over_columns(share: Callable, lam: jax.Array, vecs: jax.Array, samples: int
     return jax.tree.map(lambda d: d / samples, summed(lambda k: share(sample(k), ones), jax.random.split(key, samples)))
 
 
-def _batch_of(calls: Calls) -> int:
-    """The batch: the leading axis of the first output state (axis 1 of a Stack)."""
+def _batch_of(calls: Calls, name: str) -> int:
+    """The batch: the leading axis of the first output state (axis 1 of a Stack); ``name``: the
+    transform asking (for its errors)."""
     for net, outs in zip(calls.nets, calls.outs):
         for item, value in zip(net.output_spec, (outs,) if net.single_output else outs):
             for leaf in jax.tree.leaves(value):
                 return int(np.shape(leaf)[1 if isinstance(item, Stack) else 0])
-    raise ValueError("diag_ggn needs at least one network call with an output.")
+    raise ValueError(f"{name} needs at least one network call with an output.")
 
 
-def _by_example(calls: Calls, batch: int, outs: Any = None) -> tuple[jax.Array, Callable]:
+def _by_example(calls: Calls, batch: int, name: str, outs: Any = None) -> tuple[jax.Array, Callable]:
     """The calls' outputs as [B, C] (each leaf's batch axis first: axis 0 of a state, axis 1 of a
     Stack), and the map back from such a matrix to outputs."""
     outs = calls.outs if outs is None else outs
     leaves, treedef = jax.tree.flatten(outs)
-    axes = _batch_axes(calls, batch)
+    axes = _batch_axes(calls, batch, name)
     moved = [jnp.moveaxis(x, ax, 0).reshape(batch, -1) for x, ax in zip(leaves, axes)]
     sizes = np.cumsum([m.shape[1] for m in moved])[:-1]
     shapes = [jnp.moveaxis(x, ax, 0).shape for x, ax in zip(leaves, axes)]
@@ -281,7 +282,7 @@ def _by_example(calls: Calls, batch: int, outs: Any = None) -> tuple[jax.Array, 
     return jnp.concatenate(moved, axis=1), unflatten
 
 
-def _batch_axes(calls: Calls, batch: int) -> list[int]:
+def _batch_axes(calls: Calls, batch: int, name: str) -> list[int]:
     axes = []
     for net, outs in zip(calls.nets, calls.outs):
         items = (outs,) if net.single_output else outs
@@ -289,7 +290,7 @@ def _batch_axes(calls: Calls, batch: int) -> list[int]:
             ax = 1 if isinstance(item, Stack) else 0
             for leaf in jax.tree.leaves(value):
                 if np.ndim(leaf) <= ax or np.shape(leaf)[ax] != batch:
-                    raise ValueError(f"diag_ggn: an output of {net!r} has shape {np.shape(leaf)}, without the "
+                    raise ValueError(f"{name}: an output of {net!r} has shape {np.shape(leaf)}, without the "
                                      f"batch ({batch}) on axis {ax}; every state's leading axis must be the batch.")
                 axes.append(ax)
     return axes

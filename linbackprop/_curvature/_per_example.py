@@ -18,6 +18,7 @@ from jax.extend.core import Literal
 from .._call import output_tangents, outputs_of, prepare
 from .._engine import ParamSquares, back_substitution, param_adjoint, param_adjoint_per_example
 from .._graph import Network
+from .._outer import depending
 from .._plan import Plan, current_plan, differentiable_dtype
 from .._settings import Engine, current
 from .._transforms import solve_mode
@@ -190,10 +191,7 @@ def _check_inputs_independent(split: Split) -> None:
 def reaches_outputs(jaxpr: Any) -> bool:
     """Whether any output of ``jaxpr`` depends on any of its inputs (every equation counted as
     depending on all its operands: conservative)."""
-    live = {v for v in jaxpr.invars}
-    for eqn in jaxpr.eqns:
-        if any(not isinstance(v, Literal) and v in live for v in eqn.invars):
-            live.update(eqn.outvars)
+    live = depending(jaxpr, [True] * len(jaxpr.invars))
     return any(not isinstance(v, Literal) and v in live for v in jaxpr.outvars)
 
 

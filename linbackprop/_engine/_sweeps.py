@@ -14,19 +14,19 @@ import numpy as np
 from jax import lax
 from jax.extend.core import jaxpr_as_fun
 
-from .._plan import Kind, Plan, RowList, Writes
+from .._plan import Family, Kind, Plan, RowList, Sweep, Writes
 from ._loop import Step, layer_arguments, run_loop
 from ._maps import layer_maps
 from ._rows import Primal, add_row, index_at, index_scalar, read_row, set_row, zeros_like_aval
 
 
 # -- the sequential parts --------------------------------------------------------------------------
-def _slot_zeros(plan: Plan, writes: Writes, buffer: tuple[str, int]) -> Any:
+def _slot_zeros(plan: Plan, writes: Writes, buffer: tuple[Family, int]) -> Any:
     """Zeros shaped like one row of ``buffer``: what an inactive kind writes into a slot."""
     family, n = buffer
-    if family == "res":
+    if family is Family.RESIDUAL:
         return zeros_like_aval(plan.res_avals[n])
-    group = (plan.param_groups if family == "param" else plan.state_groups)[n]
+    group = (plan.param_groups if family is Family.PARAM else plan.state_groups)[n]
     return group.row_zeros(tangent=family in writes.tangent)
 
 
@@ -140,21 +140,29 @@ def _with_tangent(plan: Plan, kind: Kind, pos: Any, theta: tuple, inputs: tuple,
     return [out, sgroups[kind.out_group].tangent(dout)]
 
 
+# -- what a loop carries from step to step in a stretch (``Plan.forwarding``): entering, the row
+# its first step reads; leaving, the row of its last output
+def _entry_row(plan: Plan, fwd: Any, bufs: list[Any], tangent: bool) -> Any:
+    """The value the first step of a stretch reads from the carry: its row of ``bufs`` (zeros
+    where it has none)."""
+    if fwd.first_row is None:
+        return plan.state_groups[fwd.group].row_zeros(tangent)
+    return read_row(bufs[fwd.group], fwd.first_row)
+
+
+def _exit_row(zplan: Plan, plan: Plan, stop: int) -> int:
+    """The row (of ``zplan``'s layout) of the output of a stretch's last step, ``stop`` − 1."""
+    return int(zplan.kinds[int(plan.step_kind[stop - 1])].by_step.out[stop - 1])
+
+
 def _carry_start(plan: Plan, start: int, stop: int, states: list[Any], tangents: list[Any] | None) -> Any:
-    """What the loop carries into segment ``start:stop`` (see ``Plan.forwarding``): the output the
-    segment's first step reads, and its tangent; None where nothing is carried."""
+    """What the forward pass carries into segment ``start:stop``: the output the segment's first
+    step reads, and its tangent; None where nothing is carried."""
     fwd = plan.forwarding(start, stop)
     if fwd is None:
         return None
-
-    def start_row(bufs, tangent):
-        if bufs[fwd.group] is None:
-            return None
-        if fwd.first_row is None:
-            return plan.state_groups[fwd.group].row_zeros(tangent)
-        return read_row(bufs[fwd.group], fwd.first_row)
-
-    return start_row(states, False), start_row(tangents, True) if tangents is not None else None
+    entry = lambda bufs, tangent: None if bufs[fwd.group] is None else _entry_row(plan, fwd, bufs, tangent)
+    return entry(states, False), entry(tangents, True) if tangents is not None else None
 
 
 def forward(plan: Plan, params: list[Any], states: list[Any], residuals: bool = True,
@@ -168,7 +176,8 @@ def forward(plan: Plan, params: list[Any], states: list[Any], residuals: bool = 
     """
     assert not (residuals and tangents is not None)
     h = tangents[0] if tangents is not None else None
-    writes = plan.writes("forward+res" if residuals else "forward+tangent" if tangents is not None else "forward")
+    writes = plan.writes(Sweep.FORWARD_RESIDUALS if residuals else Sweep.FORWARD_TANGENTS if tangents is not None
+                         else Sweep.FORWARD)
 
     def body(step, carry):
         states, res, tans, prev = carry
@@ -190,14 +199,14 @@ def forward(plan: Plan, params: list[Any], states: list[Any], residuals: bool = 
             return _with_tangent(plan, kind, pos, theta, inputs, h, tns, (fwd.read[k], prev[1]) if carried else None)
 
         values = _step(plan, step, writes, branch, (states, tans, prev))
-        bufs = {"state": list(states), "res": list(res), "tangent": list(tans)}
+        bufs = {Family.STATE: list(states), Family.RESIDUAL: list(res), Family.TANGENT: list(tans)}
         _write(bufs, writes, step.index, values, add=False)
         if fwd is not None:  # every kind here writes its output to fwd.group: the same slots
             slots = writes.of_kind[step.kind if step.kind is not None else next(iter(fwd.read))]
             group = plan.state_groups[fwd.group]
             prev = (group.cast(values[slots[0]]),
                     group.cast(values[slots[1]], tangent=True) if prev[1] is not None else None)
-        return bufs["state"], bufs["res"], bufs["tangent"], prev
+        return bufs[Family.STATE], bufs[Family.RESIDUAL], bufs[Family.TANGENT], prev
 
     def enter(start, stop, carry):
         states, res, tans, _ = carry
@@ -225,7 +234,7 @@ def forward_substitution(plan: Plan, prim: Primal, rhs: list[Any], h: list[Any] 
     still compact."""
     compact = compact and not plan.unrolled  # unrolled: rows are values XLA drops where unread
     zplan = plan.compact if compact else plan
-    writes = zplan.writes("forward_sub")
+    writes = zplan.writes(Sweep.FORWARD_SUBSTITUTION)
     everywhere = rhs if compact and rhs_full else None
     if everywhere is not None:  # the buffer starts from rhs at its rows (the inputs' among them)
         rhs = take_rows(rhs, zplan.to_full)
@@ -261,35 +270,32 @@ def forward_substitution(plan: Plan, prim: Primal, rhs: list[Any], h: list[Any] 
             return [value]
 
         values = _step(zplan, step, writes, branch, (z, prev))
-        bufs = {"state": list(z)}
+        bufs = {Family.STATE: list(z)}
         if fwd is None or not zplan.carried_only(*step.segment):  # else: the last step's, on leaving
             _write(bufs, writes, i, values, add=not compact)
         if fwd is not None:
             value = values[writes.of_kind[step.kind if step.kind is not None else next(iter(fwd.read))][0]]
             prev = None if value is None else zplan.state_groups[fwd.group].cast(value, tangent=True)
-        return bufs["state"], prev
+        return bufs[Family.STATE], prev
 
     def enter(start, stop, carry):
         z, _ = carry
         fwd = forwarded((start, stop))
         if fwd is None:
             return z, None
-        group = zplan.state_groups[fwd.group]
-        first = group.row_zeros(True) if fwd.first_row is None else read_row(z[fwd.group], fwd.first_row)
-        return z, first
+        return z, _entry_row(zplan, fwd, z, True)
 
     def leave(start, stop, carry):
         z, prev = carry
         fwd = forwarded((start, stop))
         if fwd is None or not zplan.carried_only(start, stop):
             return carry
-        last = int(zplan.kinds[int(plan.step_kind[stop - 1])].by_step.out[stop - 1])
         z = list(z)
-        z[fwd.group] = set_row(z[fwd.group], last, prev)
+        z[fwd.group] = set_row(z[fwd.group], _exit_row(zplan, plan, stop), prev)
         return z, None
 
-    # Without ``compact`` carrying Z_i to the next step was measured to save nothing: the step
-    # still reads rhs_i from the buffer.
+    # Without ``compact`` Z_i is not carried to the next step: the step still reads rhs_i from the
+    # buffer, so carrying saves nothing there.
     z, _ = run_loop(plan, body, (list(rhs), None), enter=enter, leave=leave)
     return without_pad(zplan, z) if compact else z
 
@@ -311,7 +317,7 @@ def back_substitution(plan: Plan, prim: Primal, rhs: list[Any], grads: list[Any]
     compact = compact and not plan.unrolled
     zplan = plan.compact if compact else plan
     absent = frozenset(g for g, b in enumerate(rhs) if b is None)  # no cotangent wanted (or none exists)
-    writes = zplan.writes("back", with_params=in_loop, absent=absent)
+    writes = zplan.writes(Sweep.BACK_SUBSTITUTION, with_params=in_loop, absent=absent)
 
     def forwarded(segment: tuple[int, int] | None) -> Any:
         fwd = zplan.forwarding(*segment) if compact and segment else None
@@ -348,20 +354,20 @@ def back_substitution(plan: Plan, prim: Primal, rhs: list[Any], grads: list[Any]
         zeros = None if fwd is None else zplan.state_groups[fwd.group].row_zeros(True)
         out = _step(zplan, step, writes, branch, (lam, ct_next), carried=zeros)
         values, ct_next = (out, ct_next) if fwd is None else out
-        bufs = {"state": list(lam), "param": list(acc)}
+        bufs = {Family.STATE: list(lam), Family.PARAM: list(acc)}
         # With kinds known at trace time no slot of a parameter group written once is inactive
         # (an inactive one adds zeros to row 0), so its rows are set: no read of the old row.
-        once = frozenset(("param", g) for g in plan.params_written_once) if step.kind is not None else frozenset()
+        once = (frozenset((Family.PARAM, g) for g in plan.params_written_once) if step.kind is not None
+                else frozenset())
         _write(bufs, writes, i, values, add=True, set_buffers=once)
-        return bufs["state"], bufs["param"], ct_next
+        return bufs[Family.STATE], bufs[Family.PARAM], ct_next
 
     def enter(start, stop, carry):
         fwd = forwarded((start, stop))
         if fwd is None:
             return (*carry[:2], None)
         if zplan.carried_only(start, stop):  # the last step's Λ: complete, its readers are behind
-            last = int(zplan.kinds[int(plan.step_kind[stop - 1])].by_step.out[stop - 1])
-            return (*carry[:2], read_row(carry[0][fwd.group], last))
+            return (*carry[:2], read_row(carry[0][fwd.group], _exit_row(zplan, plan, stop)))
         return (*carry[:2], zplan.state_groups[fwd.group].row_zeros(True))
 
     def leave(start, stop, carry):

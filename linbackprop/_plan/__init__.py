@@ -26,17 +26,18 @@ from ._groups import (
     leaf_aval,
     weakly_typed,
 )
-from ._kinds import Forwarding, Kind, MemberRows, Same, StepRows, Writes, function_key, make_writes
+from ._kinds import Family, Forwarding, Kind, MemberRows, Same, StepRows, Sweep, Writes, function_key, make_writes
 from ._layout import Plan
 from ._make import current_plan, make_plan, plan_for, plans_generation
-from ._residuals import CHEAP_PRIMITIVES, MAX_RECIPE_DEPTH, Recipe, analyse_kind, avals_of
+from ._residuals import CHEAP_PRIMITIVES, MAX_RECIPE_DEPTH, Recipe, Source, analyse_kind, avals_of
 from ._schedule import (
     periodic_segments,
     straight_line_kinds,
 )
 
 __all__ = ["CHEAP_PRIMITIVES", "MAX_RECIPE_DEPTH", "Aval",
-           "Forwarding", "Group", "Kind", "MemberRows", "Plan", "Recipe", "RowList", "Same", "StepRows",
-           "Writes", "analyse_kind", "as_dtype", "avals_of", "current_plan", "differentiable_dtype",
+           "Family", "Forwarding", "Group", "Kind", "MemberRows", "Plan", "Recipe", "RowList", "Same",
+           "Source", "StepRows", "Sweep", "Writes", "analyse_kind", "as_dtype", "avals_of", "current_plan",
+           "differentiable_dtype",
            "dtype_key", "float0_zeros", "function_key", "leaf_aval", "make_plan", "make_writes",
            "periodic_segments", "plan_for", "plans_generation", "straight_line_kinds", "weakly_typed"]

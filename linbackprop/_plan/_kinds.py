@@ -5,6 +5,7 @@ body), their rows in the buffers per member and per step, and the write slots th
 from __future__ import annotations
 
 import dataclasses
+import enum
 import functools
 import types
 from collections.abc import Hashable
@@ -14,7 +15,26 @@ import jax
 import numpy as np
 
 from .._graph import Layer
-from ._residuals import Recipe
+from ._residuals import Recipe, Source
+
+
+class Sweep(enum.Enum):
+    """The loops over the layers (each with its own write slots, `Plan.writes`)."""
+
+    FORWARD = enum.auto()  # the forward pass, states only
+    FORWARD_RESIDUALS = enum.auto()  # the forward pass storing each kind's residuals
+    FORWARD_TANGENTS = enum.auto()  # the forward pass with the forward substitution fused in
+    FORWARD_SUBSTITUTION = enum.auto()  # ℒ Z = b
+    BACK_SUBSTITUTION = enum.auto()  # ℒ* Λ = b (with ℳΛ formed in the loop: parameter slots)
+
+
+class Family(enum.Enum):
+    """The kinds of buffer a loop writes into: (family, index) names one."""
+
+    STATE = enum.auto()  # a state group's buffer (of states, or of their tangents or adjoints)
+    TANGENT = enum.auto()  # the tangents of a state group, beside its states (FORWARD_TANGENTS)
+    RESIDUAL = enum.auto()  # a stored-residual buffer
+    PARAM = enum.auto()  # a parameter group's buffer (ℳΛ formed in the back substitution)
 
 
 class MemberRows(NamedTuple):
@@ -52,7 +72,7 @@ class Kind:
     by_step: StepRows
     out_aval: Any
     vjp_treedef: Any
-    res_sources: tuple[tuple[str, int], ...]  # per residual leaf: ("arg" | "out" | "own", index)
+    res_sources: tuple[tuple[Source, int], ...]  # per residual leaf: where it comes from, and its index there
     kept: tuple[int, ...]  # the own residuals that are stored ...
     recipes: dict[int, Recipe]  # ... and those recomputed from them (cheap elementwise ops)
     own_groups: tuple[int, ...]  # per stored residual: its residual buffer
@@ -73,10 +93,10 @@ class Kind:
 
     def rebuild(self, own: tuple[Any, ...], theta: tuple[Any, ...], inputs: tuple[Any, ...], out: Any) -> Any:
         """The layer's VJP from its stored residuals, its (re-read) arguments and its output."""
-        found = {"own": dict(zip(self.kept, own)), "arg": jax.tree.leaves((theta, inputs)),
-                 "out": jax.tree.leaves(out)}
+        found = {Source.OWN: dict(zip(self.kept, own)), Source.ARGUMENT: jax.tree.leaves((theta, inputs)),
+                 Source.OUTPUT: jax.tree.leaves(out)}
         for n, recipe in self.recipes.items():
-            found["own"][n] = recipe(found)
+            found[Source.OWN][n] = recipe(found)
         return self.vjp_treedef.unflatten([found[where][n] for where, n in self.res_sources])
 
 
@@ -97,10 +117,10 @@ class Writes:
     writes most there — not one set per kind. Inactive slots write zeros into a pad row (or add
     zeros)."""
 
-    buffers: tuple[Hashable, ...]  # per slot: the buffer, ("state" | "res" | "param" | "tangent", index)
+    buffers: tuple[tuple[Family, int], ...]  # per slot: the buffer, (family, index)
     rows: np.ndarray  # [N, S]: the row each step writes in each slot
     of_kind: tuple[tuple[int, ...], ...]  # per kind: the slot of each value it writes
-    tangent: frozenset[str] = frozenset()  # the families whose buffers have the tangent layout
+    tangent: frozenset[Family] = frozenset()  # the families whose buffers have the tangent layout
 
 
 def make_writes(kinds: tuple[Kind, ...], step_kind: np.ndarray, targets: list[list[tuple[Hashable, np.ndarray]]],

@@ -15,7 +15,7 @@ from .._graph import Layer, Network
 from .._policy import POLICY
 from .._stacking import take
 from ._groups import Aval, Group, RowList
-from ._kinds import Forwarding, Kind, Writes, make_writes
+from ._kinds import Family, Forwarding, Kind, Sweep, Writes, make_writes
 from ._schedule import periodic_segments
 
 
@@ -114,15 +114,16 @@ class Plan:
         a period p > 0 runs p steps of known kinds per iteration (no switch)."""
         return periodic_segments(self.step_kind, len(self.kinds), self.max_period)
 
-    def writes(self, loop: str, with_params: bool = False, absent: frozenset[int] = frozenset()) -> Writes:
-        """The write slots of ``loop``: "forward", "forward+res", "forward+tangent", "forward_sub"
-        or "back"; ``absent``: state groups without a (co)tangent buffer in this solve."""
+    def writes(self, loop: Sweep, with_params: bool = False, absent: frozenset[int] = frozenset()) -> Writes:
+        """The write slots of ``loop``; ``with_params``: the back substitution forms ℳΛ;
+        ``absent``: state groups without a (co)tangent buffer in this solve."""
         key = (loop, with_params, absent)
         cache = self.__dict__.setdefault("_writes", {})
         if key not in cache:
             targets = [self._targets(k, loop, with_params, absent) for k in self.kinds]
             writes = make_writes(self.kinds, self.step_kind, targets, self._pad_rows())
-            tangent = {"forward_sub": {"state"}, "back": {"state", "param"}, "forward+tangent": {"tangent"}}
+            tangent = {Sweep.FORWARD_SUBSTITUTION: {Family.STATE}, Sweep.FORWARD_TANGENTS: {Family.TANGENT},
+                       Sweep.BACK_SUBSTITUTION: {Family.STATE, Family.PARAM}}
             cache[key] = dataclasses.replace(writes, tangent=frozenset(tangent.get(loop, ())))
         return cache[key]
 
@@ -202,29 +203,30 @@ class Plan:
 
     def _pad_rows(self) -> dict[Hashable, int]:
         return {**{(family, g): grp.pad_row for g, grp in enumerate(self.state_groups)
-                   for family in ("state", "tangent")},
-                **{("res", r): n for r, n in enumerate(self.res_rows)},
-                **{("param", p): 0 for p in range(len(self.param_groups))}}  # adds zeros to row 0
+                   for family in (Family.STATE, Family.TANGENT)},
+                **{(Family.RESIDUAL, r): n for r, n in enumerate(self.res_rows)},
+                **{(Family.PARAM, p): 0 for p in range(len(self.param_groups))}}  # adds zeros to row 0
 
-    def _targets(self, kind: Kind, loop: str, with_params: bool,
-                 absent: frozenset[int]) -> list[tuple[Hashable, np.ndarray]]:
+    def _targets(self, kind: Kind, loop: Sweep, with_params: bool,
+                 absent: frozenset[int]) -> list[tuple[tuple[Family, int], np.ndarray]]:
         n = kind.size
         out_diff = self.state_groups[kind.out_group].differentiable
-        if loop in ("forward", "forward+res", "forward+tangent"):
-            values = [(("state", kind.out_group), kind.by_member.out[:n])]
-            if loop == "forward+res":
-                values += [(("res", r), off + np.arange(n)) for r, off in zip(kind.own_groups, kind.own_offsets)]
-            if loop == "forward+tangent" and out_diff:
-                values += [(("tangent", kind.out_group), kind.by_member.out[:n])]
+        if loop in (Sweep.FORWARD, Sweep.FORWARD_RESIDUALS, Sweep.FORWARD_TANGENTS):
+            values = [((Family.STATE, kind.out_group), kind.by_member.out[:n])]
+            if loop is Sweep.FORWARD_RESIDUALS:
+                values += [((Family.RESIDUAL, r), off + np.arange(n))
+                           for r, off in zip(kind.own_groups, kind.own_offsets)]
+            if loop is Sweep.FORWARD_TANGENTS and out_diff:
+                values += [((Family.TANGENT, kind.out_group), kind.by_member.out[:n])]
             return values
         if not out_diff:  # integer states carry no tangent or cotangent
             return []
-        if loop == "forward_sub":
-            return [(("state", kind.out_group), kind.by_member.out[:n])]
-        values = [(("state", g), kind.by_member.reads[:n, r]) for r, g in enumerate(kind.read_groups)
+        if loop is Sweep.FORWARD_SUBSTITUTION:
+            return [((Family.STATE, kind.out_group), kind.by_member.out[:n])]
+        values = [((Family.STATE, g), kind.by_member.reads[:n, r]) for r, g in enumerate(kind.read_groups)
                   if self.state_groups[g].differentiable and g not in absent]
         if with_params:
-            values += [(("param", g), kind.by_member.params[:n, p]) for p, g in enumerate(kind.param_groups)]
+            values += [((Family.PARAM, g), kind.by_member.params[:n, p]) for p, g in enumerate(kind.param_groups)]
         return values
 
     @property

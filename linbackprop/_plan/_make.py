@@ -35,10 +35,8 @@ def make_plan(net: Network, param_structs: tuple, input_structs: tuple, engine: 
     param_groups, param_loc = _group(plain, pad=False)
     for p in net.param_names:
         if p in net.stacked_blocks:  # its own group; the layers' Row entries are its slots
-            treedef, leaves = param_structs[net.param_names.index(p)]
             param_loc[p] = (len(param_groups), None)
-            rows = tuple(_row_of(Aval(sh, d, sharding=x, weak_type=w)) for sh, d, x, w in leaves)
-            param_groups += (Group(treedef, rows, (p,), False, leaves[0][0][0]),)
+            param_groups += (_stacked_group(p, param_structs[net.param_names.index(p)]),)
 
     def slot(p: Hashable) -> tuple[int, int]:
         return (param_loc[p.block][0], p.index) if isinstance(p, Row) else param_loc[p]
@@ -64,10 +62,8 @@ def make_plan(net: Network, param_structs: tuple, input_structs: tuple, engine: 
     state_groups, state_loc = _group([(n, a) for n, a in avals.items() if n not in net.stacked_inputs], pad=True)
     for name in net.inputs:
         if name in net.stacked_inputs:  # its own group, like a stacked block: rows are the Row indices
-            treedef, leaves = input_structs[net.inputs.index(name)]
             state_loc[name] = (len(state_groups), None)
-            rows = tuple(_row_of(Aval(sh, d, sharding=x, weak_type=w)) for sh, d, x, w in leaves)
-            state_groups += (Group(treedef, rows, (name,), False, leaves[0][0][0]),)
+            state_groups += (_stacked_group(name, input_structs[net.inputs.index(name)]),)
     _check_stacks(net, state_groups, state_loc)
 
     keys = list(dict.fromkeys(layer_kind))
@@ -189,9 +185,36 @@ def _strong(tree: Any) -> Any:
     return treedef, tuple((tuple(a.shape), dtype_key(a.dtype)) for a in leaves)
 
 
-def _structure(tree: Any) -> Any:
+# -- the struct codec: a pytree of avals as a hashable (treedef, per leaf (shape, dtype, sharding,
+# weak type)), the key of the plan cache and of the groups, and back
+def _encoded(treedef: Any, avals: Any) -> tuple:
+    return treedef, tuple((tuple(a.shape), dtype_key(a.dtype), explicit_sharding(a), bool(a.weak_type)) for a in avals)
+
+
+def _structure(tree: Any) -> tuple:
+    """The struct of a pytree of avals."""
     leaves, treedef = jax.tree.flatten(tree)
-    return treedef, tuple((tuple(a.shape), dtype_key(a.dtype), explicit_sharding(a), bool(a.weak_type)) for a in leaves)
+    return _encoded(treedef, leaves)
+
+
+def _struct_of(tree: Any, where: str) -> tuple:
+    """The struct of a pytree of arrays, each leaf checked (``where`` names it in errors)."""
+    return _encoded(*avals_of(tree, where))
+
+
+def _leaf_avals(struct: tuple) -> tuple[Aval, ...]:
+    return tuple(Aval(s, d, sharding=x, weak_type=w) for s, d, x, w in struct[1])
+
+
+def _unstruct(struct: tuple) -> Any:
+    """The pytree of avals a struct encodes."""
+    return struct[0].unflatten(list(_leaf_avals(struct)))
+
+
+def _stacked_group(name: Hashable, struct: tuple) -> Group:
+    """The group of a stacked block or input: its own, one row per leading index."""
+    leaves = _leaf_avals(struct)
+    return Group(struct[0], tuple(_row_of(a) for a in leaves), (name,), False, leaves[0].shape[0])
 
 
 def _row_of(a: Aval) -> Aval:
@@ -212,9 +235,7 @@ def _group(items: list[tuple[Hashable, Any]], pad: bool) -> tuple[tuple[Group, .
         avals[key] = aval
     groups, loc = [], {}
     for g, (key, names) in enumerate(by_key.items()):
-        treedef, leaves = key
-        groups.append(Group(treedef=treedef, leaves=tuple(Aval(s, d, sharding=x, weak_type=w) for s, d, x, w in leaves),
-                            names=tuple(names), pad=pad))
+        groups.append(Group(treedef=key[0], leaves=_leaf_avals(key), names=tuple(names), pad=pad))
         for slot, name in enumerate(names):
             loc[name] = (g, slot)
     return tuple(groups), loc
@@ -269,13 +290,3 @@ def current_plan(net: Network, theta: dict[Hashable, Any], inputs: tuple[Any, ..
             _generation[0] += 1
         plan = plan_for(net, theta, inputs, engine, policy)
     return plan
-
-
-def _struct_of(tree: Any, where: str) -> Any:
-    treedef, avals = avals_of(tree, where)
-    return treedef, tuple((tuple(a.shape), dtype_key(a.dtype), explicit_sharding(a), bool(a.weak_type)) for a in avals)
-
-
-def _unstruct(struct: Any) -> Any:
-    treedef, leaves = struct
-    return treedef.unflatten([Aval(s, d, sharding=x, weak_type=w) for s, d, x, w in leaves])

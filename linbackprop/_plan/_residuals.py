@@ -5,6 +5,7 @@ the buffers, and cheap elementwise functions of them are recomputed (`Recipe`).
 
 from __future__ import annotations
 
+import enum
 from typing import Any
 
 import jax
@@ -25,14 +26,22 @@ CHEAP_PRIMITIVES = frozenset({"add", "sub", "mul", "neg", "integer_pow", "square
 MAX_RECIPE_DEPTH = 3
 
 
+class Source(enum.Enum):
+    """Where a residual of a layer's VJP comes from when it is rebuilt."""
+
+    ARGUMENT = enum.auto()  # one of the layer's arguments (θ, inputs), re-read
+    OUTPUT = enum.auto()  # the layer's output, re-read
+    OWN = enum.auto()  # the layer's own: stored, or recomputed by a `Recipe`
+
+
 class Recipe:
     """An own residual as a few elementwise equations of the layer's linearisation, whose inputs
-    are stored residuals, the output or the arguments (``sources``: var -> (where, index))."""
+    are stored residuals, the output or the arguments (``sources``: var -> (Source, index))."""
 
     def __init__(self, eqns: list, sources: dict):
         self.eqns, self.sources = eqns, sources
 
-    def __call__(self, found: dict[str, Any]) -> Any:
+    def __call__(self, found: dict[Source, Any]) -> Any:
         env = {var: found[where][n] for var, (where, n) in self.sources.items()}
         for eqn in self.eqns:
             args = [v.val if isinstance(v, Literal) else env[v] for v in eqn.invars]
@@ -64,19 +73,20 @@ def _recipes(jaxpr: Any, n_out: int) -> tuple[tuple[int, ...], dict[int, Recipe]
     """Which own residuals (the jaxpr's outputs after the n_out output leaves) to store, and
     recipes for the others."""
     own_vars = jaxpr.outvars[n_out:]
-    available = {v: ("arg", n) for n, v in enumerate(jaxpr.invars)}
-    available.update({v: ("out", n) for n, v in enumerate(jaxpr.outvars[:n_out]) if not isinstance(v, Literal)})
+    available = {v: (Source.ARGUMENT, n) for n, v in enumerate(jaxpr.invars)}
+    available.update({v: (Source.OUTPUT, n) for n, v in enumerate(jaxpr.outvars[:n_out]) if not isinstance(v, Literal)})
     producers = {v: eqn for eqn in jaxpr.eqns for v in eqn.outvars}
     kept, pinned, recipes = set(range(len(own_vars))), set(), {}
     for j, var in enumerate(own_vars):
         if j in pinned or isinstance(var, Literal):
             continue
-        others = {w: ("own", k) for k, w in enumerate(own_vars) if k in kept and k != j and not isinstance(w, Literal)}
+        others = {w: (Source.OWN, k) for k, w in enumerate(own_vars)
+                  if k in kept and k != j and not isinstance(w, Literal)}
         found = _recipe(var, {**available, **others}, producers, MAX_RECIPE_DEPTH)
         if found is not None and found[0]:
             kept.discard(j)
             recipes[j] = Recipe(*found)
-            pinned |= {n for where, n in found[1].values() if where == "own"}
+            pinned |= {n for where, n in found[1].values() if where is Source.OWN}
     return tuple(sorted(kept)), recipes
 
 
@@ -87,16 +97,17 @@ def analyse_kind(layer: Layer, theta_avals: tuple[Any, ...], input_avals: tuple[
     def probe(theta, *inputs):
         out, vjp = jax.vjp(lambda t, *u: call_layer(layer, t, u), theta, *inputs)
         leaves, treedef = jax.tree.flatten(vjp)
-        known = {"arg": jax.tree.leaves((theta, inputs)), "out": jax.tree.leaves(out), "own": []}
+        known = {Source.ARGUMENT: jax.tree.leaves((theta, inputs)), Source.OUTPUT: jax.tree.leaves(out),
+                 Source.OWN: []}
         sources = []
         for leaf in leaves:  # residuals that are arguments or the output are re-read, not stored
-            where = next((w for w in ("arg", "out", "own") if any(leaf is a for a in known[w])), None)
+            where = next((w for w in Source if any(leaf is a for a in known[w])), None)
             if where is None:
-                where = "own"
-                known["own"].append(leaf)
+                where = Source.OWN
+                known[Source.OWN].append(leaf)
             sources.append((where, next(n for n, a in enumerate(known[where]) if leaf is a)))
         found.update(treedef=treedef, sources=tuple(sources))
-        return out, tuple(known["own"])
+        return out, tuple(known[Source.OWN])
 
     closed, (out_aval, own) = jax.make_jaxpr(probe, return_shape=True)(theta_avals, *input_avals)
     avals_of(out_aval, f"The output of layer {layer.name!r}")
