@@ -52,7 +52,7 @@ class Plan:
         the loop's carry (the previous step's output, see ``forwarding``) and that are no input or
         output of the network get no row: their writes go to the pad row. A chain keeps its
         input and output rows only, instead of every state (and every tangent)."""
-        if self.unrolled or self.full is not None:
+        if self.unrolled:
             return self
         needed = [set() for _ in self.state_groups]
         for name in (*self.net.inputs, *self.net.outputs):
@@ -92,21 +92,9 @@ class Plan:
             by_step=kind.by_step._replace(reads=columns(kind.by_step.reads, kind.read_groups),
                                           out=remap[kind.out_group][kind.by_step.out]),
         ) for kind in self.kinds)
-        return dataclasses.replace(self, state_groups=tuple(groups), state_loc=loc, kinds=kinds, full=self,
-                                   to_compact=tuple(remap))
-
-    @functools.cached_property
-    def to_full(self) -> tuple[np.ndarray, ...]:
-        """For a compact plan, per state group, the full plan's row of each of its rows (the pad
-        row's: the pad row)."""
-        out = []
-        for g, (remap, group) in enumerate(zip(self.to_compact, self.state_groups)):
-            rows = np.full(group.rows, self.full.state_groups[g].pad_row, dtype=np.int32)
-            for full_row, row in enumerate(remap):
-                if row != group.pad_row or not group.pad:
-                    rows[row] = full_row
-            out.append(rows)
-        return tuple(out)
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return CompactPlan(**{**fields, "state_groups": tuple(groups), "state_loc": loc, "kinds": kinds,
+                              "full": self, "to_compact": tuple(remap)})
 
     @functools.cached_property
     def segments(self) -> list[tuple[int, int, int]]:
@@ -157,26 +145,15 @@ class Plan:
     def forwarding(self, start: int, stop: int) -> Forwarding | None:
         """Which reads of steps ``start:stop`` are always the previous step's output (None: none,
         or the steps write their outputs to different groups)."""
-        if self.full is not None:  # the compact layout aliases rows: decide on the full one
-            fwd = self.full.forwarding(start, stop)
-            if fwd is None or fwd.first_row is None:
-                return fwd
-            name = self.full.state_groups[fwd.group].names[fwd.first_row]
-            return fwd._replace(first_row=self.state_loc[name][1])
         cache = self.__dict__.setdefault("_forwarding_cache", {})
         if (start, stop) not in cache:
             cache[(start, stop)] = self._forwarding(start, stop)
         return cache[(start, stop)]
 
     def carried_only(self, start: int, stop: int) -> bool:
-        """For a compact plan: whether the steps of ``start:stop`` but the last keep no row — their
-        outputs live in the loop's carry alone (a chain), so the loop need neither write them nor
-        read their (co)tangents back."""
-        fwd = self.forwarding(start, stop)
-        if self.full is None or fwd is None:
-            return False
-        pad = self.state_groups[fwd.group].pad_row
-        return all(self.kinds[int(self.step_kind[t])].by_step.out[t] == pad for t in range(start, stop - 1))
+        """Whether the steps of ``start:stop`` but the last keep no row (never in a full plan:
+        every state has its row; see `CompactPlan`)."""
+        return False
 
     def _forwarding(self, start: int, stop: int) -> Forwarding | None:
         step_kind = self.step_kind[start:stop]
@@ -278,3 +255,44 @@ class Plan:
                 rows = [groups[g].full_tangent(r) for r in rows]
             out.update(zip(members, rows))
         return {name: out[name] for name in names}
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class CompactPlan(Plan):
+    """A plan's compact layout (`Plan.compact`): rows only for the states read again, ``full``
+    the plan it was made from and ``to_compact`` its row of each full row, per state group."""
+
+    @property
+    def compact(self) -> Plan:
+        return self
+
+    @functools.cached_property
+    def to_full(self) -> tuple[np.ndarray, ...]:
+        """Per state group, the full plan's row of each of its rows (the pad row's: the pad row)."""
+        out = []
+        for g, (remap, group) in enumerate(zip(self.to_compact, self.state_groups)):
+            rows = np.full(group.rows, self.full.state_groups[g].pad_row, dtype=np.int32)
+            for full_row, row in enumerate(remap):
+                if row != group.pad_row or not group.pad:
+                    rows[row] = full_row
+            out.append(rows)
+        return tuple(out)
+
+    def forwarding(self, start: int, stop: int) -> Forwarding | None:
+        """As the full plan's (the compact layout aliases rows: decided there), its first row in
+        this layout."""
+        fwd = self.full.forwarding(start, stop)
+        if fwd is None or fwd.first_row is None:
+            return fwd
+        name = self.full.state_groups[fwd.group].names[fwd.first_row]
+        return fwd._replace(first_row=self.state_loc[name][1])
+
+    def carried_only(self, start: int, stop: int) -> bool:
+        """Whether the steps of ``start:stop`` but the last keep no row — their outputs live in the
+        loop's carry alone (a chain), so the loop need neither write them nor read their
+        (co)tangents back."""
+        fwd = self.forwarding(start, stop)
+        if fwd is None:
+            return False
+        pad = self.state_groups[fwd.group].pad_row
+        return all(self.kinds[int(self.step_kind[t])].by_step.out[t] == pad for t in range(start, stop - 1))
