@@ -124,7 +124,7 @@ def hessian_free(loss, params, points, maxiter: int = 50):
     return step, (params, tx.init(params))
 
 
-def kfac(loss, params, points, damping: float = 1e-6):
+def kfac(loss, params, points, damping: float = 1e-6, approximation: str = "expand"):
     tx = optax.chain(lbp.scale_by_kfac(damping=damping, decay=0.95), optax.scale(-1.0),
                      optax.scale_by_backtracking_linesearch(max_backtracking_steps=20, decrease_factor=0.5))
 
@@ -132,7 +132,8 @@ def kfac(loss, params, points, damping: float = 1e-6):
     def step(state):
         p, s = state
         value, grad = lbp.value_and_grad_by_solve(loss)(p, points)
-        factors, diagonal = lbp.kfac_factors(loss)(p, points), lbp.diag_ggn(loss)(p, points)
+        factors = lbp.kfac_factors(loss, approximation=approximation)(p, points)
+        diagonal = lbp.diag_ggn(loss)(p, points)
         updates, s = tx.update(grad, s, p, factors=factors, diagonal=diagonal, value=value, grad=grad,
                                value_fn=lambda q, factors=None, diagonal=None: loss(q, points))
         return optax.apply_updates(p, updates), s
@@ -171,6 +172,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     parser.add_argument("--seconds", type=float, default=30.0, help="step time of each method")
     parser.add_argument("--widths", default="64", help="hidden widths, e.g. 64 or 64,64,48,48")
     parser.add_argument("--methods", default="engd,hessian-free,kfac,adam")
+    parser.add_argument("--kfac-approximation", default="expand", choices=("expand", "reduce"),
+                        help="K-FAC's factors of the weights shared by u, ∇u and Δu")
     parser.add_argument("--out", default="pinn_poisson.png", help="PNG of the error curves ('' for none)")
     args = parser.parse_args(argv)
     widths = tuple(int(w) for w in args.widths.split(","))
@@ -185,7 +188,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     if "hessian-free" in methods:
         curves["Hessian-free (CG)"] = run(*hessian_free(loss, params, points), error, args.seconds)
     if "kfac" in methods:
-        curves["K-FAC"] = run(*kfac(loss, params, points), error, args.seconds)
+        curves["K-FAC"] = run(*kfac(loss, params, points, approximation=args.kfac_approximation), error, args.seconds)
     if "adam" in methods:
         for lr in (1e-3, 3e-3, 1e-2):
             curves[f"Adam, lr {lr:g}"] = run(*adam(loss, params, points, lr), error, args.seconds)

@@ -83,8 +83,8 @@ def network_call(net: Network, params: Any, inputs: tuple[Any, ...]) -> Any:
         return net.pick_outputs(dict(zip(net.inputs, inputs)))
     theta = {p: theta[p] for p in live.param_names}
     settings = current()
-    current_plan(live, theta, inputs, settings.engine, settings.policy)  # anew where a layer's computation changed
-    levels = checkpoint_levels(live, theta, inputs, settings)
+    plan = current_plan(live, theta, inputs, settings.engine, settings.policy)  # anew where a layer changed
+    levels = checkpoint_levels(plan, theta, inputs, settings)
     if levels is not None:
         with mesh_of((theta, inputs)), settings_changed(segments=True):
             # Nested: stacked inputs go down whole, each level adding its offset (a cut per

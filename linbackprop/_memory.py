@@ -12,8 +12,7 @@ import jax
 import numpy as np
 
 from ._checkpoint import rows_cut, segment_length, split
-from ._graph import Network
-from ._plan import Plan, plan_for
+from ._plan import Plan
 from ._settings import Settings
 from ._stacking import under_vmap
 
@@ -43,20 +42,20 @@ def _largest_state(plan: Plan) -> tuple[int, int]:
     return sum(map(size, leaves)), size(leaf) // leaf.shape[-1] if leaf.shape and leaf.shape[-1] else 1
 
 
-def checkpoint_levels(net: Network, theta: dict, inputs: tuple, settings: Settings) -> tuple[int, ...] | None:
-    """The checkpoints of each level (one level: evenly spaced) for a call of ``net`` with
+def checkpoint_levels(plan: Plan, theta: dict, inputs: tuple, settings: Settings) -> tuple[int, ...] | None:
+    """The checkpoints of each level (one level: evenly spaced) for a call of ``plan.net`` with
     ``settings.checkpoints``, or None where the call runs without checkpoints: none asked for,
     too few layers, forward mode, or not predicted to keep less (`checkpoint_memory_ratio`,
     `Policy.checkpoints_pay`)."""
-    k = settings.checkpoints
+    net, k = plan.net, settings.checkpoints
     if not k or settings.forward_only or k >= len(net.layers) - 1:
         return None
     levels = (k,)
     if settings.schedule == "nested":
-        state = _state_bytes(plan_for(net, theta, inputs, settings.engine, settings.policy))
+        state = _state_bytes(plan)
         level_cost = nbytes(theta) / max(sum(state.values()) / len(state), 1)
         levels = settings.policy.nested_levels(len(net.layers), k, level_cost)
-    if settings.policy.checkpoints_pay(*checkpoint_memory_ratio(net, theta, inputs, levels, settings)):
+    if settings.policy.checkpoints_pay(*checkpoint_memory_ratio(plan, theta, inputs, levels, settings)):
         return levels
     return None
 
@@ -66,7 +65,7 @@ def _state_bytes(plan: Plan) -> dict[Hashable, int]:
     return {name: nbytes(plan.state_groups[g].row_avals()) for name, (g, _) in plan.state_loc.items()}
 
 
-def checkpoint_memory_ratio(net: Network, theta: dict, inputs: tuple, levels: tuple[int, ...],
+def checkpoint_memory_ratio(plan: Plan, theta: dict, inputs: tuple, levels: tuple[int, ...],
                             settings: Settings) -> tuple[float, float]:
     """What checkpointing with ``levels`` (states per level, `Policy.nested_levels`) is predicted
     to keep, as a fraction of the same call without (by the shapes alone): an estimate and a
@@ -91,8 +90,7 @@ def checkpoint_memory_ratio(net: Network, theta: dict, inputs: tuple, levels: tu
     Both are rough — XLA's buffer assignment decides — and were checked against
     ``memory_analysis()`` over random networks (``benchmarks/profile.py checkpoint-memory
     --sweep``; the numbers are in docs/performance.md)."""
-    plan = plan_for(net, theta, inputs, settings.engine, settings.policy)
-    state = _state_bytes(plan)
+    net, state = plan.net, _state_bytes(plan)
     param_cotangents = 2 * nbytes(theta) if settings.products or under_vmap() else 0
     residuals = 0 if settings.remat else sum(nbytes(a) * (n + 1) for a, n in zip(plan.res_avals, plan.res_rows))
     layers = [layer.name for layer in net.layers]

@@ -75,7 +75,7 @@ class Policy:
         if backend == "cpu":
             return (elements < self.compute_bound_elements_cpu and self.after_loop_min_rows_cpu <= rows
                     < self.compute_bound_rows_cpu)
-        return elements < self.compute_bound_elements_elsewhere
+        return elements < self.compute_bound_elements_elsewhere and rows >= 1
 
     def params_in_loop(self, param_products: str, remat: bool, *, unrolled: bool, shared: bool,
                        largest_state: tuple[int, int], backend: str, checkpointed: bool = False) -> bool:

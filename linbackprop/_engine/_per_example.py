@@ -250,12 +250,10 @@ class ParamFactors:
         per_member = []
         for kind, (th, xs, axes, factors, _) in zip(self.kinds, self.members):
             lam_k = jax.tree.leaves(read_rows(lam[kind.out_group], kind.by_member.out[:kind.size]))
-            if self.reduce:
-                one = lambda th, xs, lm, f=factors, axes=axes: f.example_sums([*th, *xs, *lm], [*axes, *[0] * len(lm)],
-                                                                             adjoint=True)
-            else:
-                one = lambda th, xs, lm, f=factors, axes=axes: f.parts([*th, *xs, *lm], [*axes, *[0] * len(lm)],
-                                                                      weights)
+            def one(th, xs, lm, f=factors, axes=axes):
+                args, in_axes = [*th, *xs, *lm], [*axes, *[0] * len(lm)]
+                return f.example_sums(args, in_axes, adjoint=True) if self.reduce else f.parts(args, in_axes, weights)
+
             per_member.append(jax.vmap(one)(th, xs, lam_k))
         gathered = self._gathered(per_member)
         if self.reduce:
@@ -266,11 +264,10 @@ class ParamFactors:
         """Per parameter group, per leaf: (left, right) with rows stacked, or None."""
         per_member, counts = [], {}
         for kind, (th, xs, axes, factors, zeros) in zip(self.kinds, self.members):
-            if self.reduce:
-                one = lambda th, xs, f=factors, axes=axes: f.example_sums([*th, *xs, *zeros],
-                                                                          [*axes, *[None] * len(zeros)], adjoint=False)
-            else:
-                one = lambda th, xs, f=factors, axes=axes: f.total([*th, *xs, *zeros], [*axes, *[None] * len(zeros)])
+            def one(th, xs, f=factors, axes=axes, zeros=zeros):
+                args, in_axes = [*th, *xs, *zeros], [*axes, *[None] * len(zeros)]
+                return f.example_sums(args, in_axes, adjoint=False) if self.reduce else f.total(args, in_axes)
+
             per_member.append(jax.vmap(one)(th, xs))
             for n, (slot, g, leaf) in enumerate(self._leaves(kind)):
                 if (g, leaf) in self.layouts:
