@@ -414,14 +414,18 @@ class OuterTerms:
             vs.append(v)
         return jnp.concatenate(us, axis=1), jnp.concatenate(vs, axis=1)
 
-    def weighted(self, n: int, products: Products, weights: jax.Array) -> jax.Array:
+    def weighted(self, n: int, products: Products, weights: jax.Array, members: bool = False) -> jax.Array:
         """Σ_b w_b (leaf ``n`` of example b) from its `Products`: per term one product over the
-        examples and positions, (w x)ᵀ y, then the layout operations after it."""
+        examples and positions, (w x)ᵀ y, then the layout operations after it. ``members``: the
+        operands have a leading axis of layers using one row (an RNN's recurrent weight),
+        contracted too — one product, not one per layer added up."""
         total = None
+        lead = 2 if members else 1
         for (eqn, _, _, _, path), (lhs, rhs) in zip(self.terms[n], products.pairs):
             (lc, rc), _ = eqn.params["dimension_numbers"]
-            scaled = weights.reshape((-1,) + (1,) * (lhs.ndim - 1)).astype(lhs.dtype) * lhs
-            contract = ((0, *(c + 1 for c in lc)), (0, *(c + 1 for c in rc)))
+            shape = (1, -1) if members else (-1,)
+            scaled = weights.reshape(shape + (1,) * (lhs.ndim - lead)).astype(lhs.dtype) * lhs
+            contract = ((*range(lead), *(c + lead for c in lc)), (*range(lead), *(c + lead for c in rc)))
             value = lax.dot_general(scaled, rhs, (contract, ((), ())), precision=eqn.params.get("precision"),
                                     preferred_element_type=eqn.params.get("preferred_element_type"))
             for op in path:

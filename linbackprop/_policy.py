@@ -48,6 +48,11 @@ class Policy:
         level_cost_scale: the weight of a level's parameter cotangents (0: levels chosen by the
             layers alone).
         max_levels: the deepest nesting tried.
+        norm_chunk_bytes: per-example norms of rows used by several layers (an RNN's recurrent
+            weight, a tied embedding) form each example's product or Gram matrices from all the
+            uses; they go in chunks of examples whose temporaries stay under this many bytes
+            (`norm_chunk`; measured with ``python benchmarks/run.py --rows private``: an RNN's
+            clipped sum kept 3.7× a gradient's temporaries in one piece).
     """
 
     loop_min_depth: int = 6
@@ -64,6 +69,7 @@ class Policy:
     level_states: float = 8.0
     level_cost_scale: float = 1.0
     max_levels: int = 6
+    norm_chunk_bytes: int = 1 << 20
 
     def loop_pays(self, depth: int, kinds: int) -> bool:
         """Whether the substitutions pay as a loop over kinds (one compiled body for many steps)."""
@@ -96,6 +102,13 @@ class Policy:
         if param_products != "auto":
             return param_products == "in_loop"
         return remat or unrolled or shared or not self.after_loop_pays(*largest_state, backend)
+
+    def norm_chunk(self, batch: int, example_bytes: int) -> int:
+        """Examples per chunk for per-example norms that take ``example_bytes`` each: as many as
+        keep a chunk under ``norm_chunk_bytes``, the whole batch where that is one chunk."""
+        size = max(1, self.norm_chunk_bytes // max(example_bytes, 1))
+        chunks = -(-batch // size)
+        return -(-batch // chunks)
 
     def checkpoints_pay(self, estimate: float, bound: float) -> bool:
         """Whether a checkpointed call predicted to keep ``estimate`` (bound: ``bound``) of the

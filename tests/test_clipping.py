@@ -140,3 +140,49 @@ def test_a_model_as_it_is_with_layers():
     clipped_ref, norms_ref = reference(losses, params, (x, y), 1.0)
     np.testing.assert_allclose(norms, norms_ref, rtol=1e-10)
     close(clipped, clipped_ref)
+
+
+@pytest.mark.parametrize("stored", [True, False], ids=["stored-residuals", "linearised-again"])
+def test_operands_from_the_stored_residuals_or_linearised_again(stored, monkeypatch):
+    """Each layer's per-example operands come from the forward pass's stored residuals and
+    outputs where the layer linearised on one example has the same residuals (here: tanh′ from
+    the stored state), else (forced here) from the layer linearised again on each example. The
+    recurrent weight's norms go one example at a time (chunks of the shared rows' products)."""
+    from linbackprop._engine import _per_example
+    from linbackprop._policy import Policy
+    from linbackprop._settings import Settings, using
+
+    found = []
+    original = _per_example._example_residuals
+    monkeypatch.setattr(_per_example, "_example_residuals",
+                        lambda *a: found.append(original(*a) if stored else None) or found[-1])
+    losses, params, inputs = CASES["rnn-rows"]
+    clip = float(jnp.median(reference(losses, params, inputs, 1.0)[1]))
+    with using(Settings(policy=Policy(norm_chunk_bytes=1))):
+        clipped, norms = jax.jit(lbp.clipped_grad(losses, clip))(params, *inputs)
+    clipped_ref, norms_ref = reference(losses, params, inputs, clip)
+    np.testing.assert_allclose(norms, norms_ref, rtol=1e-10)
+    close(clipped, clipped_ref, rtol=1e-9, atol=1e-11)
+    assert found and all((f is not None) == stored for f in found)
+
+
+def test_a_residual_whose_batch_axis_is_not_first_is_linearised_again(monkeypatch):
+    """tanh(W uᵀ)ᵀ stores tanh(W uᵀ) [width, batch]: on one example it is [width, 1], not a row
+    of the stored one, so that layer's operands come from its linearisation on each example."""
+    from linbackprop._engine import _per_example
+
+    found = []
+    original = _per_example._example_residuals
+    monkeypatch.setattr(_per_example, "_example_residuals",
+                        lambda *a: found.append(original(*a)) or found[-1])
+    rng = np.random.default_rng(5)
+    net = lbp.Network([lbp.Layer("h", lambda th, u: jnp.tanh(th[0] @ u.T).T, ("x",), ("W",)),
+                       lbp.Layer("y", lambda th, u: u @ th[0], ("h",), ("V",))], ["x"], "y")
+    params = {"W": jnp.asarray(rng.standard_normal((4, 4))), "V": jnp.asarray(rng.standard_normal((4, 2)))}
+    x = jnp.asarray(rng.standard_normal((6, 4)))
+    losses = lambda p, x: jnp.sum(net(p, x) ** 2, axis=1)
+    clipped, norms = jax.jit(lbp.clipped_grad(losses, 1.0))(params, x)
+    clipped_ref, norms_ref = reference(losses, params, (x,), 1.0)
+    np.testing.assert_allclose(norms, norms_ref, rtol=1e-10)
+    close(clipped, clipped_ref, rtol=1e-9, atol=1e-11)
+    assert len(found) == 2 and sum(f is None for f in found) == 1

@@ -27,14 +27,15 @@ import numpy as np
 from .._engine import Primal, exclusive_groups, member_vjp, param_kinds, read_rows, scatter_add, tangent_leaves
 from .._outer import OuterTerms, Products, squared_norms
 from .._plan import Plan, RowList
+from .._policy import Policy
 
 
 class ParamNorms:
     """‖(ℳ Λ) restricted to example b‖² for every example b of one network call (its plan and
     stored forward pass), from the adjoints Λ of the summed per-example losses."""
 
-    def __init__(self, plan: Plan, prim: Primal, batch: int):
-        self.plan, self.prim, self.batch = plan, prim, batch
+    def __init__(self, plan: Plan, prim: Primal, batch: int, policy: Policy):
+        self.plan, self.prim, self.batch, self.policy = plan, prim, batch, policy
         self.kinds = param_kinds(plan)
         self.exclusive = exclusive_groups(plan)  # rows one layer uses: the members' own norms, vmapped
         self.members = []
@@ -76,9 +77,12 @@ class ParamNorms:
         return out
 
     def squared(self, values: list) -> jax.Array:
-        """The (B,) squared norms of the call's per-example parameter gradients."""
+        """The (B,) squared norms of the call's per-example parameter gradients. Rows used by
+        several layers (or members) are formed per example from all their uses — a product or
+        Gram matrix per example — so they go in chunks of examples (`Policy.norm_chunk`): their
+        temporaries then stay near one chunk's, not the batch's."""
         total = jnp.zeros((self.batch,), jnp.result_type(float))
-        shared: dict[tuple[int, int, int], list] = {}  # (group, leaf, row) -> its uses' values [B, ...]
+        shared: dict[tuple[int, int, int], list] = {}  # (group, leaf, row) -> its uses: (value, members)
         for kind, (*_, terms), kind_values in zip(self.kinds, self.members, values):
             if kind_values is None:
                 continue
@@ -92,21 +96,20 @@ class ParamNorms:
                 rows = np.asarray(kind.by_member.params[:kind.size, p])
                 for row in np.unique(rows):  # the members using this row, in one piece
                     members = np.flatnonzero(rows == row)
-                    if isinstance(value, tuple):  # [k, B, T, ·] -> [B, k·T, ·]: their positions concatenated
-                        one = tuple(jnp.moveaxis(x[members], 0, 1).reshape(x.shape[1], -1, x.shape[-1])
-                                    for x in value)
-                    else:
-                        one = jnp.sum(value[members], axis=0)
-                    shared.setdefault((g, leaf, int(row)), []).append(one)
-        for uses in shared.values():
-            if isinstance(uses[0], tuple):  # aligned sums of products: the uses' positions concatenated
-                u = jnp.concatenate([use[0] for use in uses], axis=1)
-                v = jnp.concatenate([use[1] for use in uses], axis=1)
-                total = total + squared_norms(u, v).astype(total.dtype)
-            else:
-                summed = sum(uses[1:], uses[0])
-                total = total + _squared(summed).astype(total.dtype)
-        return total
+                    shared.setdefault((g, leaf, int(row)), []).append((value, members))
+        if not shared:
+            return total
+        per_example = sum(_use_bytes(value, len(members)) for uses in shared.values() for value, members in uses)
+        size = self.policy.norm_chunk(self.batch, per_example)
+        starts = np.arange(0, self.batch, size)
+
+        def chunk(start: jax.Array) -> jax.Array:
+            examples = jnp.minimum(start + jnp.arange(size), self.batch - 1)
+            return sum(_shared_squares(uses, examples).astype(total.dtype) for uses in shared.values())
+
+        if len(starts) == 1:
+            return total + chunk(jnp.asarray(0))
+        return total + jax.lax.map(chunk, jnp.asarray(starts)).reshape(-1)[:self.batch]
 
     def weighted(self, values: list, weights: jax.Array) -> list[Any]:
         """Σ_b w_b (ℳ Λ restricted to example b) in the parameter layout, from the same values:
@@ -118,10 +121,14 @@ class ParamNorms:
             if kind_values is None:
                 continue
             leaves = []
-            for _, _, _, n in self._slots(kind):
-                value = kind_values[n]
-                if isinstance(value, Products):
+            for p, _, _, n in self._slots(kind):
+                value, one_row = kind_values[n], kind.shared_rows[p] is not None
+                if isinstance(value, Products) and one_row:  # every member's products at once
+                    leaves.append(terms.weighted(n, value, weights, members=True)[None])
+                elif isinstance(value, Products):
                     leaves.append(jax.vmap(lambda v, n=n, terms=terms: terms.weighted(n, v, weights))(value))
+                elif one_row:  # summed over the members first: a reduction, not a transposed copy
+                    leaves.append(jnp.einsum("b,b...->...", weights.astype(value.dtype), jnp.sum(value, axis=0))[None])
                 else:
                     leaves.append(jnp.einsum("b,mb...->m...", weights.astype(value.dtype), value))
             at = 0
@@ -129,7 +136,9 @@ class ParamNorms:
                 tree = jax.tree.structure(plan.param_groups[g].row_avals(tangent=True))
                 ct = tree.unflatten(leaves[at:at + tree.num_leaves])
                 at += tree.num_leaves
-                out[g] = scatter_add(out[g], kind.by_member.params[:kind.size, p], ct)
+                row = kind.shared_rows[p]
+                out[g] = scatter_add(out[g], kind.by_member.params[:kind.size, p] if row is None else np.array([row]),
+                                     ct)
         return out
 
 
@@ -139,6 +148,36 @@ def _squared(value: Any) -> jax.Array:
         return squared_norms(*value)
     flat = value.reshape(value.shape[0], -1)
     return jnp.sum(flat * flat, axis=1)
+
+
+def _use_bytes(value: Any, members: int) -> int:
+    """Bytes one example's share of a shared row's use takes when formed: its operands gathered
+    (U, V [members·T, ·]) and their product or Gram matrices, or its members' leaves."""
+    if isinstance(value, tuple):
+        u, v = value  # [all members, B, T, ·]
+        t, m, n = members * u.shape[2], u.shape[3], v.shape[3]
+        return (t * (m + n) + min(m * n, 2 * t * t)) * u.dtype.itemsize
+    return (members + 1) * int(np.prod(value.shape[2:])) * value.dtype.itemsize
+
+
+def _shared_squares(uses: list, examples: jax.Array) -> jax.Array:
+    """Squared norms, for ``examples``, of one shared row's cotangent summed over its uses (each a
+    kind's values [members, B, ...] and the members using the row)."""
+    def take(x: jax.Array, members: np.ndarray) -> jax.Array:  # [k, examples, ...]
+        x = x if len(members) == x.shape[0] else x[members]
+        return jnp.take(x, examples, axis=1)
+
+    if isinstance(uses[0][0], tuple):  # aligned sums of products: every use's positions concatenated
+        u = jnp.concatenate([_positions(take(value[0], members)) for value, members in uses], axis=1)
+        v = jnp.concatenate([_positions(take(value[1], members)) for value, members in uses], axis=1)
+        return squared_norms(u, v)
+    summed = sum(jnp.sum(take(value, members), axis=0) for value, members in uses)
+    return _squared(summed)
+
+
+def _positions(x: jax.Array) -> jax.Array:
+    """[k, B, T, ·] -> [B, k·T, ·]: the members' positions one after another."""
+    return jnp.moveaxis(x, 0, 1).reshape(x.shape[1], -1, x.shape[-1])
 
 
 def weighted_by_example(lam: list[Any], weights: jax.Array) -> list[Any]:

@@ -37,6 +37,7 @@ class Calls:
         self.nets: list[Network] = []  # every call's network, in call order
         self.solved: list[int] = []  # the calls that use a parameter (have a plan), by position
         self.placement: list[list[int | None]] = []  # per solved call, per θ leaf: the argument leaf it is
+        self.policy = current().policy  # the calls' (read where the model calls in)
 
         def route(*diff):
             thetas, stored, outputs = [], [], []
@@ -127,7 +128,7 @@ class Calls:
             return None
         out = []
         for plan, prim, lam in zip(self.plans, self.stored, lams):
-            norms = ParamNorms(plan, prim, batch)
+            norms = ParamNorms(plan, prim, batch, self.policy)
             out.append((norms, norms.values(lam)))
         return out
 

@@ -14,8 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._outer import OuterFactors, SquareSums, weighted_square_sum
-from .._plan import Group, Kind, Plan
-from ._loop import layer_arguments
+from .._plan import Group, Kind, Plan, analyse_kind, rebuilt_vjp
+from ._loop import layer_arguments, own_residuals
 from ._rows import Primal, read_rows, scatter_add
 
 
@@ -98,10 +98,17 @@ def exclusive_groups(plan: Plan) -> set[int]:
 
 
 def member_vjp(plan: Plan, prim: Primal, kind: Kind, batch: int) -> tuple:
-    """One member's per-example VJP as a function of flat leaves (θ, one example's inputs, its Λ
+    """One member's per-example VJP as a function of flat leaves (θ, one example's data, its Λ
     row) giving its parameter cotangent leaves; their example shapes; which of them are Λ (the
-    adjoint: last); the kind's θ and input leaves (members stacked) with the vmap axes of the
-    inputs over the examples; zeros shaped like one example's Λ leaves (for what ignores them)."""
+    adjoint: last); the kind's θ and data leaves (members stacked) with the vmap axes of the
+    data over the examples; zeros shaped like one example's Λ leaves (for what ignores them).
+
+    The data are the member's inputs and, where the forward pass stored the kind's residuals
+    and the layer linearised on one example has the same residuals (`_example_residuals`), its
+    stored residuals and output: the VJP is then rebuilt from them, as the back substitution's
+    is, and what the curvature quantities read of it (a dense layer's δ = λ ⊙ tanh′, say) is not
+    computed again from the layer's inputs. Elsewhere (remat, residuals that do not split by
+    example) the layer is linearised again on each example."""
     theta, inputs = layer_arguments(plan, kind, prim, np.arange(kind.size))
     out_group = plan.state_groups[kind.out_group]
     param_groups = [plan.param_groups[g] for g in kind.param_groups]
@@ -112,16 +119,71 @@ def member_vjp(plan: Plan, prim: Primal, kind: Kind, batch: int) -> tuple:
     lam_tree = jax.tree.structure(out_group.row_avals(tangent=True))
     lam_avals = jax.tree.leaves(out_group.row_avals(tangent=True))
     nt, nx = len(th_leaves), len(leaves)
-    example_vjp = _example_vjp(kind, out_group, param_groups, tree, batched)
-    per_example = lambda *flat: jax.tree.leaves(example_vjp(
-        th_tree.unflatten(flat[:nt]), list(flat[nt:nt + nx]), lam_tree.unflatten(flat[nt + nx:])))
+    stored = _example_residuals(plan, prim, kind, batch, theta, inputs, batched)
+    if stored is None:
+        example_vjp = _example_vjp(kind, out_group, param_groups, tree, batched)
+        per_example = lambda *flat: jax.tree.leaves(example_vjp(
+            th_tree.unflatten(flat[:nt]), list(flat[nt:nt + nx]), lam_tree.unflatten(flat[nt + nx:])))
+        data, data_batched = leaves, batched
+    else:
+        linearisation, own, own_batched, outs = stored
+        no, nout = len(own), len(outs)
+
+        def per_example(*flat):
+            one = lambda xs, bs: [x[None] if b else x for x, b in zip(xs, bs)]
+            at = nt + nx
+            vjp = rebuilt_vjp(*linearisation, tuple(one(flat[at:at + no], own_batched)), th_tree.unflatten(flat[:nt]),
+                              tree.unflatten(one(flat[nt:at], batched)),
+                              out_group.treedef.unflatten([x[None] for x in flat[at + no:at + no + nout]]))
+            lam = lam_tree.unflatten(flat[at + no + nout:])
+            cts = vjp(out_group.full_tangent(jax.tree.map(lambda x: x[None], lam)))[0]
+            return jax.tree.leaves(tuple(g.tangent(ct) for g, ct in zip(param_groups, cts)))
+
+        data, data_batched = [*leaves, *own, *outs], [*batched, *own_batched, *[True] * nout]
     one = lambda x, lead: jax.ShapeDtypeStruct(x.shape[lead:], x.dtype)
-    example = [one(x, 1) for x in th_leaves] + [one(x, 2 if b else 1) for x, b in zip(leaves, batched)]
+    example = [one(x, 1) for x in th_leaves] + [one(x, 2 if b else 1) for x, b in zip(data, data_batched)]
     example += [one(a, 1) for a in lam_avals]
-    axes = [None] * nt + [0 if b else None for b in batched]
-    varying = [False] * (nt + nx) + [True] * len(lam_avals)
+    axes = [None] * nt + [0 if b else None for b in data_batched]
+    varying = [False] * (nt + len(data)) + [True] * len(lam_avals)
     lam_zeros = [jnp.zeros(a.shape[1:], a.dtype) for a in lam_avals]
-    return per_example, example, varying, th_leaves, leaves, axes, lam_zeros
+    return per_example, example, varying, th_leaves, data, axes, lam_zeros
+
+
+def _example_residuals(plan: Plan, prim: Primal, kind: Kind, batch: int, theta: tuple, inputs: tuple,
+                       batched: list[bool]) -> tuple | None:
+    """Where the VJP of one member on one example can be rebuilt from the stored residuals: the
+    layer linearised abstractly on one example (`analyse_kind`: its residuals' structure), the
+    kind's stored residuals [members, ...] with whether each has the batch on its leading axis,
+    and the members' outputs [members, B, ...]. None under remat, or where the linearisation on
+    one example differs from the stored one (other equations, other residuals, a residual whose
+    batch axis is not its first): those layers are linearised again per example."""
+    if prim.residuals is None:
+        return None
+    members = np.arange(kind.size)
+    theta_avals = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype, weak_type=x.weak_type), theta)
+    leaves, tree = jax.tree.flatten(inputs)
+    input_avals = tree.unflatten([jax.ShapeDtypeStruct((1, *x.shape[2:]) if b else x.shape[1:], x.dtype,
+                                                       weak_type=x.weak_type) for x, b in zip(leaves, batched)])
+    try:
+        _, treedef, sources, own_avals, kept, recipes, probe = analyse_kind(kind.layers[0], theta_avals, input_avals)
+    except Exception:  # the layer fails on one example: check_per_example says why
+        return None
+    same = (sources == kind.res_sources and kept == kind.kept and recipes.keys() == kind.recipes.keys()
+            and [e.primitive for e in probe.jaxpr.eqns] == [e.primitive for e in kind.probe.jaxpr.eqns])
+    if not same:
+        return None
+    own = own_residuals(prim, kind, members)
+    own_batched = []
+    for stored, alone in zip(own, own_avals):  # stored: [members, ...]
+        shape = stored.shape[1:]
+        if batch > 1 and tuple(alone.shape) == (1, *shape[1:]) and shape[:1] == (batch,):
+            own_batched.append(True)
+        elif tuple(alone.shape) == shape:  # the same for every example (a weight's transpose), or B = 1
+            own_batched.append(batch == 1 and shape[:1] == (1,))
+        else:
+            return None
+    outs = jax.tree.leaves(read_rows(prim.states[kind.out_group], kind.by_member.out[:kind.size]))
+    return (treedef, sources, kept, recipes), tuple(own), own_batched, outs
 
 
 class ParamSquares:

@@ -29,7 +29,7 @@ from ._groups import (
 from ._kinds import Family, Forwarding, Kind, MemberRows, Same, StepRows, Sweep, Writes, function_key, make_writes
 from ._layout import Plan
 from ._make import current_plan, make_plan, plan_for, plans_generation
-from ._residuals import CHEAP_PRIMITIVES, MAX_RECIPE_DEPTH, Recipe, Source, analyse_kind, avals_of
+from ._residuals import CHEAP_PRIMITIVES, MAX_RECIPE_DEPTH, Recipe, Source, analyse_kind, avals_of, rebuilt_vjp
 from ._schedule import (
     periodic_segments,
     straight_line_kinds,
@@ -40,4 +40,4 @@ __all__ = ["CHEAP_PRIMITIVES", "MAX_RECIPE_DEPTH", "Aval",
            "Source", "StepRows", "Sweep", "Writes", "analyse_kind", "as_dtype", "avals_of", "current_plan",
            "differentiable_dtype",
            "dtype_key", "float0_zeros", "function_key", "leaf_aval", "make_plan", "make_writes",
-           "periodic_segments", "plan_for", "plans_generation", "straight_line_kinds", "weakly_typed"]
+           "periodic_segments", "plan_for", "plans_generation", "rebuilt_vjp", "straight_line_kinds", "weakly_typed"]

@@ -11,11 +11,10 @@ import types
 from collections.abc import Hashable
 from typing import Any, NamedTuple
 
-import jax
 import numpy as np
 
 from .._graph import Layer
-from ._residuals import Recipe, Source
+from ._residuals import Recipe, Source, rebuilt_vjp
 
 
 class Sweep(enum.Enum):
@@ -93,11 +92,7 @@ class Kind:
 
     def rebuild(self, own: tuple[Any, ...], theta: tuple[Any, ...], inputs: tuple[Any, ...], out: Any) -> Any:
         """The layer's VJP from its stored residuals, its (re-read) arguments and its output."""
-        found = {Source.OWN: dict(zip(self.kept, own)), Source.ARGUMENT: jax.tree.leaves((theta, inputs)),
-                 Source.OUTPUT: jax.tree.leaves(out)}
-        for n, recipe in self.recipes.items():
-            found[Source.OWN][n] = recipe(found)
-        return self.vjp_treedef.unflatten([found[where][n] for where, n in self.res_sources])
+        return rebuilt_vjp(self.vjp_treedef, self.res_sources, self.kept, self.recipes, own, theta, inputs, out)
 
 
 class Forwarding(NamedTuple):

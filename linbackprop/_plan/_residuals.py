@@ -90,6 +90,18 @@ def _recipes(jaxpr: Any, n_out: int) -> tuple[tuple[int, ...], dict[int, Recipe]
     return tuple(sorted(kept)), recipes
 
 
+def rebuilt_vjp(treedef: Any, res_sources: tuple[tuple[Source, int], ...], kept: tuple[int, ...],
+                recipes: dict[int, Recipe], own: tuple[Any, ...], theta: tuple[Any, ...], inputs: tuple[Any, ...],
+                out: Any) -> Any:
+    """A layer's VJP (as `analyse_kind` found its structure) from its stored residuals ``own``,
+    its (re-read) arguments and its output."""
+    found = {Source.OWN: dict(zip(kept, own)), Source.ARGUMENT: jax.tree.leaves((theta, inputs)),
+             Source.OUTPUT: jax.tree.leaves(out)}
+    for n, recipe in recipes.items():
+        found[Source.OWN][n] = recipe(found)
+    return treedef.unflatten([found[where][n] for where, n in res_sources])
+
+
 def analyse_kind(layer: Layer, theta_avals: tuple[Any, ...], input_avals: tuple[Any, ...]):
     """Abstractly linearise one layer: its output shape and the structure of its residuals."""
     found: dict[str, Any] = {}
