@@ -462,9 +462,15 @@ def _positions_first(x: jax.Array, contracted: tuple[int, ...]) -> jax.Array:
 def squared_norms(u: jax.Array, v: jax.Array) -> jax.Array:
     """‖Σ_t u_t v_tᵀ‖² per example from U [B, T, m], V [B, T, n]: the ghost norm
     Σ_{t,s} (u_t·u_s)(v_t·v_s) where T(m + n) < mn, else the product formed and squared."""
+    return squared_norms_and_products(u, v)[0]
+
+
+def squared_norms_and_products(u: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array | None]:
+    """`squared_norms`, and the per-example products Σ_t u_t v_tᵀ [B, m, n] where they were
+    formed (T(m + n) ≥ mn; else None)."""
     _, t, m = u.shape
     n = v.shape[2]
     if t * (m + n) < m * n:
-        return jnp.einsum("bts,bts->b", jnp.einsum("btm,bsm->bts", u, u), jnp.einsum("btn,bsn->bts", v, v))
+        return jnp.einsum("bts,bts->b", jnp.einsum("btm,bsm->bts", u, u), jnp.einsum("btn,bsn->bts", v, v)), None
     product = jnp.einsum("btm,btn->bmn", u, v)
-    return jnp.sum(product * product, axis=(1, 2))
+    return jnp.sum(product * product, axis=(1, 2)), product

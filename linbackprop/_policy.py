@@ -108,7 +108,8 @@ class Policy:
         keep a chunk under ``norm_chunk_bytes``, the whole batch where that is one chunk."""
         size = max(1, self.norm_chunk_bytes // max(example_bytes, 1))
         chunks = -(-batch // size)
-        return -(-batch // chunks)
+        even = next((n for n in range(chunks, 2 * chunks + 1) if batch % n == 0), chunks)  # no repeated examples
+        return -(-batch // even)
 
     def checkpoints_pay(self, estimate: float, bound: float) -> bool:
         """Whether a checkpointed call predicted to keep ``estimate`` (bound: ``bound``) of the

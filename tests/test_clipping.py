@@ -142,15 +142,24 @@ def test_a_model_as_it_is_with_layers():
     close(clipped, clipped_ref)
 
 
-@pytest.mark.parametrize("stored", [True, False], ids=["stored-residuals", "linearised-again"])
-def test_operands_from_the_stored_residuals_or_linearised_again(stored, monkeypatch):
+@pytest.mark.parametrize(("stored", "chunk"), [(True, None), (True, 1), (True, 2), (False, 2)],
+                         ids=["stored-residuals", "chunks-of-1", "chunks-of-2", "linearised-again"])
+def test_operands_from_the_stored_residuals_or_linearised_again(stored, chunk, monkeypatch):
     """Each layer's per-example operands come from the forward pass's stored residuals and
     outputs where the layer linearised on one example has the same residuals (here: tanh′ from
-    the stored state), else (forced here) from the layer linearised again on each example. The
-    recurrent weight's norms go one example at a time (chunks of the shared rows' products)."""
+    the stored state), else (forced here) from the layer linearised again on each example. With
+    ``chunk``, the norms and the clipped sum go in a loop over chunks of that many examples (3
+    examples: chunks of 2 repeat the last one, which must count once)."""
+    import dataclasses
+
     from linbackprop._engine import _per_example
     from linbackprop._policy import Policy
     from linbackprop._settings import Settings, using
+
+    @dataclasses.dataclass(frozen=True)
+    class Chunks(Policy):
+        def norm_chunk(self, batch, example_bytes):
+            return batch if chunk is None else chunk
 
     found = []
     original = _per_example._example_residuals
@@ -158,12 +167,24 @@ def test_operands_from_the_stored_residuals_or_linearised_again(stored, monkeypa
                         lambda *a: found.append(original(*a) if stored else None) or found[-1])
     losses, params, inputs = CASES["rnn-rows"]
     clip = float(jnp.median(reference(losses, params, inputs, 1.0)[1]))
-    with using(Settings(policy=Policy(norm_chunk_bytes=1))):
+    with using(Settings(policy=Chunks())):
         clipped, norms = jax.jit(lbp.clipped_grad(losses, clip))(params, *inputs)
+        norms_alone = jax.jit(lbp.per_example_grad_norms(losses))(params, *inputs)
     clipped_ref, norms_ref = reference(losses, params, inputs, clip)
     np.testing.assert_allclose(norms, norms_ref, rtol=1e-10)
+    np.testing.assert_allclose(norms_alone, norms_ref, rtol=1e-10)
     close(clipped, clipped_ref, rtol=1e-9, atol=1e-11)
     assert found and all((f is not None) == stored for f in found)
+
+
+def test_norm_chunks_keep_under_the_budget_and_divide_the_batch():
+    from linbackprop._policy import Policy
+
+    policy = Policy(norm_chunk_bytes=1000)
+    assert policy.norm_chunk(64, 10) == 64  # all at once
+    assert policy.norm_chunk(64, 100) == 8  # 10 fit: 8 chunks of 8, none repeated
+    assert policy.norm_chunk(7, 300) == 3  # 3 fit, 7 is prime: 3 chunks of 3, the last repeats one twice
+    assert policy.norm_chunk(5, 10**6) == 1
 
 
 def test_a_residual_whose_batch_axis_is_not_first_is_linearised_again(monkeypatch):

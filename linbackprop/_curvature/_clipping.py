@@ -23,7 +23,8 @@ import jax.numpy as jnp
 
 from .._capture import rewrite
 from .._settings import Engine
-from ._per_example import per_example_setup, squared_grad_norms
+from ._ghost import ghost_clipped
+from ._per_example import ghost_norms, per_example_setup, squared_grad_norms
 from ._split import add_trees, normalise_argnums
 
 
@@ -85,14 +86,24 @@ def clipped_grad(losses: Callable, clip: float | jax.Array, argnums: int | Seque
 
     def run(*args: Any) -> tuple[Any, jax.Array]:
         split, calls, per_example, batch, lams = per_example_setup(losses, args, nums, engine)
-        squares, ghost = squared_grad_norms(split, calls, per_example, batch, lams)
-        norms = jnp.sqrt(squares)
-        c = jnp.asarray(clip, norms.dtype)
-        weights = jax.lax.stop_gradient(jnp.where(norms > c, c / jnp.where(norms > c, norms, 1), 1))
-        through = calls.weighted(lams, weights, ghost)
+        c = jnp.asarray(clip, jnp.result_type(float))
+        ghost = ghost_norms(split, calls, per_example, batch)
+        if ghost is not None:
+            norms, sums = ghost_clipped(ghost, lams, batch, calls.policy, lambda n: _weights(n, c))
+            through = calls.arguments(sums)
+        else:
+            norms = jnp.sqrt(squared_grad_norms(split, calls, per_example, batch, lams))
+            through = calls.weighted(lams, _weights(norms, c))
+        weights = _weights(norms, c)
         direct = jax.grad(lambda *d: jnp.sum(weights * per_example(calls.outs, *d)),
                           argnums=tuple(range(len(nums))))(*split.diff)
         clipped = tuple(add_trees(a, b) for a, b in zip(direct, through))
         return (clipped[0] if single else clipped), norms
 
     return run
+
+
+def _weights(norms: jax.Array, clip: jax.Array) -> jax.Array:
+    """min(1, C/‖g_b‖), without a gradient (and without dividing by a zero norm)."""
+    c = clip.astype(norms.dtype)
+    return jax.lax.stop_gradient(jnp.where(norms > c, c / jnp.where(norms > c, norms, 1), 1))

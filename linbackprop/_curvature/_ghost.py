@@ -18,6 +18,8 @@ orthogonal parts of the gradient: their squares add.
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -25,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._engine import Primal, exclusive_groups, member_vjp, param_kinds, read_rows, scatter_add, tangent_leaves
-from .._outer import OuterTerms, Products, squared_norms
+from .._outer import OuterTerms, Products, squared_norms, squared_norms_and_products
 from .._plan import Plan, RowList
 from .._policy import Policy
 
@@ -34,8 +36,8 @@ class ParamNorms:
     """‖(ℳ Λ) restricted to example b‖² for every example b of one network call (its plan and
     stored forward pass), from the adjoints Λ of the summed per-example losses."""
 
-    def __init__(self, plan: Plan, prim: Primal, batch: int, policy: Policy):
-        self.plan, self.prim, self.batch, self.policy = plan, prim, batch, policy
+    def __init__(self, plan: Plan, prim: Primal, batch: int):
+        self.plan, self.prim, self.batch = plan, prim, batch
         self.kinds = param_kinds(plan)
         self.exclusive = exclusive_groups(plan)  # rows one layer uses: the members' own norms, vmapped
         self.members = []
@@ -60,29 +62,31 @@ class ParamNorms:
                 n += 1
         return out
 
-    def values(self, lam: list[Any]) -> list:
+    def values(self, lam: list[Any], examples: Examples | None = None) -> list:
         """Per kind (None where its output has no adjoint): per leaf of a member's cotangents, its
         members' per-example values [members, B, ...] — `Products` (each term's operands) where
-        the leaf is a sum of products, else the leaf itself. One evaluation of each layer's
-        per-example VJP up to those operands serves the norms and the weighted sum."""
+        the leaf is a sum of products, else the leaf itself — for all examples or those indexed
+        by ``examples`` (`Examples`). One evaluation of each layer's per-example VJP up to those operands
+        serves the norms and the weighted sum."""
         out = []
+        take = (lambda x: x) if examples is None else (lambda x: _examples(x, examples))
         for kind, (per_example, th, xs, axes, terms) in zip(self.kinds, self.members):
             if lam[kind.out_group] is None:
                 out.append(None)
                 continue
-            lam_k = jax.tree.leaves(read_rows(lam[kind.out_group], kind.by_member.out[:kind.size]))
+            lam_k = [take(x) for x in jax.tree.leaves(read_rows(lam[kind.out_group], kind.by_member.out[:kind.size]))]
+            data = [x if a is None else take(x) for x, a in zip(xs, axes[len(th):])]  # [members, B, ...]
             dense = [(g, leaf) in self.dense_shared for _, g, leaf, _ in self._slots(kind)]
             out.append(jax.vmap(lambda th, xs, lm, axes=axes, terms=terms, dense=dense, f=per_example: terms.values(
-                [*th, *xs, *lm], [*axes, *[0] * len(lm)], dense, f))(th, xs, lam_k))
+                [*th, *xs, *lm], [*axes, *[0] * len(lm)], dense, f))(th, data, lam_k))
         return out
 
-    def squared(self, values: list) -> jax.Array:
-        """The (B,) squared norms of the call's per-example parameter gradients. Rows used by
-        several layers (or members) are formed per example from all their uses — a product or
-        Gram matrix per example — so they go in chunks of examples (`Policy.norm_chunk`): their
-        temporaries then stay near one chunk's, not the batch's."""
-        total = jnp.zeros((self.batch,), jnp.result_type(float))
-        shared: dict[tuple[int, int, int], list] = {}  # (group, leaf, row) -> its uses: (value, members)
+    def _uses(self, values: list) -> tuple[jax.Array, dict]:
+        """The squared norms of the rows one layer uses (per example), and the uses of every
+        other row: (group, leaf, row) -> [(its members' values [k, B, ...], the members)]."""
+        batch = _batch_of(values)
+        total = jnp.zeros((batch,), jnp.result_type(float))
+        shared: dict[tuple[int, int, int], list] = {}
         for kind, (*_, terms), kind_values in zip(self.kinds, self.members, values):
             if kind_values is None:
                 continue
@@ -97,40 +101,62 @@ class ParamNorms:
                 for row in np.unique(rows):  # the members using this row, in one piece
                     members = np.flatnonzero(rows == row)
                     shared.setdefault((g, leaf, int(row)), []).append((value, members))
-        if not shared:
-            return total
-        per_example = sum(_use_bytes(value, len(members)) for uses in shared.values() for value, members in uses)
-        size = self.policy.norm_chunk(self.batch, per_example)
-        starts = np.arange(0, self.batch, size)
+        return total, shared
 
-        def chunk(start: jax.Array) -> jax.Array:
-            examples = jnp.minimum(start + jnp.arange(size), self.batch - 1)
-            return sum(_shared_squares(uses, examples).astype(total.dtype) for uses in shared.values())
+    def squared(self, values: list) -> tuple[jax.Array, dict]:
+        """The (B,) squared norms of the call's per-example parameter gradients (B: the examples
+        ``values`` holds), and the rows' per-example cotangents formed on the way: rows used by
+        several layers (or members) are formed per example from all their uses where that is
+        cheaper than the ghost norm — the product Σ u vᵀ [B, m, n], or the sum of the uses'
+        leaves — and `weighted` sums those over the examples instead of forming the products
+        again. {(group, leaf, row): [B, ...]}."""
+        total, shared = self._uses(values)
+        formed = {}
+        for key, uses in shared.items():
+            squares, formed[key] = _shared_squares(uses)
+            total = total + squares.astype(total.dtype)
+        return total, {key: x for key, x in formed.items() if x is not None}
 
-        if len(starts) == 1:
-            return total + chunk(jnp.asarray(0))
-        return total + jax.lax.map(chunk, jnp.asarray(starts)).reshape(-1)[:self.batch]
+    def example_bytes(self, lam: list[Any]) -> int:
+        """What one example's shared rows take when formed (`_use_bytes`): the temporaries that
+        grow with the examples at once, beyond the forward pass and Λ."""
+        found = []
 
-    def weighted(self, values: list, weights: jax.Array) -> list[Any]:
+        def probe(lam: list[Any]) -> jax.Array:
+            _, shared = self._uses(self.values(lam))
+            found.append(sum(_use_bytes(value, len(members)) for uses in shared.values() for value, members in uses))
+            return jnp.zeros(())
+
+        jax.eval_shape(probe, lam)
+        return found[0]
+
+    def weighted(self, values: list, weights: jax.Array, formed: dict | None = None) -> list[Any]:
         """Σ_b w_b (ℳ Λ restricted to example b) in the parameter layout, from the same values:
         a sum of products Σ_b w_b x_bᵀ y_b is one product over the examples (no per-example
-        leaf), another leaf Σ_b w_b X_b; the members' results are added into their rows."""
-        plan = self.plan
+        leaf), another leaf Σ_b w_b X_b; the members' results are added into their rows. Rows
+        whose per-example cotangents `squared` ``formed`` are those summed with the weights."""
+        plan, formed = self.plan, formed or {}
         out = [g.zeros(plan.unrolled, tangent=True) for g in plan.param_groups]
         for kind, (*_, terms), kind_values in zip(self.kinds, self.members, values):
             if kind_values is None:
                 continue
             leaves = []
-            for p, _, _, n in self._slots(kind):
-                value, one_row = kind_values[n], kind.shared_rows[p] is not None
-                if isinstance(value, Products) and one_row:  # every member's products at once
-                    leaves.append(terms.weighted(n, value, weights, members=True)[None])
+            for p, g, leaf, n in self._slots(kind):
+                value, row = kind_values[n], kind.shared_rows[p]
+                rows = kind.by_member.params[:kind.size, p] if row is None else np.array([row])
+                keep = np.array([(g, leaf, int(r)) not in formed for r in rows])  # the others: formed already
+                if not keep.any():
+                    leaves.append(jnp.zeros((len(rows), *self._leaf_shape(g, leaf)), weights.dtype))
+                    continue
+                if isinstance(value, Products) and row is not None:  # every member's products at once
+                    ct = terms.weighted(n, value, weights, members=True)[None]
                 elif isinstance(value, Products):
-                    leaves.append(jax.vmap(lambda v, n=n, terms=terms: terms.weighted(n, v, weights))(value))
-                elif one_row:  # summed over the members first: a reduction, not a transposed copy
-                    leaves.append(jnp.einsum("b,b...->...", weights.astype(value.dtype), jnp.sum(value, axis=0))[None])
+                    ct = jax.vmap(lambda v, n=n, terms=terms: terms.weighted(n, v, weights))(value)
+                elif row is not None:  # summed over the members first: a reduction, not a transposed copy
+                    ct = jnp.einsum("b,b...->...", weights.astype(value.dtype), jnp.sum(value, axis=0))[None]
                 else:
-                    leaves.append(jnp.einsum("b,mb...->m...", weights.astype(value.dtype), value))
+                    ct = jnp.einsum("b,mb...->m...", weights.astype(value.dtype), value)
+                leaves.append(ct if keep.all() else ct * keep.reshape((-1,) + (1,) * (ct.ndim - 1)).astype(ct.dtype))
             at = 0
             for p, g in enumerate(kind.param_groups):
                 tree = jax.tree.structure(plan.param_groups[g].row_avals(tangent=True))
@@ -139,7 +165,16 @@ class ParamNorms:
                 row = kind.shared_rows[p]
                 out[g] = scatter_add(out[g], kind.by_member.params[:kind.size, p] if row is None else np.array([row]),
                                      ct)
+        for (g, leaf, row), x in formed.items():  # Σ_b w_b (the row's cotangent of example b)
+            summed = jnp.einsum("b,b...->...", weights.astype(x.dtype), x).reshape(self._leaf_shape(g, leaf))
+            avals = jax.tree.leaves(plan.param_groups[g].row_avals(tangent=True))
+            cts = [summed[None] if k == leaf else jnp.zeros((1, *a.shape), a.dtype) for k, a in enumerate(avals)]
+            out[g] = scatter_add(out[g], np.array([row]), jax.tree.structure(
+                plan.param_groups[g].row_avals(tangent=True)).unflatten(cts))
         return out
+
+    def _leaf_shape(self, g: int, leaf: int) -> tuple[int, ...]:
+        return tuple(jax.tree.leaves(self.plan.param_groups[g].row_avals(tangent=True))[leaf].shape)
 
 
 def _squared(value: Any) -> jax.Array:
@@ -160,24 +195,99 @@ def _use_bytes(value: Any, members: int) -> int:
     return (members + 1) * int(np.prod(value.shape[2:])) * value.dtype.itemsize
 
 
-def _shared_squares(uses: list, examples: jax.Array) -> jax.Array:
-    """Squared norms, for ``examples``, of one shared row's cotangent summed over its uses (each a
-    kind's values [members, B, ...] and the members using the row)."""
-    def take(x: jax.Array, members: np.ndarray) -> jax.Array:  # [k, examples, ...]
-        x = x if len(members) == x.shape[0] else x[members]
-        return jnp.take(x, examples, axis=1)
+def _shared_squares(uses: list) -> tuple[jax.Array, jax.Array | None]:
+    """Squared norms, per example, of one shared row's cotangent summed over its uses (each a
+    kind's values [members, B, ...] and the members using the row), and that cotangent per
+    example where it was formed (the product Σ u vᵀ, or the sum of the uses' leaves; else None)."""
+    def take(x: jax.Array, members: np.ndarray) -> jax.Array:  # [k, B, ...]
+        return x if len(members) == x.shape[0] else x[members]
 
     if isinstance(uses[0][0], tuple):  # aligned sums of products: every use's positions concatenated
         u = jnp.concatenate([_positions(take(value[0], members)) for value, members in uses], axis=1)
         v = jnp.concatenate([_positions(take(value[1], members)) for value, members in uses], axis=1)
-        return squared_norms(u, v)
+        return squared_norms_and_products(u, v)
     summed = sum(jnp.sum(take(value, members), axis=0) for value, members in uses)
-    return _squared(summed)
+    return _squared(summed), summed
+
+
+def _batch_of(values: list) -> int:
+    return next(jax.tree.leaves(v)[0].shape[1] for v in values if v is not None)
 
 
 def _positions(x: jax.Array) -> jax.Array:
     """[k, B, T, ·] -> [B, k·T, ·]: the members' positions one after another."""
     return jnp.moveaxis(x, 0, 1).reshape(x.shape[1], -1, x.shape[-1])
+
+
+@dataclasses.dataclass(frozen=True)
+class Examples:
+    """A chunk of the examples: ``size`` from ``start`` (a slice), the last one repeated where the
+    chunk runs past the batch (a gather)."""
+
+    start: jax.Array
+    size: int
+    batch: int
+
+    @property
+    def valid(self) -> jax.Array | None:
+        """Which of the chunk's examples are its own (None: all): a repeat counts once."""
+        return None if self.batch % self.size == 0 else self.start + jnp.arange(self.size) < self.batch
+
+
+def _examples(x: jax.Array, examples: Examples) -> jax.Array:
+    """The chunk's rows of ``x`` [members, B, ...] (axis 1)."""
+    if examples.valid is None:
+        return jax.lax.dynamic_slice_in_dim(x, examples.start, examples.size, axis=1)
+    return jnp.take(x, jnp.minimum(examples.start + jnp.arange(examples.size), examples.batch - 1), axis=1)
+
+
+def ghost_squares(norms: list[ParamNorms], lams: list, batch: int, policy: Policy) -> jax.Array:
+    """(B,) squared per-example gradient norms of the calls (`ParamNorms` and Λ of each), in
+    chunks of examples where the shared rows' per-example temporaries call for them
+    (`Policy.norm_chunk`)."""
+    size = _chunk(norms, lams, batch, policy)
+
+    def squares(examples: Examples | None) -> jax.Array:
+        return sum(n.squared(n.values(lam, examples))[0] for n, lam in zip(norms, lams))
+
+    if size == batch:
+        return squares(None)
+    chunks = jax.lax.map(lambda s: squares(Examples(s, size, batch)), jnp.arange(0, batch, size))
+    return chunks.reshape(-1)[:batch]
+
+
+def ghost_clipped(norms: list[ParamNorms], lams: list, batch: int, policy: Policy,
+                  weights_of: Callable[[jax.Array], jax.Array]) -> tuple[jax.Array, list[list[Any]]]:
+    """The (B,) per-example gradient norms and, per call, Σ_b w_b (ℳΛ of example b) in the
+    parameter layout, w = ``weights_of(norms)`` elementwise (DP-SGD: min(1, C/‖g_b‖)). Each
+    example's weight needs only its own norm, so where chunks of examples pay
+    (`Policy.norm_chunk`) one loop over them forms a chunk's values, norms, weights and weighted
+    sum, reading the forward pass and Λ in place: the temporaries are one chunk's."""
+    size = _chunk(norms, lams, batch, policy)
+
+    def clipped(examples: Examples | None) -> tuple[jax.Array, list]:
+        values = [n.values(lam, examples) for n, lam in zip(norms, lams)]
+        squared = [n.squared(v) for n, v in zip(norms, values)]
+        lengths = jnp.sqrt(sum(squares for squares, _ in squared))
+        weights = weights_of(lengths)
+        if examples is not None and examples.valid is not None:  # the last chunk's repeats count once
+            weights = jnp.where(examples.valid, weights, 0)
+        return lengths, [n.weighted(v, weights, formed) for n, v, (_, formed) in zip(norms, values, squared)]
+
+    if size == batch:
+        return clipped(None)
+
+    def body(total: list, start: jax.Array) -> tuple[list, jax.Array]:
+        lengths, sums = clipped(Examples(start, size, batch))
+        return jax.tree.map(jnp.add, total, sums), lengths
+
+    zeros = [[g.zeros(n.plan.unrolled, tangent=True) for g in n.plan.param_groups] for n in norms]
+    sums, lengths = jax.lax.scan(body, zeros, jnp.arange(0, batch, size))
+    return lengths.reshape(-1)[:batch], sums
+
+
+def _chunk(norms: list[ParamNorms], lams: list, batch: int, policy: Policy) -> int:
+    return policy.norm_chunk(batch, sum(n.example_bytes(lam) for n, lam in zip(norms, lams)))
 
 
 def weighted_by_example(lam: list[Any], weights: jax.Array) -> list[Any]:

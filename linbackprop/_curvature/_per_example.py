@@ -22,7 +22,7 @@ from .._outer import depending
 from .._plan import Plan, current_plan, differentiable_dtype
 from .._settings import Engine, current
 from .._transforms import solve_mode
-from ._ghost import ParamNorms, weighted_by_example
+from ._ghost import ParamNorms, ghost_squares, weighted_by_example
 from ._split import Split, add_trees, normalise_argnums, on_model
 
 
@@ -120,30 +120,23 @@ class Calls:
 
         return parts, total
 
-    def ghost(self, lams: list, batch: int) -> list | None:
-        """Per call, its `ParamNorms` and their per-example values (one evaluation of each layer's
-        per-example VJP, for the norms and the weighted sum); None where an argument leaf is not
-        one block of one call (`placed`: cross terms between calls or computed blocks)."""
+    def ghost(self, batch: int) -> list[ParamNorms] | None:
+        """Per call, its `ParamNorms` (ghost norms and the weighted sum from each layer's
+        per-example operands); None where an argument leaf is not one block of one call
+        (`placed`: cross terms between calls or computed blocks)."""
         if not self.placed:
             return None
-        out = []
-        for plan, prim, lam in zip(self.plans, self.stored, lams):
-            norms = ParamNorms(plan, prim, batch, self.policy)
-            out.append((norms, norms.values(lam)))
-        return out
+        return [ParamNorms(plan, prim, batch) for plan, prim in zip(self.plans, self.stored)]
 
-    def weighted(self, lams: list, weights: jax.Array, ghost: list | None = None) -> tuple:
-        """Σ_b w_b J_b* g_b per differentiated argument: from the `ghost` values where given (a
-        product over the examples per sum of outer products), else ℳ of Λ with example b's rows
-        scaled by w_b (`weighted_by_example`: the adjoints of Σ_b w_b ℓ_b)."""
-        theta_cts = []
-        for n, (plan, prim, theta, lam) in enumerate(zip(self.plans, self.stored, self.thetas, lams)):
-            if ghost is not None:
-                norms, values = ghost[n]
-                buffers = norms.weighted(values, weights)
-            else:
-                buffers = param_adjoint(plan, prim, weighted_by_example(lam, weights))
-            theta_cts.append(self._unpack(plan, theta)(buffers)[0])
+    def weighted(self, lams: list, weights: jax.Array) -> tuple:
+        """Σ_b w_b J_b* g_b per differentiated argument: ℳ of Λ with example b's rows scaled by
+        w_b (`weighted_by_example`: the adjoints of Σ_b w_b ℓ_b)."""
+        return self.arguments([param_adjoint(plan, prim, weighted_by_example(lam, weights))
+                               for plan, prim, lam in zip(self.plans, self.stored, lams)])
+
+    def arguments(self, buffers: list) -> tuple:
+        """Per differentiated argument, its cotangent from each call's parameter-layout buffers."""
+        theta_cts = [self._unpack(plan, theta)(bufs)[0] for plan, theta, bufs in zip(self.plans, self.thetas, buffers)]
         if not theta_cts:  # no network uses a parameter
             return tuple(jax.tree.map(lambda x: jnp.zeros(np.shape(x), jnp.result_type(x)), d) for d in self.diff)
         return self.vjp(theta_cts)
@@ -345,25 +338,19 @@ def per_example_grad_norms(fun: Callable, argnums: int | Sequence[int] = 0, *, e
 
     def run(*args: Any) -> jax.Array:
         split, calls, losses, batch, lams = per_example_setup(fun, args, nums, engine)
-        return jnp.sqrt(squared_grad_norms(split, calls, losses, batch, lams, chunk)[0])
+        return jnp.sqrt(squared_grad_norms(split, calls, losses, batch, lams, chunk))
 
     return run
 
 
 def squared_grad_norms(split: Split, calls: Calls, losses: Callable, batch: int, lams: list,
-                       chunk: int = 16) -> tuple[jax.Array, list | None]:
-    """(B,) squared per-example gradient norms after the one back substitution, and the ghost
-    values they came from (for `Calls.weighted`): ghost norms (`Calls.ghost`) where ``fun``
-    reaches the arguments only through its networks and each argument leaf is one block of one
-    call; otherwise (values None) the per-example gradients formed ``chunk`` examples at a time
-    (``lax.map``), keeping only their norms."""
-    direct_terms = reaches_outputs(jax.make_jaxpr(lambda *d: losses(calls.outs, *d))(*split.diff).jaxpr)
-    ghost = None if direct_terms else calls.ghost(lams, batch)
+                       chunk: int = 16) -> jax.Array:
+    """(B,) squared per-example gradient norms after the one back substitution: ghost norms
+    (`ghost_norms`) where they apply; otherwise the per-example gradients formed ``chunk``
+    examples at a time (``lax.map``), keeping only their norms."""
+    ghost = ghost_norms(split, calls, losses, batch)
     if ghost is not None:
-        squares = jnp.zeros((batch,), jnp.result_type(float))
-        for norms, values in ghost:
-            squares = squares + norms.squared(values)
-        return squares, ghost
+        return ghost_squares(ghost, lams, batch, calls.policy)
     size = min(chunk, batch)
     starts = np.arange(0, batch, size)
     argnums = tuple(range(len(split.diff)))
@@ -377,4 +364,12 @@ def squared_grad_norms(split: Split, calls: Calls, losses: Callable, batch: int,
         return sum(jnp.sum(jnp.reshape(x, (size, -1)).astype(jnp.result_type(float)) ** 2, axis=1)
                    for x in jax.tree.leaves(total))
 
-    return jax.lax.map(chunk_squares, jnp.asarray(starts)).reshape(-1)[:batch], None
+    return jax.lax.map(chunk_squares, jnp.asarray(starts)).reshape(-1)[:batch]
+
+
+def ghost_norms(split: Split, calls: Calls, losses: Callable, batch: int) -> list[ParamNorms] | None:
+    """The calls' `ParamNorms` where ``fun`` reaches the arguments only through its networks and
+    each argument leaf is one block of one call (`Calls.ghost`); else None."""
+    if reaches_outputs(jax.make_jaxpr(lambda *d: losses(calls.outs, *d))(*split.diff).jaxpr):
+        return None
+    return calls.ghost(batch)
