@@ -160,12 +160,20 @@ class _Curvature:
             # Kᵀ = QR: (λI + KᵀK)⁻¹ g = Q (RRᵀ + λI)⁻¹ Qᵀg + (g − QQᵀg)/λ. Woodbury's own form
             # (g − Kᵀ(λI + KKᵀ)⁻¹Kg)/λ subtracts nearly equal vectors: in float32 its error grows
             # with cond(KKᵀ)/λ; the projection's stays at round-off of g.
+            # Q is kept as LAPACK's Householder reflectors and applied (ormqr), never formed:
+            # forming it cost as much again as the factorisation (docs/performance.md).
             k = self.flat if self.flat is not None else _flat_rows(self.G.factor())
-            q, r = jnp.linalg.qr(k.T)
-            small = r @ r.T + lam * jnp.eye(r.shape[0], dtype=r.dtype)
-            inside = q.T @ g_flat
+            h, taus = jnp.linalg.qr(k.T, mode="raw")
+            reflectors = h.T  # [P, R]: R on and above the diagonal, the reflectors below
+            m = min(reflectors.shape)
+            r = jnp.triu(reflectors[:m])
+            apply_q = lambda c, transpose: jax.lax.linalg.ormqr(reflectors, taus, c[:, None], transpose=transpose)[:, 0]
+            inside = apply_q(g_flat, True)[:m]  # Qᵀg
+            small = r @ r.T + lam * jnp.eye(m, dtype=r.dtype)
             solved = jax.scipy.linalg.cho_solve(jax.scipy.linalg.cho_factor(small), inside)
-            return unravel(q @ solved + (g_flat - q @ inside) / lam)
+            # Q (RRᵀ + λI)⁻¹ Qᵀg + (g − QQᵀg)/λ, both Q products in one
+            padded = jnp.zeros_like(g_flat).at[:m].set(solved - inside / lam)
+            return unravel(apply_q(padded, False) + g_flat / lam)
         dense = self.G.todense() if self.flat is None else self.flat.T @ self.flat
         matrix = dense + lam * jnp.eye(g_flat.size, dtype=g_flat.dtype)
         return unravel(jax.scipy.linalg.cho_solve(jax.scipy.linalg.cho_factor(matrix), g_flat))
