@@ -94,10 +94,11 @@ def clipped_grad(losses: Callable, clip: float | jax.Array, argnums: int | Seque
         if ghost is not None:
             norms, sums = ghost_clipped(ghost, lams, batch, calls.policy, lambda n: _weights(n, c))
             through = calls.arguments(sums)
+            weights = _weights(norms, c)
         else:
             norms = jnp.sqrt(squared_grad_norms(split, calls, per_example, batch, lams))
-            through = calls.weighted(lams, _weights(norms, c))
-        weights = _weights(norms, c)
+            weights = _weights(norms, c)
+            through = calls.weighted(lams, weights)
         direct = jax.grad(lambda *d: jnp.sum(weights * per_example(calls.outs, *d)),
                           argnums=tuple(range(len(nums))))(*split.diff)
         clipped = tuple(add_trees(a, b) for a, b in zip(direct, through))
