@@ -1,7 +1,8 @@
 """Benchmarks: grad_by_solve against jax.grad, side by side in one process.
 
     python benchmarks/run.py [--repeats 15] [--write-docs] [--quick]
-        [--rows {all,gradients,curvature,headline,eager,capture,private,pinn}] [--pinn-seconds 300]
+        [--rows {all,gradients,curvature,headline,eager,capture,private,pinn}]
+        [--pinn-network {2-64-1,2-64-64-48-48-1}] [--pinn-seconds S]
 
 Every timing row runs jit(grad_by_solve) and its reference jit(jax.grad) interleaved (medians of
 ``--repeats`` runs each) and prints the ratio: absolute times are not comparable across runs on a
@@ -13,9 +14,10 @@ docs/guides/curvature.md (curvature), and the headline rows those in README.md. 
 is the short list for an accelerator (README's rows and the ℳ-after-the-loop sweep, a few
 minutes); on an accelerator ``--write-docs`` writes README's accelerator rows only, naming the
 device, and leaves the CPU tables as they are. ``--rows pinn`` (not in ``all``: it takes
-≈ 6 × ``--pinn-seconds`` per network) trains the kfac-pinns Poisson problem of
-examples/pinn_poisson.py with each method on the same budget (2-64-1; ``--pinn-deep`` adds
-2-64-64-48-48-1) and writes its table into docs/guides/training.md.
+6 × ``--pinn-seconds`` of steps) trains the kfac-pinns Poisson problem of
+examples/pinn_poisson.py with each method on the same budget (kfac-pinns' 300 s on 2-64-1,
+1000 s on the deep-wide 2-64-64-48-48-1) and writes that network's table into
+docs/guides/training.md.
 """
 
 from __future__ import annotations
@@ -765,22 +767,25 @@ def eager_rows(repeats: int) -> list[tuple[str, str, str]]:
     return rows
 
 
-def pinn_rows(args: argparse.Namespace) -> list[tuple[str, str, str]]:
+PINN_SECONDS = {"2-64-1": 300.0, "2-64-64-48-48-1": 1000.0}  # kfac-pinns' budgets
+
+
+def pinn_rows(network: str, seconds: float) -> list[tuple[str, str, str]]:
     """Each method of examples/pinn_poisson.py on the same step-time budget (float64)."""
     spec = importlib.util.spec_from_file_location("pinn_poisson", ROOT / "examples" / "pinn_poisson.py")
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
+    widths = network.split("-")[1:-1]
+    params, _, _, _, scale = example.make_problem(tuple(map(int, widths)))
+    size = sum(x.size for x in jax.tree.leaves(params))
+    result = example.main(["--seconds", str(seconds), "--widths", ",".join(widths), "--out", ""])
+    best_adam = min((v, k) for k, v in result.items() if k.startswith("Adam"))
     rows = []
-    for widths in ("64", "64,64,48,48") if args.pinn_deep else ("64",):
-        params, _, _, _, scale = example.make_problem(tuple(int(w) for w in widths.split(",")))
-        size = sum(x.size for x in jax.tree.leaves(params))
-        result = example.main(["--seconds", str(args.pinn_seconds), "--widths", widths, "--out", ""])
-        best_adam = min((v, k) for k, v in result.items() if k.startswith("Adam"))
-        for name, error in result.items():
-            if not name.startswith("Adam") or name == best_adam[1]:
-                label = f"{name} (best of three rates)" if name.startswith("Adam") else name
-                rows.append((f"2-{widths.replace(',', '-')}-1 ({size} parameters): {label}",
-                             f"{error:.2e} ({error / scale:.2e})", f"{args.pinn_seconds:g} s"))
+    for name, error in result.items():
+        if not name.startswith("Adam") or name == best_adam[1]:
+            label = f"{name} (best of three rates)" if name.startswith("Adam") else name
+            rows.append((f"{network} ({size} parameters): {label}", f"{error:.2e} ({error / scale:.2e})",
+                         f"{seconds:g} s"))
     return rows
 
 
@@ -808,8 +813,9 @@ def main() -> None:
                         help="write the tables into docs/performance.md, docs/guides/curvature.md and README.md "
                              "(on an accelerator: README's accelerator rows only)")
     parser.add_argument("--quick", action="store_true", help="smaller compile-scaling rows (a smoke test)")
-    parser.add_argument("--pinn-seconds", type=float, default=300.0, help="--rows pinn: seconds per method")
-    parser.add_argument("--pinn-deep", action="store_true", help="--rows pinn: the deep-wide network too")
+    parser.add_argument("--pinn-network", choices=list(PINN_SECONDS), default="2-64-1", help="--rows pinn: the MLP")
+    parser.add_argument("--pinn-seconds", type=float, help="--rows pinn: seconds of steps per method "
+                                                           "(default: kfac-pinns' budget for the network)")
     parser.add_argument("--rows", choices=["all", "gradients", "curvature", "headline", "eager", "capture", "private",
                                            "pinn"],
                         default="all",
@@ -825,10 +831,14 @@ def main() -> None:
             _write_headline(timing, threshold, args.rows, on_cpu)
         return
     if args.rows == "pinn":
-        text = small_table("Poisson PINN, L2 error (relative) after the budget", pinn_rows(args), "budget")
+        seconds = args.pinn_seconds or PINN_SECONDS[args.pinn_network]
+        text = small_table("Poisson PINN, L2 error (relative) after the budget",
+                           pinn_rows(args.pinn_network, seconds), "budget")
         print(text)
         if args.write_docs and on_cpu:
-            _write_between(ROOT / "docs" / "guides" / "training.md", "pinn table", text, args.rows)
+            flags = f" --pinn-network {args.pinn_network}" + (f" --pinn-seconds {seconds:g}" * bool(args.pinn_seconds))
+            _write_between(ROOT / "docs" / "guides" / "training.md", f"pinn table {args.pinn_network}", text,
+                           args.rows, flags)
         return
     if args.rows in ("all", "private"):
         text = small_table("DP-SGD's clipped sum", private_rows(r))
@@ -895,9 +905,9 @@ def headline(timing: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def _write_between(path: Path, marker: str, text: str, rows: str) -> None:
+def _write_between(path: Path, marker: str, text: str, rows: str, flags: str = "") -> None:
     """Replace what ``path`` holds between ``<!-- marker -->`` and ``<!-- /marker -->``."""
-    flag = "" if rows == "all" else f" --rows {rows}"
+    flag = ("" if rows == "all" else f" --rows {rows}") + flags
     device = jax.devices()[0]
     where = "CPU" if device.platform == "cpu" else f"{device.platform.upper()} ({device.device_kind})"
     block = (f"<!-- {marker} -->\n`python benchmarks/run.py --write-docs{flag}` on "
