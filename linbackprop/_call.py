@@ -206,10 +206,11 @@ def solve_joint(plan: Plan, prim: Primal, h: list[Any], rhs: list[Any], compact:
 
 
 def solve_forward(plan: Plan, prim: Primal, rhs: list[Any], compact: bool = False,
-                  rhs_full: bool = False) -> list[Any]:
+                  rhs_full: bool = False, carried_back: bool = False) -> list[Any]:
     """Z with ℒ Z = rhs, differentiable in rhs (transpose: back substitution) and in prim.
-    ``compact``: Z in the layout of ``plan.compact``, and rhs too unless ``rhs_full``."""
-    return solve(plan, prim, rhs, compact=compact, rhs_full=rhs_full)
+    ``compact``: Z in the layout of ``plan.compact``, and rhs too unless ``rhs_full``;
+    ``carried_back``: with ``rhs_full``, the transpose carries Λ in the compact layout."""
+    return solve(plan, prim, rhs, compact=compact, rhs_full=rhs_full, carried_back=carried_back)
 
 
 def _call_by_solve(net: Network, theta: dict, inputs: tuple) -> tuple[Any, ...]:
@@ -337,7 +338,9 @@ def _jvp_by_linear_solve(plan: Plan, settings: Settings, theta: dict, inputs: tu
     if in_loop:
         z = solve_joint(plan, prim, plan.pack_params(_instantiate(dtheta), tangent=True), rhs, compact)
     else:
-        z = solve_forward(plan, prim, rhs, compact, rhs_full)
+        carried_back = compact and settings.policy.carried_back_pays(plan.compact.state_elements,
+                                                                     plan.state_elements)
+        z = solve_forward(plan, prim, rhs, compact, rhs_full, carried_back)
     layout = plan.compact if compact else plan  # of Z
     return _outputs(plan, prim.states), tuple(_tangent_or_zero(layout, o, z) for o in net.output_spec)
 

@@ -54,6 +54,13 @@ class Policy:
             under this many bytes (`norm_chunk`; measured with ``python benchmarks/run.py --rows
             private``: an RNN's clipped sum kept 2.8× a gradient's temporaries in one piece, 1.9×
             in 1 MiB chunks, 2.2× in 2 MiB ones, no less in 512 KiB ones).
+        carried_back_max_kept: with ℳ* h formed before the loop, the back substitution carries Λ
+            in the compact layout and sets each carried row of a full-layout Λ once it is
+            complete, where the compact layout keeps at most this fraction of the full layout's
+            state elements; elsewhere it runs in the full layout (`carried_back_pays`; measured
+            with ``python benchmarks/run.py --rows gradients``: the deep narrow chain, three rows
+            kept of 514, 0.95 → 0.73 of jax.grad; the deep narrow DAG, whose skips keep nearly
+            every row, no faster and 0.59 → 0.69 of the reference's temporaries).
     """
 
     loop_min_depth: int = 6
@@ -71,6 +78,7 @@ class Policy:
     level_cost_scale: float = 1.0
     max_levels: int = 6
     norm_chunk_bytes: int = 1 << 20
+    carried_back_max_kept: float = 0.5
 
     def loop_pays(self, depth: int, kinds: int) -> bool:
         """Whether the substitutions pay as a loop over kinds (one compiled body for many steps)."""
@@ -103,6 +111,11 @@ class Policy:
         if param_products != "auto":
             return param_products == "in_loop"
         return remat or unrolled or shared or not self.after_loop_pays(*largest_state, backend)
+
+    def carried_back_pays(self, kept: int, full: int) -> bool:
+        """Whether the back substitution after ℳ* h formed before the loop carries Λ (see
+        ``carried_back_max_kept``), its compact layout keeping ``kept`` of ``full`` state elements."""
+        return kept <= self.carried_back_max_kept * full
 
     def norm_chunk(self, batch: int, example_bytes: int) -> int:
         """Examples per chunk for per-example norms that take ``example_bytes`` each: as many as

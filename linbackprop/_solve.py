@@ -56,7 +56,9 @@ class System:
     (and ℳ* h in the loop). The solve is then x = P ℒ⁻¹ E Eᵀ b: b read at the input rows (E),
     the solution at the compact rows (P; its pad row zero); transposed, Eᵀ ℒ⁻* Pᵀ. With
     ``rhs_full`` (ℳ* h formed before the loop) b is in the full layout: x = P ℒ⁻¹ b, transposed
-    ℒ⁻* Pᵀ (every row of Λ: ℳΛ is formed from them)."""
+    ℒ⁻* Pᵀ (every row of Λ: ℳΛ is formed from them); ``carried_back``: that transpose solved in
+    the compact layout, carrying Λ, each carried row set in a full-layout Λ
+    (`back_substitution`'s ``every_row``; `Policy.carried_back_pays`), else in the full layout."""
 
     plan: Plan
     joint: bool
@@ -64,6 +66,7 @@ class System:
     b_tree: Any
     compact: bool = False
     rhs_full: bool = False  # with compact: b in the full layout, read at every row: x = P ℒ⁻¹ b
+    carried_back: bool = False  # with rhs_full: the transpose solved in the compact layout (Λ at every row)
 
     def __repr__(self) -> str:  # as printed in jaxprs
         net = self.plan.net
@@ -91,6 +94,8 @@ System = _held_weakly_by_jax_caches(System)
 def _solve_fn(system: System, transposed: bool) -> Callable[[Primal, Any], Any]:
     plan, compact = system.plan, system.compact
     if system.rhs_full:  # forward: rhs read at every row, Z compact; transposed: Pᵀ then all of Λ
+        if transposed and system.carried_back:  # ℒ⁻* Pᵀ b in the compact layout, Λ at every row
+            return lambda prim, b: back_substitution(plan, prim, b, compact=True, every_row=True)
         if transposed:
             full = _solve_fn(dataclasses.replace(system, compact=False, rhs_full=False), transposed)
             into, _ = _layouts(system, transposed)
@@ -259,15 +264,16 @@ batching.primitive_batchers[solve_p] = _batch
 
 
 def solve(plan: Plan, prim: Primal, b: Any, joint: bool = False, compact: bool = False,
-          rhs_full: bool = False) -> Any:
+          rhs_full: bool = False, carried_back: bool = False) -> Any:
     """A⁻¹ b for A = ℒ (``joint``: [[I, 0], [−ℳ*, ℒ]] on b = (h, rhs)), by forward substitution,
     differentiable in b (transpose: the back substitution) and in the linearisation.
     ``compact``: rhs and the solution in the layout of ``plan.compact``; with ``rhs_full`` rhs in
-    the full layout (see `System`)."""
+    the full layout, and with ``carried_back`` the transpose carries Λ (see `System`)."""
     prim_leaves, prim_tree = jax.tree.flatten(prim)
     b_leaves, b_tree = jax.tree.flatten(b)
     compact = compact and not plan.unrolled
     assert not (joint and rhs_full), "the joint solve forms ℳ* h in the loop: its rhs is at the input rows"
-    system = System(plan, joint, prim_tree, b_tree, compact, rhs_full and compact)
+    rhs_full = rhs_full and compact
+    system = System(plan, joint, prim_tree, b_tree, compact, rhs_full, carried_back and rhs_full)
     out = solve_p.bind(*prim_leaves, *b_leaves, system=system, transposed=False, axes=())
     return jax.tree.unflatten(b_tree, out)

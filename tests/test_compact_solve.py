@@ -12,6 +12,8 @@ import pytest
 from networks import equations, gated, residual, skip
 
 import linbackprop as lbp
+from linbackprop._policy import Policy
+from linbackprop._settings import Settings, using
 
 
 def rnn_cell(th, h, x):
@@ -197,12 +199,39 @@ def test_a_stretch_of_integer_states_carries_no_tangent():
     assert any(f is not None and not plan.state_groups[f.group].differentiable
                for f in (plan.forwarding(a, b) for a, b, _ in plan.segments))
     loss = lambda p, x, c: jnp.sum(jnp.sin(net(p, x, c)))
-    for products in ("in_loop", "after"):
-        settings = dict(param_products=products, engine="loop")
-        assert_close(jax.jit(lbp.grad_by_solve(loss, (0, 1), **settings))(params, x, c0),
-                     jax.grad(loss, (0, 1))(params, x, c0))
-        G = lbp.gauss_newton(loss, **settings)(params, x, c0)[2]
-        reference = jax.vjp(lambda p: net(p, x, c0), params)[1]
-        out, jvp = jax.linearize(lambda p: net(p, x, c0), params)
-        hv = jax.jvp(jax.grad(lambda o: jnp.sum(jnp.sin(o))), (out,), (jvp(params),))[1]
-        assert_close(G.mv(params), reference(hv)[0])
+    for products, carried in (("in_loop", True), ("after", True), ("after", False)):  # Λ carried back or not
+        with using(Settings(policy=Policy(carried_back_max_kept=float(carried)))):
+            settings = dict(param_products=products, engine="loop")
+            assert_close(jax.jit(lbp.grad_by_solve(loss, (0, 1), **settings))(params, x, c0),
+                         jax.grad(loss, (0, 1))(params, x, c0))
+            G = lbp.gauss_newton(loss, **settings)(params, x, c0)[2]
+            reference = jax.vjp(lambda p: net(p, x, c0), params)[1]
+            out, jvp = jax.linearize(lambda p: net(p, x, c0), params)
+            hv = jax.jvp(jax.grad(lambda o: jnp.sum(jnp.sin(o))), (out,), (jvp(params),))[1]
+            assert_close(G.mv(params), reference(hv)[0])
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_the_back_substitution_carries_lambda_or_not_with_the_same_result(name):
+    """With ℳ* h formed before the loop, the transpose runs in the compact layout carrying Λ and
+    sets each carried row of a full-layout Λ (`Policy.carried_back_pays`), or in the full layout:
+    gradients (parameters and inputs), HVPs and G·v equal plain JAX's either way, and the solve
+    taken is the one asked for."""
+    net, params, inputs = CASES[name]()
+    _, loss = losses(net)
+    settings = dict(param_products="after", engine="loop")
+    argnums = tuple(range(1 + len(inputs)))
+    t = jax.tree.map(lambda a: jnp.cos(jnp.arange(a.size, dtype=a.dtype)).reshape(a.shape), params)
+    moved = (t, *(jnp.cos(x) for x in inputs))
+    expected_grad = jax.grad(loss, argnums)(params, *inputs)
+    expected_hvp = jax.jvp(jax.grad(loss, argnums), (params, *inputs), moved)[1]
+    gv_ref = lbp.gauss_newton(loss, engine="unrolled")(params, *inputs)[2].mv(t)
+    for carried in (True, False):
+        with using(Settings(policy=Policy(carried_back_max_kept=float(carried)))):
+            grad = lbp.grad_by_solve(loss, argnums, **settings)
+            found = solves(jax.make_jaxpr(grad)(params, *inputs))
+            transposed = [eqn.params["system"] for eqn in found if eqn.params["transposed"]]
+            assert transposed and all(s.rhs_full and s.carried_back == carried for s in transposed)
+            assert_close(jax.jit(grad)(params, *inputs), expected_grad)
+            assert_close(jax.jvp(grad, (params, *inputs), moved)[1], expected_hvp, rtol=1e-7)
+            assert_close(lbp.gauss_newton(loss, **settings)(params, *inputs)[2].mv(t), gv_ref)

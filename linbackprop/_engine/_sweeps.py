@@ -15,9 +15,20 @@ from jax import lax
 from jax.extend.core import jaxpr_as_fun
 
 from .._plan import Family, Kind, Plan, RowList, Sweep, Writes
+from .._stacking import update_row
 from ._loop import Step, layer_arguments, run_loop
 from ._maps import layer_maps
-from ._rows import Primal, add_row, index_at, index_scalar, read_row, set_row, zeros_like_aval
+from ._rows import (
+    Primal,
+    add_row,
+    index_at,
+    index_scalar,
+    read_row,
+    read_rows,
+    scatter_add,
+    set_row,
+    zeros_like_aval,
+)
 
 
 # -- the sequential parts --------------------------------------------------------------------------
@@ -301,7 +312,7 @@ def forward_substitution(plan: Plan, prim: Primal, rhs: list[Any], h: list[Any] 
 
 
 def back_substitution(plan: Plan, prim: Primal, rhs: list[Any], grads: list[Any] | None = None,
-                      compact: bool = False) -> Any:
+                      compact: bool = False, every_row: bool = False) -> Any:
     """Λ with ℒ* Λ = rhs: Λ_j = rhs_j + Σ_{i reads j} (∂Φ_i/∂U_j)* Λ_i, last layer to first.
 
     With ``grads`` (parameter-layout buffers), ℳΛ is also added into them inside the loop, from
@@ -312,9 +323,17 @@ def back_substitution(plan: Plan, prim: Primal, rhs: list[Any], grads: list[Any]
     previous step in the loop's carry (for a state without a row, its Λ), into the buffer only
     at the start of the stretch. Λ is returned at the input rows, zeros elsewhere (the forward
     substitution reads rhs only there).
+
+    ``every_row`` (with ``compact``, rhs zero at the rows the compact layout drops: Pᵀ b): Λ at
+    every row of the full layout, for ℳΛ after the loop, still solved in the compact layout. A
+    step the loop carries into sets its row of Λ once it is complete, in a buffer the loop never
+    reads; the rows of the other states are the compact buffer's. A carried step then reads no
+    row and adds into none, where the full layout's back substitution reads Λ_i and adds into
+    its input's row: a round trip through the buffer that dominates latency-bound steps.
     """
     in_loop = grads is not None
     compact = compact and not plan.unrolled
+    assert not (every_row and (in_loop or not compact)), "every_row: a compact solve without ℳΛ in the loop"
     zplan = plan.compact if compact else plan
     absent = frozenset(g for g, b in enumerate(rhs) if b is None)  # no cotangent wanted (or none exists)
     writes = zplan.writes(Sweep.BACK_SUBSTITUTION, with_params=in_loop, absent=absent)
@@ -323,11 +342,25 @@ def back_substitution(plan: Plan, prim: Primal, rhs: list[Any], grads: list[Any]
         fwd = zplan.forwarding(*segment) if compact and segment else None
         return None if fwd is None or fwd.group in absent else fwd
 
+    out_rows = _out_rows(zplan)  # per step, the row of its output (compact layout)
+
     def body(step, carry):
-        lam, acc, ct_next = carry
+        lam, acc, ct_next, everywhere = carry
         i = step.index
         fwd = forwarded(step.segment)
         only_carried = fwd is not None and zplan.carried_only(*step.segment)
+        if fwd is not None:  # Λ_i: every kind here writes fwd.group, so it is known outside the switch
+            if only_carried:  # the next step's cotangent alone (the last's: read on entry)
+                lam_step = ct_next
+            else:  # plus what the other readers added to its row
+                lam_step = jax.tree.map(jnp.add, read_row(lam[fwd.group], index_at(out_rows, i), written=True),
+                                        ct_next)
+            if every_row:  # complete: its row of the full layout, which the loop never reads
+                everywhere = list(everywhere)
+                everywhere[fwd.group] = jax.tree.map(
+                    lambda b, v: update_row(b, index_scalar(index_at(full_rows, i)), v.astype(b.dtype)),
+                    everywhere[fwd.group], lam_step)
+            ct_next = lam_step
 
         def branch(k, operand):
             ll, ct_next = operand
@@ -335,12 +368,10 @@ def back_substitution(plan: Plan, prim: Primal, rhs: list[Any], grads: list[Any]
             if ll[kind.out_group] is None:  # an integer state: no cotangent to propagate
                 return [] if fwd is None else ([], None)
             pos = index_at(kind.by_step.member, i)
-            if only_carried:  # Λ_i is the next step's cotangent alone (the last's: read on entry)
+            if fwd is not None:  # Λ_i, formed above
                 lam_i = ct_next
             else:
                 lam_i = read_row(ll[kind.out_group], index_at(zplan.kinds[k].by_member.out, pos), written=True)
-                if fwd is not None:  # plus the cotangent of the next step's carried read
-                    lam_i = jax.tree.map(jnp.add, lam_i, ct_next)
             maps = layer_maps(plan, kind, prim, k, pos)
             cts, pcts = maps.adjoints(lam_i) if in_loop else (maps.state_adjoint(lam_i), ())
             carried = fwd.read.get(k) if fwd is not None else None
@@ -360,32 +391,68 @@ def back_substitution(plan: Plan, prim: Primal, rhs: list[Any], grads: list[Any]
         once = (frozenset((Family.PARAM, g) for g in plan.params_written_once) if step.kind is not None
                 else frozenset())
         _write(bufs, writes, i, values, add=True, set_buffers=once)
-        return bufs[Family.STATE], bufs[Family.PARAM], ct_next
+        return bufs[Family.STATE], bufs[Family.PARAM], ct_next, everywhere
 
     def enter(start, stop, carry):
         fwd = forwarded((start, stop))
         if fwd is None:
-            return (*carry[:2], None)
+            return (*carry[:2], None, carry[3])
         if zplan.carried_only(start, stop):  # the last step's Λ: complete, its readers are behind
-            return (*carry[:2], read_row(carry[0][fwd.group], _exit_row(zplan, plan, stop)))
-        return (*carry[:2], zplan.state_groups[fwd.group].row_zeros(True))
+            return (*carry[:2], read_row(carry[0][fwd.group], _exit_row(zplan, plan, stop)), carry[3])
+        return (*carry[:2], zplan.state_groups[fwd.group].row_zeros(True), carry[3])
 
     def leave(start, stop, carry):
-        lam, acc, ct = carry
+        lam, acc, ct, everywhere = carry
         fwd = forwarded((start, stop))
         if fwd is not None and fwd.first_row is not None:  # the stretch's first read: a row
             lam = list(lam)
             lam[fwd.group] = add_row(lam[fwd.group], fwd.first_row, ct)
-        return lam, acc, None
+        return lam, acc, None, everywhere
 
     if compact:  # the pad row of rhs is no row of Λ (it must stay zero: unwritten states read it)
         rhs = without_pad(zplan, rhs)
+    # Zeros in the full layout (the gather behind them is dead code): each carried step sets its row.
+    full_rows, everywhere = None, None
+    if every_row:
+        full_rows = _out_rows(plan)
+        everywhere = [None if b is None else jax.tree.map(jnp.zeros_like, b) for b in take_rows(rhs, zplan.to_compact)]
     # ℳΛ goes into fresh zeros, added to ``grads`` after the loop: rows can then be set rather
     # than accumulated, and XLA drops the addition where ``grads`` is zeros (a gradient).
     acc = [g.zeros(plan.unrolled, tangent=True) for g in plan.param_groups] if in_loop else []
-    lam, acc, _ = run_loop(plan, body, (list(rhs), acc, None), reverse=True, enter=enter, leave=leave)
+    lam, acc, _, everywhere = run_loop(plan, body, (list(rhs), acc, None, everywhere), reverse=True, enter=enter,
+                                       leave=leave)
+    if every_row:  # the carried steps' rows from the loop, the other kept rows from the compact buffer
+        for g, (full, kept) in enumerate(_rows_not_carried(zplan, forwarded)):
+            if everywhere[g] is not None and len(full):
+                everywhere[g] = scatter_add(everywhere[g], full, read_rows(lam[g], kept))
+        return everywhere
     lam = at_inputs(zplan, lam) if compact else lam
     return (lam, [jax.tree.map(jnp.add, g, a) for g, a in zip(grads, acc)]) if in_loop else lam
+
+
+def _out_rows(plan: Plan) -> np.ndarray:
+    """Per step, the row its output has in ``plan``'s layout (its group: the step's kind's)."""
+    return np.array([plan.kinds[int(k)].by_step.out[t] for t, k in enumerate(plan.step_kind)], np.int32)
+
+
+def _rows_not_carried(zplan: Plan, forwarded: Callable) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Per state group, the full layout's rows that no step of a stretch carrying Λ writes
+    (``forwarded``: a stretch's `Forwarding`, None where the loop carries nothing) and that the
+    compact layout keeps — the inputs, the outputs of steps that carry nothing — with their rows
+    there. Every other row is a carried step's or zero."""
+    full = zplan.full
+    carried = [np.zeros(group.rows, bool) for group in full.state_groups]
+    rows = _out_rows(full)
+    for start, stop, _ in zplan.segments:
+        fwd = forwarded((start, stop))
+        if fwd is not None:
+            carried[fwd.group][rows[start:stop]] = True
+    out = []
+    for g, group in enumerate(zplan.state_groups):
+        to_compact = np.asarray(zplan.to_compact[g])
+        kept = ~carried[g] & ((to_compact != group.pad_row) if group.pad else True)
+        out.append((np.nonzero(kept)[0].astype(np.int32), to_compact[kept].astype(np.int32)))
+    return out
 
 
 def take_rows(bufs: list[Any], tables: tuple[np.ndarray, ...]) -> list[Any]:

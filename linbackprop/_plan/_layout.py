@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Hashable
 from typing import Any
 
@@ -128,6 +129,11 @@ class Plan:
         (co)tangent buffer only where an input of theirs has a tangent."""
         inputs = set(self.net.inputs)
         return frozenset(g for g, group in enumerate(self.state_groups) if set(group.names) <= inputs)
+
+    @functools.cached_property
+    def state_elements(self) -> int:
+        """The elements of every state buffer in this layout: rows times a row's elements, summed."""
+        return sum(group.rows * sum(math.prod(a.shape) for a in group.leaves) for group in self.state_groups)
 
     @functools.cached_property
     def params_written_once(self) -> frozenset[int]:
