@@ -205,12 +205,10 @@ def solve_joint(plan: Plan, prim: Primal, h: list[Any], rhs: list[Any], compact:
     return solve(plan, prim, (h, rhs), joint=True, compact=compact)[1]
 
 
-def solve_forward(plan: Plan, prim: Primal, rhs: list[Any], compact: bool = False,
-                  rhs_full: bool = False, carried_back: bool = False) -> list[Any]:
+def solve_forward(plan: Plan, prim: Primal, rhs: list[Any], compact: bool = False) -> list[Any]:
     """Z with ℒ Z = rhs, differentiable in rhs (transpose: back substitution) and in prim.
-    ``compact``: Z in the layout of ``plan.compact``, and rhs too unless ``rhs_full``;
-    ``carried_back``: with ``rhs_full``, the transpose carries Λ in the compact layout."""
-    return solve(plan, prim, rhs, compact=compact, rhs_full=rhs_full, carried_back=carried_back)
+    ``compact``: Z and rhs in the layout of ``plan.compact``."""
+    return solve(plan, prim, rhs, compact=compact)
 
 
 def _call_by_solve(net: Network, theta: dict, inputs: tuple) -> tuple[Any, ...]:
@@ -331,16 +329,20 @@ def _jvp_by_linear_solve(plan: Plan, settings: Settings, theta: dict, inputs: tu
     if moves_params:  # the groups without input tangents start from zeros made in the linear program
         given = {layout.state_loc[name][0] for name, dx in zip(net.inputs, dinputs) if not _is_zero(dx)}
         rhs = _zeros_made_with(_anchor(dtheta, dinputs), rhs, keep=given)
-    if moves_params and not in_loop:
+    if rhs_full and not compact:
         rhs = param_forward(plan, prim, plan.pack_params(_instantiate(dtheta), tangent=True), rhs)
     # Parts of rhs built from symbolic zeros alone are constants: the solve's transpose gives
     # them no cotangent (see _solve).
     if in_loop:
         z = solve_joint(plan, prim, plan.pack_params(_instantiate(dtheta), tangent=True), rhs, compact)
+    elif rhs_full and compact:  # ℳ* h batched before the loop inside the solve: its transpose forms ℳΛ
+        policy, backend = settings.policy, jax.default_backend()
+        h = plan.pack_params(_instantiate(dtheta), tangent=True)
+        z = solve(plan, prim, (h, rhs), joint=True, compact=True, rhs_full=True,
+                  carried_back=policy.carried_back_pays(plan.compact.state_elements, plan.state_elements),
+                  contract_first=policy.contract_first_max(backend))[1]
     else:
-        carried_back = compact and settings.policy.carried_back_pays(plan.compact.state_elements,
-                                                                     plan.state_elements)
-        z = solve_forward(plan, prim, rhs, compact, rhs_full, carried_back)
+        z = solve_forward(plan, prim, rhs, compact)
     layout = plan.compact if compact else plan  # of Z
     return _outputs(plan, prim.states), tuple(_tangent_or_zero(layout, o, z) for o in net.output_spec)
 

@@ -31,6 +31,7 @@ import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
+from ._contractions import contracted_last
 from ._engine import (
     Primal,
     at_inputs,
@@ -58,7 +59,11 @@ class System:
     ``rhs_full`` (ℳ* h formed before the loop) b is in the full layout: x = P ℒ⁻¹ b, transposed
     ℒ⁻* Pᵀ (every row of Λ: ℳΛ is formed from them); ``carried_back``: that transpose solved in
     the compact layout, carrying Λ, each carried row set in a full-layout Λ
-    (`back_substitution`'s ``every_row``; `Policy.carried_back_pays`), else in the full layout."""
+    (`back_substitution`'s ``every_row``; `Policy.carried_back_pays`), else in the full layout.
+    ``joint`` with ``rhs_full``: b = (h, rhs), x = (h, P ℒ⁻¹ (rhs + ℳ* h)) with ℳ* h batched
+    before the loop; its transpose forms ℳΛ after the back substitution, batched per kind, its
+    products of short contractions (``contract_first`` entries at most, 0: none) computed with
+    the contracted axes moved last first (`Policy.contract_first_pays`)."""
 
     plan: Plan
     joint: bool
@@ -67,6 +72,7 @@ class System:
     compact: bool = False
     rhs_full: bool = False  # with compact: b in the full layout, read at every row: x = P ℒ⁻¹ b
     carried_back: bool = False  # with rhs_full: the transpose solved in the compact layout (Λ at every row)
+    contract_first: int = 0  # joint with rhs_full: ℳΛ's short contractions moved last first (`_contractions`)
 
     def __repr__(self) -> str:  # as printed in jaxprs
         net = self.plan.net
@@ -93,6 +99,19 @@ System = _held_weakly_by_jax_caches(System)
 
 def _solve_fn(system: System, transposed: bool) -> Callable[[Primal, Any], Any]:
     plan, compact = system.plan, system.compact
+    if system.rhs_full and system.joint:  # (h, rhs) ↦ (h, P ℒ⁻¹ (rhs + ℳ* h)), ℳ* h and ℳΛ batched
+        if transposed:
+            back = _solve_fn(dataclasses.replace(system, joint=False), transposed)
+
+            def solve_t(prim, g):
+                lam = back(prim, g[1])
+                adjoint = functools.partial(param_adjoint, plan, prim)
+                if system.contract_first:
+                    adjoint = contracted_last(adjoint, system.contract_first)
+                return [jax.tree.map(jnp.add, a, m) for a, m in zip(g[0], adjoint(lam))], lam
+            return solve_t
+        return lambda prim, b: (b[0], forward_substitution(plan, prim, param_forward(plan, prim, b[0], b[1]),
+                                                           compact=True, rhs_full=True))
     if system.rhs_full:  # forward: rhs read at every row, Z compact; transposed: Pᵀ then all of Λ
         if transposed and system.carried_back:  # ℒ⁻* Pᵀ b in the compact layout, Λ at every row
             return lambda prim, b: back_substitution(plan, prim, b, compact=True, every_row=True)
@@ -264,16 +283,17 @@ batching.primitive_batchers[solve_p] = _batch
 
 
 def solve(plan: Plan, prim: Primal, b: Any, joint: bool = False, compact: bool = False,
-          rhs_full: bool = False, carried_back: bool = False) -> Any:
+          rhs_full: bool = False, carried_back: bool = False, contract_first: int = 0) -> Any:
     """A⁻¹ b for A = ℒ (``joint``: [[I, 0], [−ℳ*, ℒ]] on b = (h, rhs)), by forward substitution,
     differentiable in b (transpose: the back substitution) and in the linearisation.
     ``compact``: rhs and the solution in the layout of ``plan.compact``; with ``rhs_full`` rhs in
-    the full layout, and with ``carried_back`` the transpose carries Λ (see `System`)."""
+    the full layout, and with ``carried_back`` the transpose carries Λ; ``joint`` with
+    ``rhs_full``: ℳ* h formed before the loop, ℳΛ after it (see `System`)."""
     prim_leaves, prim_tree = jax.tree.flatten(prim)
     b_leaves, b_tree = jax.tree.flatten(b)
     compact = compact and not plan.unrolled
-    assert not (joint and rhs_full), "the joint solve forms ℳ* h in the loop: its rhs is at the input rows"
     rhs_full = rhs_full and compact
-    system = System(plan, joint, prim_tree, b_tree, compact, rhs_full, carried_back and rhs_full)
+    system = System(plan, joint, prim_tree, b_tree, compact, rhs_full, carried_back and rhs_full,
+                    contract_first if joint and rhs_full else 0)
     out = solve_p.bind(*prim_leaves, *b_leaves, system=system, transposed=False, axes=())
     return jax.tree.unflatten(b_tree, out)
