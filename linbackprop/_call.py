@@ -340,7 +340,7 @@ def _jvp_by_linear_solve(plan: Plan, settings: Settings, theta: dict, inputs: tu
         h = plan.pack_params(_instantiate(dtheta), tangent=True)
         z = solve(plan, prim, (h, rhs), joint=True, compact=True, rhs_full=True,
                   carried_back=policy.carried_back_pays(plan.compact.state_elements, plan.state_elements),
-                  contract_first=policy.contract_first_max(backend))[1]
+                  contract_first=policy.contract_first_rows(backend))[1]
     else:
         z = solve_forward(plan, prim, rhs, compact)
     layout = plan.compact if compact else plan  # of Z

@@ -21,20 +21,20 @@ from jax.extend.core import Literal
 from ._traced import bind_equation
 
 
-def contracted_last(fn: Callable, max_size: int) -> Callable:
-    """``fn``, its batched ``dot_general``s whose left operand contracts at most ``max_size``
-    entries on axes other than its last ones computed from that operand transposed first (the
+def contracted_last(fn: Callable, min_size: int, max_size: int) -> Callable:
+    """``fn``, its batched ``dot_general``s whose operands contract ``min_size`` to ``max_size``
+    entries right after their batch axes computed from the right operand transposed first (the
     same values; nested ``jit``s inlined)."""
 
     def run(*args: Any) -> Any:
         closed, shape = jax.make_jaxpr(fn, return_shape=True)(*args)
-        out = _evaluate(closed.jaxpr, closed.consts, jax.tree.leaves(args), max_size)
+        out = _evaluate(closed.jaxpr, closed.consts, jax.tree.leaves(args), (min_size, max_size))
         return jax.tree.unflatten(jax.tree.structure(shape), out)
 
     return run
 
 
-def _evaluate(jaxpr: Any, consts: list, args: list, max_size: int) -> list:
+def _evaluate(jaxpr: Any, consts: list, args: list, sizes: tuple[int, int]) -> list:
     env: dict = {}
     read = lambda v: v.val if isinstance(v, Literal) else env[v]
     env.update(zip(jaxpr.constvars, consts))
@@ -43,10 +43,10 @@ def _evaluate(jaxpr: Any, consts: list, args: list, max_size: int) -> list:
         ins = [read(v) for v in eqn.invars]
         name = eqn.primitive.name
         if name == "dot_general":
-            outs = [_dot(eqn, ins, max_size)]
+            outs = [_dot(eqn, ins, sizes)]
         elif name in ("pjit", "jit"):
             inner = eqn.params["jaxpr"]
-            outs = _evaluate(inner.jaxpr, inner.consts, ins, max_size)
+            outs = _evaluate(inner.jaxpr, inner.consts, ins, sizes)
         else:
             outs = bind_equation(eqn, ins)
             outs = outs if eqn.primitive.multiple_results else [outs]
@@ -54,7 +54,7 @@ def _evaluate(jaxpr: Any, consts: list, args: list, max_size: int) -> list:
     return [read(v) for v in jaxpr.outvars]
 
 
-def _dot(eqn: Any, ins: list, max_size: int) -> jax.Array:
+def _dot(eqn: Any, ins: list, sizes: tuple[int, int]) -> jax.Array:
     """The product, where its left operand contracts a few entries right after its batch axes
     ([l, b, i], a per-layer sum of outer products over rows b), as (r̃ᵀ-first product)ᵀ: the
     right operand transposed first, [l, j, b], times the left one, [l, b, i], gives [l, j, i],
@@ -65,7 +65,8 @@ def _dot(eqn: Any, ins: list, max_size: int) -> jax.Array:
     size = math.prod(lhs.shape[d] for d in lc)
     after_batch = lambda c, b: tuple(b) == tuple(range(len(b))) and tuple(c) == tuple(range(len(b), len(b) + len(c)))
     placed = eqn.params.get("out_sharding") is not None  # the result's sharding names its axes as they are
-    if placed or not lb or not lc or size > max_size or not (after_batch(lc, lb) and after_batch(rc, rb)):
+    shaped = bool(lb) and bool(lc) and after_batch(lc, lb) and after_batch(rc, rb)
+    if placed or not shaped or not sizes[0] <= size <= sizes[1]:
         return bind_equation(eqn, ins)
     r_free = [d for d in range(rhs.ndim) if d not in rb and d not in rc]
     moved = lax.optimization_barrier(lax.transpose(rhs, (*rb, *r_free, *rc)))  # [l, j, b]

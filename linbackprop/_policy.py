@@ -61,11 +61,13 @@ class Policy:
             with ``python benchmarks/run.py --rows gradients``: the deep narrow chain, three rows
             kept of 514, 0.95 → 0.73 of jax.grad; the deep narrow DAG, whose skips keep nearly
             every row, no faster and 0.59 → 0.69 of the reference's temporaries).
-        contract_first_max_cpu: ℳΛ after the loop sums each layer's outer products over the rows
-            of its state; on CPU, where those rows are at most this many, the products run with
-            the contracted axis moved last first (`contract_first_max`, `_contractions`; measured
-            on 512 layers of width 32: 8 rows 0.50 → 0.27 ms, 4 rows 0.46 → 0.24 ms; 16 rows no
-            faster; [l, b, i] products of 128 layers of width 64 no faster from 8 rows on).
+        contract_first_min_cpu, contract_first_max_cpu: ℳΛ after the loop sums each layer's
+            outer products over the rows of its state; on CPU, where those rows number from the
+            first to the second, the products run with the contracted axis moved last first
+            (`contract_first_rows`, `_contractions`; measured on the VJP of tanh(u W) vmapped over
+            the layers, ``contracted_last`` against JAX's product, 2/4/8/16/31 rows: 512 layers of
+            width 32 1.13/0.62/0.73/0.76/0.90, 128 of width 64 1.16/0.92/0.89/0.99/1.00, 256 of
+            width 16 0.62/0.43/0.61/0.84/1.04).
     """
 
     loop_min_depth: int = 6
@@ -84,7 +86,8 @@ class Policy:
     max_levels: int = 6
     norm_chunk_bytes: int = 1 << 20
     carried_back_max_kept: float = 0.5
-    contract_first_max_cpu: int = 8
+    contract_first_min_cpu: int = 4
+    contract_first_max_cpu: int = 16
 
     def loop_pays(self, depth: int, kinds: int) -> bool:
         """Whether the substitutions pay as a loop over kinds (one compiled body for many steps)."""
@@ -123,10 +126,10 @@ class Policy:
         ``carried_back_max_kept``), its compact layout keeping ``kept`` of ``full`` state elements."""
         return kept <= self.carried_back_max_kept * full
 
-    def contract_first_max(self, backend: str) -> int:
-        """The most rows whose outer products ℳΛ forms with the contracted axis moved last first
-        on ``backend`` (0: never; see ``contract_first_max_cpu``)."""
-        return self.contract_first_max_cpu if backend == "cpu" else 0
+    def contract_first_rows(self, backend: str) -> tuple[int, int] | None:
+        """The fewest and most rows whose outer products ℳΛ forms with the contracted axis moved
+        last first on ``backend`` (None: never; see ``contract_first_max_cpu``)."""
+        return (self.contract_first_min_cpu, self.contract_first_max_cpu) if backend == "cpu" else None
 
     def norm_chunk(self, batch: int, example_bytes: int) -> int:
         """Examples per chunk for per-example norms that take ``example_bytes`` each: as many as

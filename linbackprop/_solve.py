@@ -62,8 +62,8 @@ class System:
     (`back_substitution`'s ``every_row``; `Policy.carried_back_pays`), else in the full layout.
     ``joint`` with ``rhs_full``: b = (h, rhs), x = (h, P ℒ⁻¹ (rhs + ℳ* h)) with ℳ* h batched
     before the loop; its transpose forms ℳΛ after the back substitution, batched per kind, its
-    products of short contractions (``contract_first`` entries at most, 0: none) computed with
-    the contracted axes moved last first (`Policy.contract_first_pays`)."""
+    products of short contractions (``contract_first``: from, to rows; None: none) computed
+    with the contracted axes moved last first (`Policy.contract_first_rows`)."""
 
     plan: Plan
     joint: bool
@@ -72,7 +72,7 @@ class System:
     compact: bool = False
     rhs_full: bool = False  # with compact: b in the full layout, read at every row: x = P ℒ⁻¹ b
     carried_back: bool = False  # with rhs_full: the transpose solved in the compact layout (Λ at every row)
-    contract_first: int = 0  # joint with rhs_full: ℳΛ's short contractions moved last first (`_contractions`)
+    contract_first: tuple[int, int] | None = None  # joint, rhs_full: ℳΛ's contractions of these many rows moved last
 
     def __repr__(self) -> str:  # as printed in jaxprs
         net = self.plan.net
@@ -107,7 +107,7 @@ def _solve_fn(system: System, transposed: bool) -> Callable[[Primal, Any], Any]:
                 lam = back(prim, g[1])
                 adjoint = functools.partial(param_adjoint, plan, prim)
                 if system.contract_first:
-                    adjoint = contracted_last(adjoint, system.contract_first)
+                    adjoint = contracted_last(adjoint, *system.contract_first)
                 return [jax.tree.map(jnp.add, a, m) for a, m in zip(g[0], adjoint(lam))], lam
             return solve_t
         return lambda prim, b: (b[0], forward_substitution(plan, prim, param_forward(plan, prim, b[0], b[1]),
@@ -283,7 +283,8 @@ batching.primitive_batchers[solve_p] = _batch
 
 
 def solve(plan: Plan, prim: Primal, b: Any, joint: bool = False, compact: bool = False,
-          rhs_full: bool = False, carried_back: bool = False, contract_first: int = 0) -> Any:
+          rhs_full: bool = False, carried_back: bool = False,
+          contract_first: tuple[int, int] | None = None) -> Any:
     """A⁻¹ b for A = ℒ (``joint``: [[I, 0], [−ℳ*, ℒ]] on b = (h, rhs)), by forward substitution,
     differentiable in b (transpose: the back substitution) and in the linearisation.
     ``compact``: rhs and the solution in the layout of ``plan.compact``; with ``rhs_full`` rhs in
@@ -294,6 +295,6 @@ def solve(plan: Plan, prim: Primal, b: Any, joint: bool = False, compact: bool =
     compact = compact and not plan.unrolled
     rhs_full = rhs_full and compact
     system = System(plan, joint, prim_tree, b_tree, compact, rhs_full, carried_back and rhs_full,
-                    contract_first if joint and rhs_full else 0)
+                    contract_first if joint and rhs_full else None)
     out = solve_p.bind(*prim_leaves, *b_leaves, system=system, transposed=False, axes=())
     return jax.tree.unflatten(b_tree, out)
