@@ -58,9 +58,9 @@ class Policy:
             in the compact layout and sets each carried row of a full-layout Λ once it is
             complete, where the compact layout keeps at most this fraction of the full layout's
             state elements; elsewhere it runs in the full layout (`carried_back_pays`; measured
-            with ``python benchmarks/run.py --rows gradients``: the deep narrow chain, three rows
-            kept of 514, 0.95 → 0.73 of jax.grad; the deep narrow DAG, whose skips keep nearly
-            every row, no faster and 0.59 → 0.69 of the reference's temporaries).
+            with ``python benchmarks/run.py --rows gradients``, the rules injected, one run: the
+            deep narrow chain, three rows kept of 514, 0.77 → 0.70 of jax.grad; the deep narrow
+            DAG, whose skips keep nearly every row, 0.75 → 0.72, within that row's noise).
         contract_first_min_cpu, contract_first_max_cpu: ℳΛ after the loop sums each layer's
             outer products over the rows of its state; on CPU, where those rows number from the
             first to the second, the products run with the contracted axis moved last first
