@@ -23,7 +23,7 @@ from ._graph import GraphError, Layer, Network, Row, Stack
 from ._interop import Functional, functional
 from ._laplacian import forward_laplacian
 from ._operators import Block, Linearization, LinearOperator, ParamOperator, StateOperator, linearize
-from ._optim import scale_by_gauss_newton, scale_by_kfac
+from ._optim import KfacState, kfac, scale_by_gauss_newton, scale_by_kfac
 from ._pictures import plot_network, spy
 from ._settings import solving
 from ._transforms import grad_by_solve, jvp_by_solve, value_and_grad_by_solve
@@ -36,6 +36,7 @@ __all__ = [
                          "Functional",
                          "GaussNewton",
                          "GraphError",
+                         "KfacState",
                          "Kronecker",
                          "Layer",
                          "LinearOperator",
@@ -54,6 +55,7 @@ __all__ = [
                          "ggn_factor",
                          "grad_by_solve",
                          "jvp_by_solve",
+                         "kfac",
                          "kfac_factors",
                          "layer",
                          "linearize",

@@ -17,7 +17,8 @@ import linbackprop as lbp
 MODULES = ["_capture._marks", "_capture._program", "_capture._rewrite", "_curvature._clipping",
            "_curvature._gauss_newton", "_curvature._ggn", "_curvature._per_example", "_graph", "_interop",
            "_laplacian",
-           "_operators", "_optim", "_pictures", "_transforms"]
+           "_operators", "_optim._gauss_newton", "_optim._kfac", "_optim._scale_by_kfac", "_pictures",
+           "_transforms"]
 
 
 @pytest.mark.parametrize("name", lbp.__all__)

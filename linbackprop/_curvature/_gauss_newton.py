@@ -58,6 +58,31 @@ class GaussNewton(LinearOperator):
         out = self._vjp(self._hvp(self._jvp(*vs)))
         return out[0] if self._single else tuple(out)
 
+    def gram(self, vectors: Sequence[Any]) -> jax.Array:
+        """The k × k matrix [v_iᵀ G v_j] of k parameter-shaped vectors, from forward products only:
+
+            v_iᵀ G v_j = (J v_i)ᵀ H (J v_j)
+
+        — the k products J v batched into one forward substitution (``vmap`` of the stored
+        linearisation), then k products with H on the outputs; no back substitution. What
+        K-FAC's step size and momentum need (``lbp.kfac``: Δᵀ G Δ, Δᵀ G δ, δᵀ G δ).
+
+        Args:
+            vectors: k pytrees shaped like the arguments G acts on (for several ``argnums``,
+                tuples of them).
+
+        Returns:
+            The symmetric [k, k] matrix.
+
+        Examples:
+            >>> import jax.numpy as jnp, linbackprop as lbp
+            >>> net = lbp.Network([lbp.Layer("y", lambda th, x: x @ th[0], ("x",), ("w",))], ["x"], "y")
+            >>> _, _, G = lbp.gauss_newton(lambda p, x: 0.5 * jnp.sum(net(p, x) ** 2))({"w": jnp.ones(2)}, jnp.eye(2))
+            >>> G.gram([{"w": jnp.array([1.0, 0.0])}, {"w": jnp.array([1.0, 2.0])}]).tolist()   # G = I
+            [[1.0, 1.0], [1.0, 5.0]]
+        """
+        return _gram(self, tuple(vectors))
+
     @property
     def T(self) -> GaussNewton:  # noqa: N802 - the mathematical name
         return self
@@ -139,6 +164,18 @@ class GaussNewton(LinearOperator):
 
 
 _gauss_newton_mv = jax.jit(lambda G, v: G.apply(v))
+
+
+@jax.jit
+def _gram(G: GaussNewton, vectors: tuple) -> jax.Array:
+    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *vectors)
+    jvp = (lambda v: G._jvp(v)) if G._single else (lambda v: G._jvp(*v))
+    outs = jax.vmap(jvp)(stacked)  # [k, ...] per output leaf: one forward substitution for all k
+    curved = jax.vmap(G._hvp)(outs)
+    rows = lambda tree: jnp.concatenate([x.reshape(x.shape[0], -1) for x in jax.tree.leaves(tree)], axis=1)
+    j, hj = rows(outs), rows(curved)
+    gram = j @ hj.T
+    return (gram + gram.T) / 2
 
 
 def _structure(tree: Any) -> tuple:

@@ -1,16 +1,9 @@
-"""optax transforms that consume the curvature: the damped Gauss–Newton direction (G + λI)⁻¹ g
-with Levenberg–Marquardt damping, and K-FAC's preconditioned gradient from Kronecker factors.
-
-Both take the gradient as their ``updates`` and return a *direction* to be scaled by a negative
-learning rate (``optax.scale(-1.0)``, a schedule, a line search), as ``optax.scale_by_adam``
-does; the curvature comes in as an extra argument of ``update`` (``curvature=G``,
-``factors=...``), so they chain with optax's line searches and the rest.
+"""The damped Gauss–Newton direction (G + λI)⁻¹ g with Levenberg–Marquardt damping, as an optax
+transform: by conjugate gradients on G's products, or exactly from its rows (Woodbury, dense).
 """
 
 from __future__ import annotations
 
-import inspect
-import math
 from collections.abc import Callable
 from typing import Any, Literal, NamedTuple
 
@@ -19,11 +12,10 @@ import jax.numpy as jnp
 import optax
 from jax.flatten_util import ravel_pytree
 
-from ._curvature import GaussNewton, Kronecker
+from .._curvature import GaussNewton
+from ._arguments import accepted, params_dtype
 
 Solver = Literal["auto", "cg", "woodbury", "dense"]
-# the arguments the transforms consume themselves; the rest go on to value_fn where it takes them
-_OWN = frozenset({"curvature", "factors", "diagonal", "value", "value_fn", "grad"})
 
 
 class ScaleByGaussNewtonState(NamedTuple):
@@ -92,7 +84,7 @@ def scale_by_gauss_newton(damping: float = 1e-3, maxiter: int = 50, *, tol: floa
 
     def init(params: Any) -> ScaleByGaussNewtonState:
         zeros = optax.tree.zeros_like(params)
-        return ScaleByGaussNewtonState(jnp.asarray(damping, _dtype(params)), zeros, jnp.zeros((), jnp.int32))
+        return ScaleByGaussNewtonState(jnp.asarray(damping, params_dtype(params)), zeros, jnp.zeros((), jnp.int32))
 
     def update(updates: Any, state: ScaleByGaussNewtonState, params: Any = None, *,
                curvature: GaussNewton | None = None, rows: Any = None, value: Any = None,
@@ -110,7 +102,7 @@ def scale_by_gauss_newton(damping: float = 1e-3, maxiter: int = 50, *, tol: floa
             return direction, ScaleByGaussNewtonState(lam, direction, state.count + 1)
         if params is None:
             raise ValueError("scale_by_gauss_newton with value_fn needs params: tx.update(grad, state, params, ...).")
-        kwargs = _accepted(value_fn, extra)
+        kwargs = accepted(value_fn, extra)
         before = value_fn(params, **kwargs) if value is None else value
         after = value_fn(optax.tree.sub(params, direction), **kwargs)
         predicted = optax.tree.vdot(updates, direction) - 0.5 * matrix.quadratic(direction)
@@ -192,156 +184,3 @@ def _chosen(solver: Solver, matrix: _Curvature) -> str:
     if matrix.rows_count < matrix.size:
         return "woodbury"
     return "cg" if matrix.flat is None else "dense"
-
-
-class ScaleByKfacState(NamedTuple):
-    """The moving averages of the factors (a [`Kronecker`][linbackprop.Kronecker] pair or a diagonal per leaf), their
-    damped inverses and the step count; the averages are None until the first update."""
-
-    count: jax.Array
-    curvature: Any
-    inverses: Any
-
-
-def scale_by_kfac(damping: float = 1e-3, decay: float = 0.95, update_every: int = 1
-                  ) -> optax.GradientTransformationExtraArgs:
-    """K-FAC's preconditioned gradient from ``update(..., factors=lbp.kfac_factors(loss)(params,
-    *batch))``: per leaf W with factors A ⊗ Γ (averaged over steps),
-
-        d_W = (A + π√λ I)⁻¹ ḡ_W (Γ + √λ/π I)⁻¹,    π² = (tr A / dim A) / (tr Γ / dim Γ)
-
-    (W read as the [dim A, dim Γ] matrix of [`Kronecker`][linbackprop.Kronecker]; factored Tikhonov damping with
-    Martens & Grosse's π), and for the leaves without factors (biases, norms: None in
-    ``factors``) the damped diagonal d = ḡ / (diag G + λ) from ``diagonal=lbp.diag_ggn(loss)(params,
-    *batch)``. The factors are averaged with ``decay`` (F ← decay F + (1 − decay) F_new; the first
-    step takes F_new); the inverses are recomputed every ``update_every`` steps (``eigh``-free:
-    Cholesky of the damped factors) and held in between. For shared weights the factors say how
-    uses count: ``lbp.kfac_factors(loss, approximation="expand")`` (every use a term, the default)
-    or ``"reduce"`` (each example's uses summed first); the transform takes either.
-
-    The state's factors are made at the first update (``init`` cannot know which leaves have
-    Kronecker factors): a jitted step compiles twice, once for the first state and once for the
-    rest. Returns a direction: chain with ``optax.scale(-learning_rate)``.
-
-    Examples:
-        >>> import jax.numpy as jnp, optax, linbackprop as lbp
-        >>> net = lbp.Network([lbp.Layer("y", lambda th, x: x @ th[0] + th[1], ("x",), ("W", "b"))], ["x"], "y")
-        >>> x, y = jnp.array([[1.0, 0.0], [0.0, 2.0]]), jnp.array([[1.0], [2.0]])
-        >>> loss = lambda p: 0.5 * jnp.sum((net(p, x) - y) ** 2)
-        >>> params = {"W": jnp.zeros((2, 1)), "b": jnp.zeros(1)}
-        >>> tx = optax.chain(lbp.scale_by_kfac(damping=1e-8), optax.scale(-1.0))
-        >>> updates, state = tx.update(lbp.grad_by_solve(loss)(params), tx.init(params), params,
-        ...                            factors=lbp.kfac_factors(loss)(params), diagonal=lbp.diag_ggn(loss)(params))
-        >>> jnp.round(optax.apply_updates(params, updates)["W"].ravel(), 3).tolist()  # G_W = A ⊗ Γ: exact here
-        [1.0, 1.0]
-    """
-    if not 0 <= decay < 1 or update_every < 1 or damping <= 0:
-        raise ValueError(f"scale_by_kfac: needs damping > 0 ({damping}), 0 ≤ decay < 1 ({decay}) and "
-                         f"update_every ≥ 1 ({update_every}).")
-
-    def init(params: Any) -> ScaleByKfacState:
-        del params
-        return ScaleByKfacState(jnp.zeros((), jnp.int32), None, None)
-
-    def update(updates: Any, state: ScaleByKfacState, params: Any = None, *, factors: Any = None,
-               diagonal: Any = None, **extra: Any) -> tuple[Any, ScaleByKfacState]:
-        del params, extra
-        if factors is None:
-            raise TypeError("scale_by_kfac needs the factors: tx.update(grad, state, params, "
-                            "factors=lbp.kfac_factors(loss)(params, *batch), "
-                            "diagonal=lbp.diag_ggn(loss)(params, *batch)).")
-        fresh = _curvature_of(updates, factors, diagonal)
-        if state.curvature is None:
-            averaged = fresh
-            inverses = _inverses(averaged, damping)
-        else:
-            averaged = jax.tree.map(lambda old, new: decay * old + (1 - decay) * new, state.curvature, fresh)
-            inverses = jax.lax.cond(state.count % update_every == 0, lambda c, i: _inverses(c, damping),
-                                    lambda c, i: i, averaged, state.inverses)
-        direction = jax.tree.map(_preconditioned, inverses, updates, is_leaf=lambda x: isinstance(x, _Inverse))
-        return direction, ScaleByKfacState(state.count + 1, averaged, inverses)
-
-    return optax.GradientTransformationExtraArgs(init, update)
-
-
-class _Diagonal(NamedTuple):
-    """A leaf preconditioned by its GGN diagonal."""
-
-    diag: jax.Array
-
-
-class _Inverse(NamedTuple):
-    """A leaf's damped inverse: Kronecker (left⁻¹, right⁻¹) or the diagonal's (right None)."""
-
-    left: jax.Array
-    right: jax.Array | None
-
-
-def _curvature_of(grads: Any, factors: Any, diagonal: Any) -> Any:
-    """Per leaf of the gradient: its Kronecker pair, or its diagonal where ``factors`` has None."""
-    paths_grads = jax.tree_util.tree_flatten_with_path(grads)
-    is_factor = lambda x: x is None or isinstance(x, Kronecker)
-    flat_factors = jax.tree.flatten(factors, is_leaf=is_factor)[0]
-    leaves, treedef = paths_grads
-    if len(flat_factors) != len(leaves):
-        raise ValueError(f"scale_by_kfac: factors has {len(flat_factors)} leaves, the gradient {len(leaves)}; pass "
-                         "factors=lbp.kfac_factors(loss)(params, *batch) for the same parameters.")
-    flat_diag = [None] * len(leaves) if diagonal is None else jax.tree.leaves(diagonal)
-    out = []
-    for (path, g), f, d in zip(leaves, flat_factors, flat_diag):
-        if isinstance(f, Kronecker):
-            rows = f.left.shape[:-2]
-            if jnp.size(g) != math.prod(rows + (f.left.shape[-1], f.right.shape[-1])):
-                raise ValueError(f"scale_by_kfac: the factors of {jax.tree_util.keystr(path)} "
-                                 f"({f.left.shape}, {f.right.shape}) do not match its shape {jnp.shape(g)}.")
-            out.append(f)
-        elif d is None:
-            raise ValueError(f"scale_by_kfac: {jax.tree_util.keystr(path)} has no Kronecker factors (not a dense "
-                             "product); pass its GGN diagonal: diagonal=lbp.diag_ggn(loss)(params, *batch).")
-        else:
-            out.append(_Diagonal(d))
-    return jax.tree.unflatten(treedef, out)
-
-
-def _inverses(curvature: Any, damping: float) -> Any:
-    def one(c: Kronecker | _Diagonal) -> _Inverse:
-        if isinstance(c, _Diagonal):
-            return _Inverse(1.0 / (c.diag + damping), None)
-        left, right = c.left, c.right
-        mean_trace = lambda m: jnp.trace(m, axis1=-2, axis2=-1) / m.shape[-1]
-        pi = jnp.sqrt(jnp.maximum(mean_trace(left), 1e-30) / jnp.maximum(mean_trace(right), 1e-30))[..., None, None]
-        root = jnp.sqrt(damping)
-        return _Inverse(_spd_inverse(left + pi * root * jnp.eye(left.shape[-1], dtype=left.dtype)),
-                        _spd_inverse(right + root / pi * jnp.eye(right.shape[-1], dtype=right.dtype)))
-
-    return jax.tree.map(one, curvature, is_leaf=lambda x: isinstance(x, (Kronecker, _Diagonal)))
-
-
-def _spd_inverse(m: jax.Array) -> jax.Array:
-    eye = jnp.broadcast_to(jnp.eye(m.shape[-1], dtype=m.dtype), m.shape)
-    return jax.scipy.linalg.cho_solve(jax.scipy.linalg.cho_factor((m + jnp.swapaxes(m, -1, -2)) / 2), eye)
-
-
-def _preconditioned(inverse: _Inverse, g: jax.Array) -> jax.Array:
-    if inverse.right is None:
-        return inverse.left * g
-    matrix = g.reshape(inverse.left.shape[:-2] + (inverse.left.shape[-1], inverse.right.shape[-1]))
-    return (inverse.left @ matrix @ inverse.right).reshape(g.shape)
-
-
-def _accepted(fn: Callable, extra: dict[str, Any]) -> dict[str, Any]:
-    """The extra arguments ``fn`` takes by name (all of them where it has ``**kwargs``)."""
-    rest = {k: v for k, v in extra.items() if k not in _OWN}
-    try:
-        parameters = inspect.signature(fn).parameters.values()
-    except (TypeError, ValueError):
-        return rest
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
-        return rest
-    names = {p.name for p in parameters}
-    return {k: v for k, v in rest.items() if k in names}
-
-
-def _dtype(params: Any) -> Any:
-    leaves = jax.tree.leaves(params)
-    return jnp.result_type(*leaves) if leaves else jnp.float32

@@ -1,0 +1,299 @@
+"""K-FAC as a whole optimizer (KFAC*): the preconditioned gradient from averaged Kronecker factors,
+its step size and momentum from the exact quadratic model, the damping by Levenberg–Marquardt.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from .._curvature import GaussNewton, Kronecker
+from ._arguments import accepted, params_dtype
+from ._kronecker import Curvature, Diagonal, apply, decompose
+
+
+class KfacState(NamedTuple):
+    """The state of [`kfac`][linbackprop.kfac].
+
+    Attributes:
+        count: the steps taken.
+        damping: λ of the next step.
+        sums: per parameter leaf, the decayed sums Σ_k decay^k F_(t−k) of its fresh curvature
+            (a tuple of [`Kronecker`][linbackprop.Kronecker] terms, or a diagonal); None before
+            the first update.
+        weight: Σ_k decay^k, so that ``sums / weight`` is the bias-corrected average (the
+            first step's average is the first step's factors exactly).
+        inverses: per leaf, the decomposition of the averaged curvature that the steps apply
+            (recomputed every ``update_every`` steps); None before the first update.
+        previous: the last update u (momentum's direction); zeros before the first.
+        learning_rate: α of the last step (the coefficient of the preconditioned gradient).
+        momentum: μ of the last step (the coefficient of the previous update).
+        rho: the last reduction ratio (actual / predicted change of the loss); NaN until
+            measured.
+
+    Examples:
+        >>> import jax.numpy as jnp, linbackprop as lbp
+        >>> state = lbp.kfac(damping=1e-3).init({"W": jnp.zeros((2, 1))})
+        >>> int(state.count), round(float(state.damping), 6), state.sums is None
+        (0, 0.001, True)
+    """
+
+    count: jax.Array
+    damping: jax.Array
+    sums: Any
+    weight: jax.Array
+    inverses: Any
+    previous: Any
+    learning_rate: jax.Array
+    momentum: jax.Array
+    rho: jax.Array
+
+
+def kfac(damping: float = 1e-3, decay: float = 0.95, update_every: int = 5, *, learning_rate: float | None = None,
+         momentum: float | None = None, adapt_damping: bool = True, damping_interval: int = 5,
+         damping_decay: float = 0.95, min_damping: float = 1e-8, max_damping: float = 1e8,
+         reject: bool = False) -> optax.GradientTransformationExtraArgs:
+    """K-FAC, the whole optimizer: its updates go to ``optax.apply_updates`` (as ``optax.adam``'s
+    do; [`scale_by_kfac`][linbackprop.scale_by_kfac] is the bare direction).
+
+    Each ``update(grad, state, params, factors=..., curvature=G, value=..., value_fn=...)``:
+
+    1. **Factors averaged.** F ≈ Σ_terms A ⊗ Γ per leaf, from
+       [`kfac_factors`][linbackprop.kfac_factors] (a leaf's factors a
+       [`Kronecker`][linbackprop.Kronecker] pair, or a tuple of pairs for a loss of several
+       terms), averaged over the steps with ``decay`` and bias-corrected as kfac-jax's weighted
+       average: F̄_t = Σ_k decay^k F_(t−k) / Σ_k decay^k (the first step uses its own factors
+       exactly). Leaves without factors take a diagonal from ``diagonal=`` (``lbp.diag_ggn``).
+    2. **Direction.** Δ = −(F̄ + λI)⁻¹ g with λ added exactly (eigendecompositions of the
+       factors, recomputed every ``update_every`` steps and at every one of the first
+       ``update_every``, so that no early single-batch estimate is held; between, the held
+       decomposition is applied with the current λ). Two terms are inverted exactly as their
+       damped sum (simultaneous diagonalisation), more by merging all but the first (see
+       ``linbackprop._optim._kronecker``).
+    3. **Step size and momentum (KFAC\\*).** u = α Δ + μ δ, δ the previous update, with (α, μ)
+       minimising the quadratic model m(u) = gᵀu + ½ uᵀ(G + λI)u over that plane:
+
+           [ΔᵀCΔ  ΔᵀCδ] [α]     [gᵀΔ]
+           [δᵀCΔ  δᵀCδ] [μ] = − [gᵀδ],     C = G + λI,
+
+       with the exact G products [`G.gram`][linbackprop.GaussNewton.gram]([Δ, δ]) (one forward
+       substitution for both, no back substitution). The first step (no δ) takes
+       α = −gᵀΔ / ΔᵀCΔ, μ = 0. A float ``learning_rate`` or ``momentum`` fixes that coefficient
+       (the other, if adaptive, minimises the model with it fixed); ``learning_rate=1.0,
+       momentum=0.0`` is exactly u = −(F̄ + λI)⁻¹ g.
+    4. **Damping (Levenberg–Marquardt).** With ``adapt_damping``, every ``damping_interval``
+       steps the reduction ratio ρ = (f(θ + u) − f(θ)) / (gᵀu + ½ uᵀGu) (``value_fn``; the
+       model without λ, as kfac-jax) sets λ: λ / ω where ρ < 1/4, λ · ω where ρ > 3/4,
+       ω = ``damping_decay`` ** ``damping_interval``, kept in [``min_damping``,
+       ``max_damping``]. With ``reject``, f(θ + u) is measured every step and a step that does
+       not lower the loss comes out as zeros (and λ grows).
+
+    Under one ``jax.jit`` (the factors, G and the loss inside the step): the state's averages
+    are made at the first update (``init`` cannot know the factors' shapes), so a jitted step
+    compiles twice, for the first state and for the rest.
+
+    Args:
+        damping: λ of the first step (and for good, without ``adapt_damping``).
+        decay: the factors' moving-average decay (kfac-jax's default 0.95).
+        update_every: how many steps a decomposition of the factors is held.
+        learning_rate: None (α chosen each step) or a fixed α.
+        momentum: None (μ chosen each step) or a fixed μ.
+        adapt_damping: adapt λ by Levenberg–Marquardt (needs ``value_fn``).
+        damping_interval: the steps between two adaptations of λ.
+        damping_decay: ω = damping_decay ** damping_interval is λ's factor per adaptation.
+        min_damping: λ's floor.
+        max_damping: λ's ceiling.
+        reject: measure every step and zero the ones that do not lower the loss.
+
+    Returns:
+        An ``optax.GradientTransformationExtraArgs``. Its ``update(grad, state, params, *,
+        factors, curvature=None, value=None, value_fn=None, diagonal=None, **extra)`` needs
+        ``curvature=G`` ([`gauss_newton`][linbackprop.gauss_newton]) unless both coefficients
+        are fixed and λ is not adapted, and ``value_fn(params, **extra)`` (the loss on the same
+        batch, called with the extra arguments it accepts) with ``adapt_damping`` or
+        ``reject``; ``value`` (the loss at ``params``) saves one call of it.
+
+    Raises:
+        ValueError: an argument out of range, factors that do not match the gradient, a leaf
+            with neither factors nor a diagonal.
+        TypeError: ``curvature`` or ``value_fn`` missing where they are needed.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp, optax, linbackprop as lbp
+        >>> net = lbp.Network([lbp.Layer("y", lambda th, x: jnp.tanh(x @ th[0]), ("x",), ("W",))], ["x"], "y")
+        >>> x = jax.random.normal(jax.random.key(0), (16, 3))
+        >>> y = jnp.tanh(x @ jnp.array([[0.5], [-1.0], [0.25]]))
+        >>> loss = lambda p: 0.5 * jnp.mean((net(p, x) - y) ** 2)
+        >>> opt = lbp.kfac(damping=1e-3)
+        >>> params = {"W": jnp.zeros((3, 1))}
+        >>> state = opt.init(params)
+        >>> @jax.jit
+        ... def step(params, state):
+        ...     value, grad, G = lbp.gauss_newton(loss)(params)
+        ...     factors = lbp.kfac_factors(loss)(params)
+        ...     updates, state = opt.update(grad, state, params, factors=factors, curvature=G,
+        ...                                 value=value, value_fn=lambda p, **_: loss(p))
+        ...     return optax.apply_updates(params, updates), state
+        >>> for _ in range(8):
+        ...     params, state = step(params, state)
+        >>> bool(loss(params) < 1e-10)
+        True
+    """
+    if damping <= 0 or not min_damping <= damping <= max_damping or min_damping <= 0:
+        raise ValueError(f"kfac: needs 0 < min_damping ({min_damping}) ≤ damping ({damping}) ≤ max_damping "
+                         f"({max_damping}).")
+    if not 0 <= decay < 1:
+        raise ValueError(f"kfac(decay={decay}): the factors' moving average needs 0 ≤ decay < 1.")
+    for name, n in (("update_every", update_every), ("damping_interval", damping_interval)):
+        if not isinstance(n, int) or n < 1:
+            raise ValueError(f"kfac({name}={n!r}): a positive int (steps).")
+    if not 0 < damping_decay < 1:
+        raise ValueError(f"kfac(damping_decay={damping_decay}): needs 0 < damping_decay < 1.")
+    omega = damping_decay ** damping_interval
+    adaptive = learning_rate is None or momentum is None
+
+    def init(params: Any) -> KfacState:
+        dtype = params_dtype(params)
+        nan = jnp.asarray(jnp.nan, dtype)
+        return KfacState(jnp.zeros((), jnp.int32), jnp.asarray(damping, dtype), None, jnp.zeros((), dtype), None,
+                         optax.tree.zeros_like(params), nan, nan, nan)
+
+    def update(updates: Any, state: KfacState, params: Any = None, *, factors: Any = None,
+               curvature: GaussNewton | None = None, value: Any = None, value_fn: Callable | None = None,
+               diagonal: Any = None, **extra: Any) -> tuple[Any, KfacState]:
+        grad = updates
+        if factors is None:
+            raise TypeError("kfac needs the factors: opt.update(grad, state, params, "
+                            "factors=lbp.kfac_factors(loss)(params, *batch), curvature=G, value_fn=...).")
+        needs_g = adaptive or adapt_damping
+        if needs_g and not isinstance(curvature, GaussNewton):
+            raise TypeError("kfac needs the Gauss–Newton matrix for its step size, momentum and damping: "
+                            "value, grad, G = lbp.gauss_newton(loss)(params, *batch); opt.update(..., curvature=G) "
+                            "(or fix learning_rate= and momentum= and pass adapt_damping=False)"
+                            + ("" if curvature is None else f"; got curvature of type {type(curvature).__name__}."))
+        measures = adapt_damping or reject
+        if measures and value_fn is None:
+            raise TypeError("kfac with adapt_damping or reject needs value_fn, the loss on the same batch: "
+                            "opt.update(..., value_fn=lambda p, **_: loss(p, *batch)) (or adapt_damping=False).")
+        if measures and params is None:
+            raise ValueError("kfac with value_fn needs params: opt.update(grad, state, params, ...).")
+
+        leaves, treedef = jax.tree.flatten(grad)
+        fresh = _curvature_per_leaf(grad, factors, diagonal)
+        dtype = state.damping.dtype
+        if state.sums is None:  # the first update: zero sums and placeholder decompositions of their shapes
+            sums = jax.tree.map(jnp.zeros_like, fresh)
+            held = jax.tree.map(jnp.zeros_like, jax.eval_shape(lambda c: [decompose(x, state.damping) for x in c],
+                                                               fresh))
+        else:
+            sums, held = state.sums, state.inverses
+        sums = jax.tree.map(lambda s, f: decay * s + f, sums, fresh)
+        weight = decay * state.weight + 1
+        averaged = jax.tree.map(lambda s: s / weight.astype(s.dtype), sums)
+        lam = state.damping
+        recompute = (state.count < update_every) | (state.count % update_every == 0)
+        inverses = jax.lax.cond(recompute, lambda: [decompose(c, lam) for c in averaged], lambda: held)
+
+        direction = treedef.unflatten([-apply(inv, g, lam) for inv, g in zip(inverses, leaves)])
+        previous = state.previous
+        vdot = optax.tree.vdot
+        b = jnp.stack([vdot(grad, direction), vdot(grad, previous)]).astype(dtype)
+        if needs_g:
+            gram = curvature.gram([direction, previous]).astype(dtype)
+        else:
+            gram = jnp.zeros((2, 2), dtype)
+        norms = jnp.array([[vdot(direction, direction), vdot(direction, previous)],
+                           [vdot(direction, previous), vdot(previous, previous)]], dtype)
+        alpha, mu = _coefficients(gram + lam * norms, b, learning_rate, momentum, dtype)
+        step = optax.tree.add(optax.tree.scale(alpha, direction), optax.tree.scale(mu, previous))
+
+        rho = state.rho
+        if measures:
+            kwargs = accepted(value_fn, extra)
+            before = value_fn(params, **kwargs) if value is None else value
+            w = jnp.stack([alpha, mu])
+            predicted = w @ b + 0.5 * w @ gram @ w  # the model's change without λ, as kfac-jax
+            measure_now = (state.count % damping_interval == 0) if not reject else jnp.asarray(True)
+            after = jax.lax.cond(measure_now, lambda: jnp.asarray(value_fn(optax.tree.add(params, step), **kwargs),
+                                                                  dtype),
+                                 lambda: jnp.asarray(jnp.nan, dtype))
+            measured_rho = (after - before) / predicted
+            measured_rho = jnp.where(jnp.isfinite(after), jnp.nan_to_num(measured_rho, nan=-jnp.inf), -jnp.inf)
+            if adapt_damping:
+                adapt_now = state.count % damping_interval == 0
+                rho = jnp.where(adapt_now, measured_rho, rho).astype(dtype)
+                factor = jnp.where(rho < 0.25, 1 / omega, jnp.where(rho > 0.75, omega, 1.0))
+                lam = jnp.where(adapt_now, jnp.clip(lam * factor, min_damping, max_damping), lam).astype(dtype)
+            if reject:
+                failed = ~(jnp.isfinite(after) & (after < before))
+                step = jax.tree.map(lambda u: jnp.where(failed, jnp.zeros_like(u), u), step)
+                if not adapt_damping:
+                    rho = measured_rho.astype(dtype)
+                lam = jnp.where(failed, jnp.clip(lam / omega, min_damping, max_damping), lam).astype(dtype)
+        new_state = KfacState(state.count + 1, lam, sums, weight, inverses, step, alpha, mu, rho)
+        return step, new_state
+
+    return optax.GradientTransformationExtraArgs(init, update)
+
+
+def _coefficients(m: jax.Array, b: jax.Array, learning_rate: float | None, momentum: float | None,
+                  dtype: Any) -> tuple[jax.Array, jax.Array]:
+    """(α, μ) minimising bᵀw + ½ wᵀ M w over the coefficients not fixed; the momentum's row and
+    column vanish on the first step (δ = 0), where μ is 0 and α is the 1-D minimiser."""
+    tiny = jnp.finfo(dtype).tiny
+    if learning_rate is not None and momentum is not None:
+        return jnp.asarray(learning_rate, dtype), jnp.asarray(momentum, dtype)
+    if momentum is not None:  # α alone: −(b₀ + μ M₀₁) / M₀₀
+        mu = jnp.asarray(momentum, dtype)
+        return -(b[0] + mu * m[0, 1]) / jnp.maximum(m[0, 0], tiny), mu
+    if learning_rate is not None:  # μ alone
+        alpha = jnp.asarray(learning_rate, dtype)
+        mu = jnp.where(m[1, 1] > 0, -(b[1] + alpha * m[0, 1]) / jnp.where(m[1, 1] > 0, m[1, 1], 1), 0)
+        return alpha, mu.astype(dtype)
+    det = m[0, 0] * m[1, 1] - m[0, 1] ** 2
+    # δ = 0 (the first step, a rejected one) or Δ ∥ δ: the plane is a line, α alone
+    degenerate = det <= 64 * jnp.finfo(dtype).eps * m[0, 0] * m[1, 1]
+    safe_det = jnp.where(degenerate, 1, det)
+    alpha2 = (-b[0] * m[1, 1] + b[1] * m[0, 1]) / safe_det
+    mu2 = (-b[1] * m[0, 0] + b[0] * m[0, 1]) / safe_det
+    alpha1 = -b[0] / jnp.maximum(m[0, 0], tiny)
+    return jnp.where(degenerate, alpha1, alpha2).astype(dtype), jnp.where(degenerate, 0, mu2).astype(dtype)
+
+
+def _curvature_per_leaf(grad: Any, factors: Any, diagonal: Any) -> list[Curvature]:
+    """Per leaf of the gradient, in order: its Kronecker terms (a tuple), or its diagonal where
+    ``factors`` has None there."""
+    is_factor = lambda x: x is None or isinstance(x, Kronecker) or (
+        isinstance(x, tuple) and len(x) > 0 and all(isinstance(t, Kronecker) for t in x))
+    paths = jax.tree_util.tree_flatten_with_path(grad)[0]
+    flat_factors = jax.tree.flatten(factors, is_leaf=is_factor)[0]
+    if len(flat_factors) != len(paths):
+        raise ValueError(f"kfac: factors has {len(flat_factors)} leaves, the gradient {len(paths)}; pass "
+                         "factors=lbp.kfac_factors(loss)(params, *batch) for the same parameters.")
+    flat_diag = [None] * len(paths) if diagonal is None else jax.tree.leaves(diagonal, is_leaf=lambda x: x is None)
+    if len(flat_diag) != len(paths):
+        raise ValueError(f"kfac: diagonal has {len(flat_diag)} leaves, the gradient {len(paths)}; pass "
+                         "diagonal=lbp.diag_ggn(loss)(params, *batch).")
+    out: list[Curvature] = []
+    for (path, g), f, d in zip(paths, flat_factors, flat_diag):
+        where = jax.tree_util.keystr(path)
+        if f is None:
+            if d is None:
+                raise ValueError(f"kfac: {where} has no Kronecker factors (not a dense product); pass its GGN "
+                                 "diagonal: diagonal=lbp.diag_ggn(loss)(params, *batch).")
+            out.append(Diagonal(jnp.asarray(d)))
+            continue
+        terms = (f,) if isinstance(f, Kronecker) else tuple(f)
+        for term in terms:
+            rows = term.left.shape[:-2]
+            if term.right.shape[:-2] != rows or jnp.size(g) != math.prod(
+                    rows + (term.left.shape[-1], term.right.shape[-1])):
+                raise ValueError(f"kfac: the factors of {where} ({term.left.shape}, {term.right.shape}) do not "
+                                 f"match its shape {jnp.shape(g)}.")
+        out.append(terms)
+    return out
