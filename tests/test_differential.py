@@ -18,7 +18,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 from test_random_dags import dags
 
@@ -124,8 +124,6 @@ def cases(draw):
     )
 
 
-@settings(max_examples=10, deadline=None, derandomize=True,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(cases())
 def test_transformations_of_random_dags_match_plain_jax(case):
     net, params, inputs = case["dag"]
@@ -167,8 +165,6 @@ def captured_cases(draw):
                 engine=draw(st.sampled_from(["loop", "unrolled"])))
 
 
-@settings(max_examples=6, deadline=None, derandomize=True,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(captured_cases())
 def test_random_dags_written_as_plain_jax_and_found_by_layers_match_jax(case):
     """The harness's networks as plain JAX models: ``layers=`` finds them (every layer a call, the

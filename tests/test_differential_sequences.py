@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 import linbackprop as lbp
@@ -157,8 +157,6 @@ def assert_same(actual, expected):
         np.testing.assert_allclose(np.asarray(a, np.float64), np.asarray(e, np.float64), rtol=1e-8, atol=1e-10)
 
 
-@settings(max_examples=10, deadline=None, derandomize=True,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(sequence_networks(), st.sampled_from(PROGRAMS), st.booleans())
 def test_sequence_paths_match_plain_jax(case, program, jit):
     net, params, args, k = case

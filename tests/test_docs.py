@@ -27,6 +27,7 @@ def test_public_names_have_docstrings_with_examples(name):
     assert len(doc) > 80 and ">>>" in doc, f"lbp.{name} needs a docstring with a runnable example"
 
 
+@pytest.mark.slow  # the docstrings' examples: the slow tier, with the guides' code
 @pytest.mark.parametrize("module", MODULES)
 def test_docstring_examples_run(module):
     with jax.enable_x64(False):
@@ -58,6 +59,7 @@ def test_readme_python_blocks_run():
     assert _run_blocks("README.md") >= 1
 
 
+@pytest.mark.slow  # the docs' code: the slow tier (README's quick start stays in the default one)
 @pytest.mark.parametrize("page", [p for p in PAGES if _python_blocks(ROOT / p)])
 def test_guide_python_blocks_run(page):
     """Every Python block of the documentation runs as written (guides, getting started)."""
@@ -80,6 +82,7 @@ def test_every_public_name_has_an_api_page_in_the_nav():
         assert f"api/{name}.md" in nav, f"mkdocs.yml's nav lacks api/{name}.md"
 
 
+@pytest.mark.slow  # the docs build: the slow tier
 def test_docs_site_builds_strictly(tmp_path):
     """mkdocs build --strict: a broken link or cross-reference, a page outside the nav, or a
     docstring mkdocstrings cannot render fails the build."""

@@ -7,7 +7,7 @@ import weakref
 import jax
 import jax.numpy as jnp
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 import linbackprop as lbp
@@ -224,7 +224,6 @@ def test_checkpoints_left_out_leave_the_plain_program(name):
     assert program(checkpoints=2) == program()
 
 
-@settings(max_examples=9, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(network=st.sampled_from(["chain", "rnn", "rnn, every state an output", "two kinds with skips"]),
        depth=st.sampled_from([8, 24, 64, 200]), width=st.sampled_from([8, 32, 64]), batch=st.sampled_from([1, 4, 32]),
        k=st.sampled_from([2, 3, 5, 9, 13, 20]),

@@ -9,7 +9,7 @@ outputs.
 import jax
 import jax.numpy as jnp
 import numpy as np
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 import linbackprop as lbp
@@ -102,11 +102,6 @@ def assert_close(actual, expected):
         np.testing.assert_allclose(a, e, rtol=1e-9, atol=1e-12)
 
 
-SETTINGS = settings(max_examples=8, deadline=None, derandomize=True,
-                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-
-
-@SETTINGS
 @given(dags(), st.sampled_from(["loop", "unrolled"]))
 def test_random_dag_gradients_and_jvp(dag, engine):
     net, params, inputs = dag
