@@ -776,7 +776,7 @@ def pinn_rows(network: str, seconds: float) -> list[tuple[str, str, str]]:
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
     widths = network.split("-")[1:-1]
-    params, _, _, _, _, scale = example.make_problem(tuple(map(int, widths)))
+    params, _, _, _, scale = example.make_problem(tuple(map(int, widths)))
     size = sum(x.size for x in jax.tree.leaves(params))
     result = example.main(["--seconds", str(seconds), "--widths", ",".join(widths), "--out", ""])
     best_adam = min((v, k) for k, v in result.items() if k.startswith("Adam"))

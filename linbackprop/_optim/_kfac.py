@@ -192,11 +192,14 @@ def kfac(damping: float = 1e-3, decay: float = 0.95, update_every: int = 5, *, l
                                                                fresh))
         else:
             sums, held = state.sums, state.inverses
-        sums = jax.tree.map(lambda s, f: decay * s + f, sums, fresh)
-        weight = decay * state.weight + 1
-        averaged = jax.tree.map(lambda s: s / weight.astype(s.dtype), sums)
+        # a batch whose factors are not finite is left out of the average (and eigh never sees a
+        # NaN: LAPACK's iterations need not end on one)
+        finite = _all_finite(fresh)
+        sums = jax.tree.map(lambda s, f: jnp.where(finite, decay * s + f, s), sums, fresh)
+        weight = jnp.where(finite, decay * state.weight + 1, state.weight)
+        averaged = jax.tree.map(lambda s: s / jnp.maximum(weight, 1e-30).astype(s.dtype), sums)
         lam = state.damping
-        recompute = (state.count < update_every) | (state.count % update_every == 0)
+        recompute = ((state.count < update_every) | (state.count % update_every == 0)) & (weight > 0)
         inverses = jax.lax.cond(recompute, lambda: [decompose(c, lam) for c in averaged], lambda: held)
 
         direction = treedef.unflatten([-apply(inv, g, lam) for inv, g in zip(inverses, leaves)])
@@ -211,6 +214,10 @@ def kfac(damping: float = 1e-3, decay: float = 0.95, update_every: int = 5, *, l
                            [vdot(direction, previous), vdot(previous, previous)]], dtype)
         alpha, mu = _coefficients(gram + lam * norms, b, learning_rate, momentum, dtype)
         step = optax.tree.add(optax.tree.scale(alpha, direction), optax.tree.scale(mu, previous))
+        # a non-finite step (a singular model, an overflow) comes out as zeros and raises λ
+        broken = ~_all_finite(step)
+        step = jax.tree.map(lambda u: jnp.where(broken, jnp.zeros_like(u), u), step)
+        lam = jnp.where(broken, jnp.clip(lam / omega, min_damping, max_damping), lam).astype(dtype)
 
         rho = state.rho
         if measures:
@@ -239,6 +246,11 @@ def kfac(damping: float = 1e-3, decay: float = 0.95, update_every: int = 5, *, l
         return step, new_state
 
     return optax.GradientTransformationExtraArgs(init, update)
+
+
+def _all_finite(tree: Any) -> jax.Array:
+    leaves = jax.tree.leaves(tree)
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves])) if leaves else jnp.asarray(True)
 
 
 def _coefficients(m: jax.Array, b: jax.Array, learning_rate: float | None, momentum: float | None,

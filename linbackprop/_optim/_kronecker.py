@@ -62,7 +62,8 @@ def symmetric(m: jax.Array) -> jax.Array:
 
 
 def _eigh(m: jax.Array) -> tuple[jax.Array, jax.Array]:
-    values, vectors = jnp.linalg.eigh(symmetric(m))
+    # LAPACK's iterations need not end on a NaN or an infinity: such entries never reach it
+    values, vectors = jnp.linalg.eigh(symmetric(jnp.where(jnp.isfinite(m), m, 0)))
     return jnp.maximum(values, 0.0), vectors  # factors are Gram matrices: negative values are round-off
 
 
@@ -84,6 +85,9 @@ def _damped(term: Kronecker, share: jax.Array) -> tuple[jax.Array, jax.Array]:
 def _joint(first: jax.Array, second: jax.Array) -> tuple[jax.Array, jax.Array]:
     """K, s with Kᵀ first K = I and Kᵀ second K = diag(s) (first positive definite)."""
     values, vectors = _eigh(first)
+    # a damped factor is positive definite; its smallest eigenvalues floored at round-off of the largest
+    floor = values.shape[-1] * jnp.finfo(values.dtype).eps * jnp.max(values, axis=-1, keepdims=True)
+    values = jnp.maximum(values, jnp.maximum(floor, jnp.finfo(values.dtype).tiny))
     root_inverse = (vectors / jnp.sqrt(values)[..., None, :]) @ jnp.swapaxes(vectors, -1, -2)
     s, e = _eigh(root_inverse @ second @ root_inverse)
     return root_inverse @ e, s
