@@ -108,12 +108,13 @@ def test_three_terms_merge_the_later_ones():
         close(a, b, rtol=1e-10)
 
 
-@pytest.mark.parametrize("fixed", ["none", "learning_rate", "momentum"])
+@pytest.mark.parametrize("fixed", ["none", "learning_rate", "momentum", "momentum zero"])
 def test_coefficients_minimise_the_quadratic_model(fixed):
     """Two steps: the second's (α, μ) minimise gᵀu + ½ uᵀ(G + λI)u over u = αΔ + μδ with the
     dense G (the coefficient a float fixes held, the other minimising); the first step has
     μ = 0 and α = −gᵀΔ / Δᵀ(G + λI)Δ."""
-    kwargs = {"none": {}, "learning_rate": {"learning_rate": 0.7}, "momentum": {"momentum": 0.3}}[fixed]
+    kwargs = {"none": {}, "learning_rate": {"learning_rate": 0.7}, "momentum": {"momentum": 0.3},
+              "momentum zero": {"momentum": 0.0}}[fixed]  # zero: G's products of Δ alone
     params, _x, _y, _value, grad, G, factors, diagonal = at_problem()
     lam = 0.02
     opt = lbp.kfac(damping=lam, adapt_damping=False, **kwargs)
@@ -131,7 +132,7 @@ def test_coefficients_minimise_the_quadratic_model(fixed):
                 assert alpha == 0.7
             else:
                 close(alpha, -(gf @ delta) / (delta @ c @ delta), rtol=1e-9)
-            assert mu == (0.3 if fixed == "momentum" else 0.0)
+            assert mu == kwargs.get("momentum", 0.0)
             continue
         basis = jnp.stack([delta, ravel_pytree(prev)[0]], axis=1)
         m, b = basis.T @ c @ basis, basis.T @ gf
@@ -141,7 +142,7 @@ def test_coefficients_minimise_the_quadratic_model(fixed):
             assert alpha == 0.7
             close(mu, -(b[1] + alpha * m[0, 1]) / m[1, 1], rtol=1e-8)
         else:
-            assert mu == 0.3
+            assert mu == kwargs["momentum"]
             close(alpha, -(b[0] + mu * m[0, 1]) / m[0, 0], rtol=1e-8)
 
 

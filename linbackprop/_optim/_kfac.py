@@ -203,10 +203,12 @@ def kfac(damping: float = 1e-3, decay: float = 0.95, update_every: int = 5, *, l
         previous = state.previous
         vdot = optax.tree.vdot
         b = jnp.stack([vdot(grad, direction), vdot(grad, previous)]).astype(dtype)
-        if needs_g:
-            gram = curvature.gram([direction, previous]).astype(dtype)
-        else:
+        if not needs_g:
             gram = jnp.zeros((2, 2), dtype)
+        elif momentum is not None and momentum == 0:  # δ's products would be multiplied by μ = 0
+            gram = jnp.zeros((2, 2), dtype).at[0, 0].set(curvature.gram([direction])[0, 0].astype(dtype))
+        else:
+            gram = curvature.gram([direction, previous]).astype(dtype)
         norms = jnp.array([[vdot(direction, direction), vdot(direction, previous)],
                            [vdot(direction, previous), vdot(previous, previous)]], dtype)
         alpha, mu = _coefficients(gram + lam * norms, b, learning_rate, momentum, dtype)
