@@ -132,10 +132,9 @@ def kfac(loss, params, points, damping: float = 1e-6, approximation: str = "expa
     def step(state):
         p, s = state
         value, grad = lbp.value_and_grad_by_solve(loss)(p, points)
-        factors = lbp.kfac_factors(loss, approximation=approximation)(p, points)
-        diagonal = lbp.diag_ggn(loss)(p, points)
-        updates, s = tx.update(grad, s, p, factors=factors, diagonal=diagonal, value=value, grad=grad,
-                               value_fn=lambda q, factors=None, diagonal=None: loss(q, points))
+        factors = lbp.kfac_factors(loss, approximation=approximation)(p, points)  # biases in their blocks
+        updates, s = tx.update(grad, s, p, factors=factors, value=value, grad=grad,
+                               value_fn=lambda q, factors=None: loss(q, points))
         return optax.apply_updates(p, updates), s
 
     state = (params, tx.init(params))

@@ -9,6 +9,7 @@ with ℒ = I − D_UΦ and ℳ* = D_θΦ for a network U = Φ(U, θ) given as a 
 
 from ._capture import Capture, capture, layer
 from ._curvature import (
+                         BiasOf,
                          GaussNewton,
                          Kronecker,
                          clipped_grad,
@@ -31,6 +32,7 @@ from ._transforms import grad_by_solve, jvp_by_solve, value_and_grad_by_solve
 __version__ = "0.1.0"
 
 __all__ = [
+                         "BiasOf",
                          "Block",
                          "Capture",
                          "Functional",

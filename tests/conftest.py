@@ -44,7 +44,8 @@ from hypothesis import HealthCheck, settings
 jax.config.update("jax_enable_x64", True)
 _PYTHON = f"{sys.version_info[0]}.{sys.version_info[1]}"
 _CACHE = Path(__file__).resolve().parents[1] / "build" / f"jax-cache-py{_PYTHON}-jax{jax.__version__}"
-jax.config.update("jax_compilation_cache_dir", str(_CACHE))
+if not os.environ.get("_NOCACHE"):
+    jax.config.update("jax_compilation_cache_dir", str(_CACHE))
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)  # the small programs are most of the compiles
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 

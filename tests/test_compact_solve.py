@@ -148,17 +148,19 @@ def test_compact_solves_match_plain_jax(name, products):
     def gn(p, v):
         return lbp.gauss_newton(lambda q, *i: loss_of_outs(model(q, *i)), **settings)(p, *inputs)[2].mv(v)
 
-    assert_close(jax.jit(gn)(params, t), gn_ref(params, t))
-    assert_close(jax.jvp(lambda p: gn(p, t), (params,), (t,))[1], jax.jvp(lambda p: gn_ref(p, t), (params,), (t,))[1],
-                 rtol=1e-7)
+    # each side compiled as one program (op by op, the references were most of the time)
+    assert_close(jax.jit(gn)(params, t), jax.jit(gn_ref)(params, t))
+    jvp_of = lambda f: jax.jit(lambda p: jax.jvp(lambda q: f(q, t), (p,), (t,))[1])(params)
+    assert_close(jvp_of(gn), jvp_of(gn_ref), rtol=1e-7)
     argnums = tuple(range(1 + len(inputs)))
     assert_close(jax.jit(lbp.grad_by_solve(loss, argnums, **settings))(params, *inputs),
-                 jax.grad(loss, argnums)(params, *inputs))
+                 jax.jit(jax.grad(loss, argnums))(params, *inputs))
     if products == "in_loop":  # a tangent of an input alone: the same solve either way
-        assert_close(lbp.grad_by_solve(loss, 1, **settings)(params, *inputs), jax.grad(loss, 1)(params, *inputs))
+        assert_close(lbp.grad_by_solve(loss, 1, **settings)(params, *inputs),
+                     jax.jit(jax.grad(loss, 1))(params, *inputs))
     # HVPs, every argument moving (a stacked input too: its rows have no pad)
     moved = (t, *(jnp.cos(x) for x in inputs))
-    hvp_all = lambda grad: jax.jvp(grad(loss, argnums), (params, *inputs), moved)[1]
+    hvp_all = lambda grad: jax.jit(lambda: jax.jvp(grad(loss, argnums), (params, *inputs), moved)[1])()
     assert_close(hvp_all(lambda f, a: lbp.grad_by_solve(f, a, **settings)), hvp_all(jax.grad), rtol=1e-7)
 
 
@@ -171,13 +173,15 @@ def test_compact_solves_compose_with_vmap(products):
     xs = jnp.stack([x, -x, 0.5 * x])
     t = jax.tree.map(jnp.ones_like, params)
     per_example = lambda grad: jax.vmap(grad(loss), (None, 0))(params, xs)
-    assert_close(jax.jit(lambda: per_example(lambda f: lbp.grad_by_solve(f, **settings)))(), per_example(jax.grad))
+    assert_close(jax.jit(lambda: per_example(lambda f: lbp.grad_by_solve(f, **settings)))(),
+                 jax.jit(lambda: per_example(jax.grad))())
     hvps = lambda grad: jax.vmap(lambda x: jax.jvp(lambda p: grad(loss)(p, x), (params,), (t,))[1])(xs)
-    assert_close(jax.jit(lambda: hvps(lambda f: lbp.grad_by_solve(f, **settings)))(), hvps(jax.grad), rtol=1e-7)
+    assert_close(jax.jit(lambda: hvps(lambda f: lbp.grad_by_solve(f, **settings)))(), jax.jit(lambda: hvps(jax.grad))(),
+                 rtol=1e-7)
     ts = jax.tree.map(lambda a: jnp.stack([a, 2 * a]), t)
-    gv = jax.vmap(lambda v: lbp.gauss_newton(loss, **settings)(params, x)[2].mv(v))(ts)
-    dense = lbp.gauss_newton(loss, engine="unrolled")(params, x)[2]
-    assert_close(gv, jax.vmap(dense.mv)(ts))
+    gv = jax.jit(jax.vmap(lambda v: lbp.gauss_newton(loss, **settings)(params, x)[2].mv(v)))(ts)
+    unrolled = jax.jit(jax.vmap(lambda v: lbp.gauss_newton(loss, engine="unrolled")(params, x)[2].mv(v)))(ts)
+    assert_close(gv, unrolled)
 
 
 def test_a_stretch_of_integer_states_carries_no_tangent():
@@ -199,16 +203,20 @@ def test_a_stretch_of_integer_states_carries_no_tangent():
     assert any(f is not None and not plan.state_groups[f.group].differentiable
                for f in (plan.forwarding(a, b) for a, b, _ in plan.segments))
     loss = lambda p, x, c: jnp.sum(jnp.sin(net(p, x, c)))
+
+    @jax.jit
+    def gv_ref(params):
+        out, jvp = jax.linearize(lambda p: net(p, x, c0), params)
+        hv = jax.jvp(jax.grad(lambda o: jnp.sum(jnp.sin(o))), (out,), (jvp(params),))[1]
+        return jax.vjp(lambda p: net(p, x, c0), params)[1](hv)[0]
+
     for products, carried in (("in_loop", True), ("after", True), ("after", False)):  # Λ carried back or not
         with using(Settings(policy=Policy(carried_back_max_kept=float(carried)))):
             settings = dict(param_products=products, engine="loop")
             assert_close(jax.jit(lbp.grad_by_solve(loss, (0, 1), **settings))(params, x, c0),
-                         jax.grad(loss, (0, 1))(params, x, c0))
-            G = lbp.gauss_newton(loss, **settings)(params, x, c0)[2]
-            reference = jax.vjp(lambda p: net(p, x, c0), params)[1]
-            out, jvp = jax.linearize(lambda p: net(p, x, c0), params)
-            hv = jax.jvp(jax.grad(lambda o: jnp.sum(jnp.sin(o))), (out,), (jvp(params),))[1]
-            assert_close(G.mv(params), reference(hv)[0])
+                         jax.jit(jax.grad(loss, (0, 1)))(params, x, c0))
+            assert_close(jax.jit(lambda p: lbp.gauss_newton(loss, **settings)(p, x, c0)[2].mv(p))(params),
+                         gv_ref(params))
 
 
 @pytest.mark.parametrize("name", ["kinds", "rnn"])  # a switch-free pattern of kinds with skips; a stacked input
@@ -224,11 +232,16 @@ def test_the_back_substitution_carries_lambda_or_not_with_the_same_result(name):
     argnums = tuple(range(1 + len(inputs)))
     t = jax.tree.map(lambda a: jnp.cos(jnp.arange(a.size, dtype=a.dtype)).reshape(a.shape), params)
     moved = (t, *(jnp.cos(x) for x in inputs))
-    expected_grad = jax.grad(loss, argnums)(params, *inputs)
-    expected_hvp = jax.jvp(jax.grad(loss, argnums), (params, *inputs), moved)[1]
-    outs, jvp = jax.linearize(lambda q: model(q, *inputs), params)
-    hv = jax.jvp(jax.grad(lambda o: sum(jnp.sum(jnp.sin(x) + 0.5 * x**2) for x in o)), (outs,), (jvp(t),))[1]
-    gv_ref = jax.vjp(lambda q: model(q, *inputs), params)[1](hv)[0]
+    expected_grad = jax.jit(jax.grad(loss, argnums))(params, *inputs)
+    expected_hvp = jax.jit(lambda: jax.jvp(jax.grad(loss, argnums), (params, *inputs), moved)[1])()
+
+    @jax.jit
+    def gv_reference(params, t):
+        outs, jvp = jax.linearize(lambda q: model(q, *inputs), params)
+        hv = jax.jvp(jax.grad(lambda o: sum(jnp.sum(jnp.sin(x) + 0.5 * x**2) for x in o)), (outs,), (jvp(t),))[1]
+        return jax.vjp(lambda q: model(q, *inputs), params)[1](hv)[0]
+
+    gv_ref = gv_reference(params, t)
     for carried in (True, False):
         with using(Settings(policy=Policy(carried_back_max_kept=float(carried)))):
             grad = lbp.grad_by_solve(loss, argnums, **settings)
@@ -237,5 +250,5 @@ def test_the_back_substitution_carries_lambda_or_not_with_the_same_result(name):
             assert transposed and all(s.rhs_full and s.carried_back == carried for s in transposed)
             assert_close(jax.jit(grad)(params, *inputs), expected_grad)
             if carried:
-                assert_close(jax.jvp(grad, (params, *inputs), moved)[1], expected_hvp, rtol=1e-7)
-            assert_close(lbp.gauss_newton(loss, **settings)(params, *inputs)[2].mv(t), gv_ref)
+                assert_close(jax.jit(lambda: jax.jvp(grad, (params, *inputs), moved)[1])(), expected_hvp, rtol=1e-7)
+            assert_close(jax.jit(lambda: lbp.gauss_newton(loss, **settings)(params, *inputs)[2].mv(t))(), gv_ref)

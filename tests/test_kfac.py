@@ -71,6 +71,8 @@ def expand_reference(plain, params, x, losses, products):
             **{n: jnp.zeros((1, w)) for n, w in products.items()}, name: e[None]})[0][0])(jnp.zeros(products[name])))(x)
         hess = jax.vmap(lambda o, b: jax.hessian(lambda o: losses(o[None], b))(o))(outs, jnp.arange(x.shape[0]))
         gamma = jnp.einsum("bci,bcd,bdj->ij", jac, hess, jac)
+        if name[0] == "W":  # tanh(u W_i + b_i): the bias in W_i's block, a column of ones beside u
+            a = jnp.concatenate([a, jnp.ones((a.shape[0], 1))], axis=1)
         out[name] = (a.T @ a / a.shape[0], gamma)
     return out
 
@@ -83,7 +85,7 @@ def test_one_example_factors_are_the_ggn_blocks(jit):
     labels = jnp.array([2])
     loss = lambda p, x: xent(net(p, x), labels)
     factors = (jax.jit(lbp.kfac_factors(loss)) if jit else lbp.kfac_factors(loss))(params, x)
-    assert factors["b"] is None  # a bias is no product
+    assert factors["b"] == lbp.BiasOf("['W']", "left")  # in W's block: [W_i; b_i], the inputs with a ones column
     flat, unravel = ravel_pytree(params)
     jac = jax.jacfwd(lambda v: net(unravel(v), x).ravel())(flat)
     ggn = jac.T @ jax.hessian(lambda o: xent(o.reshape(1, -1), labels))(net(params, x).ravel()) @ jac
@@ -92,10 +94,10 @@ def test_one_example_factors_are_the_ggn_blocks(jit):
     for name in ("H", "V"):
         block = ggn[at[name]:at[name] + params[name].size, at[name]:at[name] + params[name].size]
         close(jnp.kron(factors[name].left, factors[name].right), block)
-    for i in range(DEPTH):
-        start = at["W"] + i * WIDTH * WIDTH
-        block = ggn[start:start + WIDTH * WIDTH, start:start + WIDTH * WIDTH]
-        close(jnp.kron(factors["W"].left[i], factors["W"].right[i]), block)
+    for i in range(DEPTH):  # [W_i; b_i] row-major: W_i's entries, then b_i's
+        index = np.concatenate([at["W"] + i * WIDTH * WIDTH + np.arange(WIDTH * WIDTH), at["b"] + i * WIDTH
+                                + np.arange(WIDTH)])
+        close(jnp.kron(factors["W"].left[i], factors["W"].right[i]), ggn[np.ix_(index, index)])
 
 
 @pytest.mark.parametrize("engine", ["loop", "unrolled"])
@@ -131,7 +133,9 @@ def test_weights_shared_along_a_sequence_sum_every_step():
     h0, xs = jnp.asarray(rng.standard_normal((B, W))), jnp.asarray(rng.standard_normal((T, B, D)))
     loss = lambda p, h0, xs: 0.5 * jnp.sum(jnp.sin(net(p, h0, xs)) ** 2)
     factors = lbp.kfac_factors(loss)(params, h0, xs)
-    assert factors["c"] is None
+    # c is added after two products (h A + x B): no one weight's bias, its GGN diagonal instead
+    diagonal = jax.jit(lbp.diag_ggn(loss))(params, h0, xs)
+    close(factors["c"], diagonal["c"])
 
     def plain(p, h0, xs, e):  # e[t]: added to step t's products (A's and B's: one sum)
         h, seen = h0, []
@@ -157,12 +161,12 @@ def test_weights_shared_along_a_sequence_sum_every_step():
     close(reduced["A"].right, gamma_sum)
     close(reduced["B"].left, jnp.einsum("bi,bj->ij", xs.sum(0), xs.sum(0)) / (B * T * T))
     close(reduced["B"].right, gamma_sum)
-    assert reduced["c"] is None
+    close(reduced["c"], diagonal["c"])
     with pytest.raises(ValueError, match="approximation='mean'"):
         lbp.kfac_factors(loss, approximation="mean")
 
 
-def test_positions_of_a_sequence_are_summed_and_tied_embeddings_have_no_factors():
+def test_positions_of_a_sequence_are_summed_and_tied_embeddings_take_their_diagonal():
     """A transformer block reads [B, L, E] states: its weights' factors sum the L positions; the
     tied embedding (a gather in one layer, a product in another) and the LayerNorm-free position
     table get None."""
@@ -183,7 +187,9 @@ def test_positions_of_a_sequence_are_summed_and_tied_embeddings_have_no_factors(
         return -jnp.sum(jnp.take_along_axis(logp, targets[..., None], axis=-1))
 
     factors = jax.jit(lbp.kfac_factors(loss))(params, ids)
-    assert factors["emb"] is None and factors["pos"] is None
+    diagonal = jax.jit(lbp.diag_ggn(loss))(params, ids)  # a gather and a product: their GGN diagonal
+    close(factors["emb"], diagonal["emb"])
+    close(factors["pos"], diagonal["pos"])
 
     def plain(p, ids, e):
         h0 = p["emb"][ids] + p["pos"]
@@ -200,7 +206,7 @@ def test_positions_of_a_sequence_are_summed_and_tied_embeddings_have_no_factors(
     close(factors["M"].right, jnp.einsum("bpvtx,bpvqw,bqwty->xy", jac, hess, jac))
     # "reduce": the positions summed per example before the products
     reduced = jax.jit(lbp.kfac_factors(loss, approximation="reduce"))(params, ids)
-    assert reduced["emb"] is None and reduced["pos"] is None
+    close(reduced["emb"], diagonal["emb"])
     close(reduced["M"].left, jnp.einsum("bi,bj->ij", h0.sum(1), h0.sum(1)) / (B * L * L))
     close(reduced["M"].right, jnp.einsum("bpvx,bpvqw,bqwy->xy", jac.sum(3), hess, jac.sum(3)))
 
@@ -239,4 +245,4 @@ def test_factors_under_vmap_over_an_ensemble():
         for name in ("W", "V", "H"):
             close(batched[name].left[n], one[name].left)
             close(batched[name].right[n], one[name].right)
-        assert batched["b"] is None and one["b"] is None
+        assert batched["b"] == one["b"] == lbp.BiasOf("['W']", "left")

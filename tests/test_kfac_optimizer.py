@@ -56,12 +56,25 @@ def at_problem(seed=0):
 
 
 def dense_curvature(factors, diagonal, params):
-    """F as a dense matrix in ravel_pytree's order (sorted keys): a block per leaf."""
-    blocks = []
+    """F as a dense matrix in ravel_pytree's order (sorted keys): a block per leaf, or per weight
+    and its bias ([W_r; b_r] row by row, the bias's entries last) where ``factors`` joins them."""
+    sizes = {name: params[name].size for name in sorted(params)}
+    start = dict(zip(sizes, np.cumsum([0, *sizes.values()])[:-1]))
+    index = {name: start[name] + np.arange(n).reshape(params[name].shape) for name, n in sizes.items()}
+    out = np.zeros((sum(sizes.values()),) * 2)
     for name in sorted(params):
         f = factors[name]
-        blocks.append(dense(Diagonal(diagonal[name]) if f is None else ((f,) if isinstance(f, lbp.Kronecker) else f)))
-    return jax.scipy.linalg.block_diag(*blocks)
+        if isinstance(f, lbp.BiasOf):
+            continue
+        at = index[name]
+        biased = [b for b in params if factors[b] == lbp.BiasOf(f"['{name}']", "left")]
+        if biased:  # rows [W_r; b_r]: the weight's entries, then its bias's
+            rows = f.left.shape[:-2]
+            at = np.concatenate([at.reshape(*rows, -1, f.right.shape[-1]),
+                                 index[biased[0]].reshape(*rows, 1, f.right.shape[-1])], axis=-2)
+        curvature = Diagonal(diagonal[name]) if f is None else ((f,) if isinstance(f, lbp.Kronecker) else f)
+        out[np.ix_(at.ravel(), at.ravel())] = dense(curvature)
+    return jnp.asarray(out)
 
 
 def test_fixed_step_is_the_exactly_damped_kronecker_solve():
@@ -240,9 +253,11 @@ def test_clear_errors():
         opt.update(grad, opt.init(params), params, factors=factors, diagonal=diagonal)
     with pytest.raises(TypeError, match="value_fn"):
         opt.update(grad, opt.init(params), params, factors=factors, diagonal=diagonal, curvature=G)
-    with pytest.raises(ValueError, match=r"\['b'\] has no Kronecker factors"):
-        lbp.kfac(adapt_damping=False, learning_rate=1.0, momentum=0.0).update(grad, opt.init(params), params,
-                                                                              factors=factors)
+    fixed = lbp.kfac(adapt_damping=False, learning_rate=1.0, momentum=0.0)
+    with pytest.raises(ValueError, match=r"\['H'\] has no Kronecker factors"):
+        fixed.update(grad, opt.init(params), params, factors={**factors, "H": None})
+    with pytest.raises(ValueError, match=r"\['b'\] is the bias of \['W'\], which has no Kronecker factors"):
+        fixed.update(grad, opt.init(params), params, factors={**factors, "W": None}, diagonal=diagonal)
     with pytest.raises(ValueError, match="do not match"):
         bad = {**factors, "H": lbp.Kronecker(jnp.eye(2), jnp.eye(2))}
         lbp.kfac(adapt_damping=False, learning_rate=1.0, momentum=0.0).update(grad, opt.init(params), params,

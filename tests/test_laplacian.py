@@ -71,13 +71,23 @@ def test_lifted_states_are_the_derivatives():
 
 def test_physics_informed_gradient_and_gauss_newton():
     p, (inner, edge) = params(), points()
-    value, grad, G = lbp.gauss_newton(pinn_loss)(p, inner, edge)
-    r = residuals(p, inner, edge)
+
+    @jax.jit  # each side one program: op by op, the references took most of the time
+    def ours(p, inner, edge):
+        value, grad, G = lbp.gauss_newton(pinn_loss)(p, inner, edge)
+        return value, grad, G.todense()
+
+    @jax.jit
+    def reference(p, inner, edge):
+        r = residuals(p, inner, edge)
+        return r, jax.jacfwd(lambda flat: residuals(ravel_pytree(p)[1](flat), inner, edge))(ravel_pytree(p)[0])
+
+    value, grad, dense = ours(p, inner, edge)
+    r, jac = reference(p, inner, edge)
     close(value, 0.5 * jnp.sum(r ** 2))
-    jac = jax.jacfwd(lambda flat: residuals(ravel_pytree(p)[1](flat), inner, edge))(ravel_pytree(p)[0])
     close(ravel_pytree(grad)[0], jac.T @ r)  # the gradient of ½‖r‖²
-    close(G.todense(), jac.T @ jac, rtol=1e-8, atol=1e-10)
-    close(ravel_pytree(lbp.grad_by_solve(pinn_loss)(p, inner, edge))[0], ravel_pytree(grad)[0])
+    close(dense, jac.T @ jac, rtol=1e-8, atol=1e-10)
+    close(ravel_pytree(lbp.grad_by_solve(pinn_loss)(p, inner, edge))[0], ravel_pytree(grad)[0])  # eager
 
 
 def test_kfac_expand_and_reduce_over_the_three_uses():
@@ -85,13 +95,16 @@ def test_kfac_expand_and_reduce_over_the_three_uses():
     vectors e_k (∇x = I) and 0 (Δx = 0)."""
     p, (inner, _) = params(), points()
     only_inner = lambda q, inner: 0.5 * jnp.sum((LIFTED(q, inner)[2][:, 0] + source(inner)) ** 2)
-    factors = lbp.kfac_factors(only_inner)(p, inner)
+    factors = jax.jit(lbp.kfac_factors(only_inner))(p, inner)
     b, d = inner.shape
-    assert isinstance(factors["W1"], lbp.Kronecker) and factors["b1"] is None
-    close(factors["W1"].left, (inner.T @ inner + b * jnp.eye(d)) / (b * (d + 2)))
-    # "reduce": each point's d + 2 uses summed first, x̄_b = x_b + Σ_k e_k + 0
-    summed = inner + 1.0
-    reduced = lbp.kfac_factors(only_inner, approximation="reduce")(p, inner)
+    # the bias in W1's block: a column of ones beside x_b (the value's use), zeros beside e_k and 0
+    assert isinstance(factors["W1"], lbp.Kronecker) and factors["b1"] == lbp.BiasOf("['W1']", "left")
+    ones = lambda x, c: jnp.concatenate([x, jnp.full((x.shape[0], 1), c)], axis=1)
+    uses = ones(inner, 1.0), ones(jnp.tile(jnp.eye(d), (b, 1)), 0.0)
+    close(factors["W1"].left, sum(x.T @ x for x in uses) / (b * (d + 2)))
+    # "reduce": each point's d + 2 uses summed first, x̄_b = x_b + Σ_k e_k + 0, and its one bias term
+    summed = ones(inner + 1.0, 1.0)
+    reduced = jax.jit(lbp.kfac_factors(only_inner, approximation="reduce"))(p, inner)
     close(reduced["W1"].left, summed.T @ summed / (b * (d + 2) ** 2))
 
 

@@ -216,24 +216,29 @@ def test_kfac_direction_is_the_damped_kronecker_solve_and_averages():
     for seed in range(3):  # three batches: the factors averaged, inverses on steps 0 and 2
         _, x, y = problem(seed=seed)
         grad, factors, diagonal = kfac_quantities(params, x, y)
+        factors = {**factors, "S": None}  # S preconditioned by its GGN diagonal instead
         direction, state = tx.update(grad, state, params, factors=factors, diagonal=diagonal)
         curv.append((factors, diagonal))
         if seed == 0:
             first = (factors, diagonal)
-    assert all(isinstance(curv[0][0][k], lbp.Kronecker) for k in ("W1", "W2", "H", "S"))
-    assert curv[0][0]["b1"] is None
+    assert all(isinstance(curv[0][0][k], lbp.Kronecker) for k in ("W1", "W2", "H"))
+    assert curv[0][0]["b1"] == lbp.BiasOf("['W1']", "left")  # [W1; b1]: one block
     average = lambda pick: decay * (decay * pick(first) + (1 - decay) * pick(curv[1])) + (1 - decay) * pick(curv[2])
-    for k in ("W1", "W2", "H", "S"):
+    for k, b in (("W1", "b1"), ("W2", "b2"), ("H", None)):
         left, right = (average(lambda c, k=k, i=i: c[0][k][i]) for i in (0, 1))
-        close(direction[k], kfac_reference(lbp.Kronecker(left, right), grad[k], lam), rtol=1e-7)
-    for k in ("b1", "b2"):
-        close(direction[k], grad[k] / (average(lambda c, k=k: c[1][k]) + lam), rtol=1e-9)
+        joint = grad[k] if b is None else jnp.concatenate([grad[k], grad[b][None]])
+        expected = kfac_reference(lbp.Kronecker(left, right), joint, lam)
+        close(direction[k], expected if b is None else expected[:-1], rtol=1e-7)
+        if b is not None:
+            close(direction[b], expected[-1], rtol=1e-7)
+    close(direction["S"], grad["S"] / (average(lambda c: c[1]["S"]) + lam), rtol=1e-9)
 
     # step 1 (update_every=2) holds step 0's inverses
     tx1 = lbp.scale_by_kfac(damping=lam, decay=decay, update_every=2)
     s = tx1.update(grad, tx1.init(params), params, factors=first[0], diagonal=first[1])[1]
     direction1, _ = tx1.update(grad, s, params, factors=curv[1][0], diagonal=curv[1][1])
-    close(direction1["W2"], kfac_reference(first[0]["W2"], grad["W2"], lam), rtol=1e-7)
+    joint = jnp.concatenate([grad["W2"], grad["b2"][None]])
+    close(direction1["W2"], kfac_reference(first[0]["W2"], joint, lam)[:-1], rtol=1e-7)
 
 
 def test_kfac_on_row_stacked_recurrent_weights_under_jit():
@@ -265,5 +270,7 @@ def test_kfac_without_a_diagonal_names_the_leaf():
     params, x, y = problem()
     grad, factors, _ = kfac_quantities(params, x, y)
     tx = lbp.scale_by_kfac()
-    with pytest.raises(ValueError, match=r"\['b1'\].*diagonal=lbp.diag_ggn"):
-        tx.update(grad, tx.init(params), params, factors=factors)
+    with pytest.raises(ValueError, match=r"\['S'\].*diagonal=lbp.diag_ggn"):
+        tx.update(grad, tx.init(params), params, factors={**factors, "S": None})
+    with pytest.raises(ValueError, match=r"\['b1'\] is the bias of \['W1'\]"):
+        tx.update(grad, tx.init(params), params, factors={**factors, "W1": None}, diagonal=grad)

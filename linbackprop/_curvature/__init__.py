@@ -18,8 +18,8 @@ norms: `_ghost`), `_ggn` (the GGN diagonal, K-FAC), `_clipping` (DP-SGD's clippe
 
 from ._clipping import clipped_grad
 from ._gauss_newton import GaussNewton, gauss_newton
-from ._ggn import Kronecker, diag_ggn, ggn_factor, kfac_factors
+from ._ggn import BiasOf, Kronecker, diag_ggn, ggn_factor, kfac_factors
 from ._per_example import per_example_grad_norms, per_example_grads
 
-__all__ = ["GaussNewton", "Kronecker", "clipped_grad", "diag_ggn", "gauss_newton", "ggn_factor", "kfac_factors",
-           "per_example_grad_norms", "per_example_grads"]
+__all__ = ["BiasOf", "GaussNewton", "Kronecker", "clipped_grad", "diag_ggn", "gauss_newton", "ggn_factor",
+           "kfac_factors", "per_example_grad_norms", "per_example_grads"]

@@ -4,6 +4,8 @@ example's block of H factored, its columns back-substituted for all examples at 
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, NamedTuple
 
@@ -124,7 +126,9 @@ class Kronecker(NamedTuple):
     """K-FAC factors of one parameter leaf W: its block of G ≈ left ⊗ right, W read row-major as
     a [left.shape[-1], right.shape[-1]] matrix (a dense layer's W of shape [in, out] in u @ W:
     left the input side, [in, in], right the output side, [out, out]; a ``Row``-stacked block
-    has one pair per row, stacked on a leading axis). For symmetric factors
+    has one pair per row, stacked on a leading axis). With its bias in the block (a
+    [`BiasOf`][linbackprop.BiasOf] at the bias) the input side has one more row and column:
+    [W; b] is the matrix. For symmetric factors
     (left ⊗ right)⁻¹ vec(X) = vec(left⁻¹ X right⁻¹): K-FAC's preconditioned gradient.
 
     Examples:
@@ -138,14 +142,51 @@ class Kronecker(NamedTuple):
     right: jax.Array
 
 
+@dataclasses.dataclass(frozen=True)
+class BiasOf:
+    """What [`kfac_factors`][linbackprop.kfac_factors] gives at a bias that shares its weight's
+    Kronecker block: the weight's factors carry a column of ones for it (kfac-jax's and
+    curvlinops' joint block). With W of shape [in, out] in ``x @ W + b``, the block is the
+    [in + 1, out] matrix [W; b] (the bias's row last), read row-major: ``left`` has the ones
+    column (``side="left"``: A = (1/N) Σ [x, 1]ᵀ[x, 1]), ``right`` is Γ. Where the weight is
+    the product's left operand (``W @ x``, W [out, in]) the block is [W, b] and ``side`` is
+    "right". No arrays: a static pytree node (``jax.tree.map`` passes over it).
+
+    Attributes:
+        weight: the weight leaf's path in the differentiated arguments
+            (``jax.tree_util.keystr`` of it, as ``jax.tree_util.tree_flatten_with_path`` gives).
+        side: which factor of the weight's pair has the bias's row and column, last.
+
+    Examples:
+        >>> import jax.numpy as jnp, linbackprop as lbp
+        >>> dense = lambda th, x: jnp.tanh(x @ th[0] + th[1])
+        >>> net = lbp.Network([lbp.Layer("y", dense, ("x",), ("W", "b"))], ["x"], "y")
+        >>> loss = lambda p, x: 0.5 * jnp.sum(net(p, x) ** 2)
+        >>> f = lbp.kfac_factors(loss)({"W": jnp.zeros((2, 1)), "b": jnp.zeros(1)}, jnp.array([[1.0, 2.0]]))
+        >>> f["b"], f["W"].left.tolist()             # [x, 1]ᵀ[x, 1] for x = (1, 2)
+        (BiasOf(weight="['W']", side='left'), [[1.0, 2.0, 1.0], [2.0, 4.0, 2.0], [1.0, 2.0, 1.0]])
+    """
+
+    weight: str
+    side: Literal["left", "right"]
+
+
+jax.tree_util.register_static(BiasOf)
+
+
 def kfac_factors(fun: Callable, argnums: int | Sequence[int] = 0, *, engine: Engine = "auto",
                  samples: int | None = None, key: jax.Array | None = None, layers: Any = None,
                  approximation: Literal["expand", "reduce"] = "expand") -> Callable:
     """K-FAC factors of G = J* H J, shaped like the arguments ``argnums`` names: a
     [`Kronecker`][linbackprop.Kronecker] pair at each parameter leaf whose every use is a dense product (its
     per-example cotangent x_bᵀ δ_b, a ``dot_general`` of one example's operands, contracted
-    positions of a sequence summed), None at other leaves (biases, norms: ``diag_ggn`` gives
-    their diagonal).
+    positions of a sequence summed); a bias added after such a product (its cotangent Σ_t δ_t,
+    x W + b) joins its weight's block, as in kfac-jax and curvlinops: the weight's λ-free factor
+    is A = (1/N) Σ [x, 1]ᵀ[x, 1] (a column of zeros for uses without the bias) and the bias's
+    entry is a [`BiasOf`][linbackprop.BiasOf] naming the weight. Every other leaf (norm scales
+    and shifts, a gather, a bias shared by two products) gets its exact GGN diagonal, shaped
+    like the leaf, from the same back substitutions (as [`diag_ggn`][linbackprop.diag_ggn] would
+    give it: no second curvature pass).
 
         G_W ≈ A ⊗ Γ,   A = (1/N) Σ_b Σ_t x_btᵀ x_bt,   Γ = Σ_k Σ_b Σ_t λ_bk δ_btkᵀ δ_btk
 
@@ -188,28 +229,51 @@ def kfac_factors(fun: Callable, argnums: int | Sequence[int] = 0, *, engine: Eng
                 "uses them); use diag_ggn or gauss_newton for such parameters.")
         maps = [ParamFactors(plan, prim, batch, reduce=approximation == "reduce")
                 for plan, prim in zip(calls.plans, calls.stored)]
-        share = lambda s, weights: [m.parts(lam_c, weights)
-                                    for m, lam_c in zip(maps, calls.adjoints(unflatten(s), batch))]
-        summed = _over_columns(share, lam, vecs, samples, key, "kfac_factors")
-        leaves, treedef = jax.tree.flatten(calls.diff)
-        result: list[Any] = [None] * len(leaves)
-        for m, part, plan, theta, place in zip(maps, summed, calls.plans, calls.thetas, calls.placement):
-            position = {id(leaf): n for n, leaf in enumerate(jax.tree.leaves(theta))}
+        paths, treedef = jax.tree_util.tree_flatten_with_path(calls.diff)
+        keys = [jax.tree_util.keystr(path[1:] if single else path) for path, _ in paths]
+        where = [functools.partial(_placed, plan, theta, place)
+                 for plan, theta, place in zip(calls.plans, calls.thetas, calls.placement)]
+        covered = {at for m, placed in zip(maps, where)
+                   for key in [*m.layouts, *(bias for bias, _ in m.joint.values())] for at in placed(*key).values()}
+        # the other leaves' GGN diagonal from the same back substitutions (no second curvature pass)
+        squares = calls.squares(batch) if len(covered) < len(paths) else None
+
+        def share(s: jax.Array, weights: jax.Array) -> tuple:
+            lams = calls.adjoints(unflatten(s), batch)
+            factored = [m.parts(lam_c, weights) for m, lam_c in zip(maps, lams)]
+            return factored, None if squares is None else squares[0](lams, weights)
+
+        summed, summed_squares = _over_columns(share, lam, vecs, samples, key, "kfac_factors")
+        result: list[Any] = [None] * len(paths) if squares is None else jax.tree.leaves(squares[1](summed_squares))
+        for m, part, placed in zip(maps, summed, where):
             for g, pairs in m.total(part).items():
-                group = plan.param_groups[g]
-                diff = [n for n, d in enumerate(group.diff_leaves) if d]
-                # a stacked block's factors are its own (rows stacked); a group of blocks: row r is block r's
-                rows = [(None, group.names[0])] if group.stacked_rows is not None else list(enumerate(group.names))
                 for leaf, pair in enumerate(pairs):
                     if pair is None:
                         continue
-                    for row, name in rows:
-                        at = place[position[id(jax.tree.leaves(theta[name])[diff[leaf]])]]
+                    weights = placed(g, leaf)
+                    for row, at in weights.items():
                         result[at] = Kronecker(*(pair if row is None else (f[row] for f in pair)))
+                    if (g, leaf) in m.joint:  # the bias's row and column in the λ-free factor, last
+                        (bias_group, bias_leaf), row_map = m.joint[(g, leaf)]
+                        side = "left" if m.layouts[(g, leaf)][0] else "right"
+                        biases = placed(bias_group, bias_leaf)
+                        for row, at in weights.items():
+                            result[biases[None if row is None else row_map[row]]] = BiasOf(keys[at], side)
         out = tuple(jax.tree.unflatten(treedef, result))
         return out[0] if single else out
 
     return run
+
+
+def _placed(plan: Any, theta: Any, place: list[int], g: int, leaf: int) -> dict:
+    """Row → index among the differentiated arguments' leaves, for a parameter group's leaf: a
+    stacked block's factors are its own (rows stacked: row None); in a group of blocks row r is
+    block r's."""
+    position = {id(x): n for n, x in enumerate(jax.tree.leaves(theta))}
+    group = plan.param_groups[g]
+    diff = [n for n, d in enumerate(group.diff_leaves) if d]
+    rows = [(None, group.names[0])] if group.stacked_rows is not None else list(enumerate(group.names))
+    return {row: place[position[id(jax.tree.leaves(theta[name])[diff[leaf]])]] for row, name in rows}
 
 
 def _hessian_blocks(fun: Callable, args: tuple, nums: tuple[int, ...], engine: str, name: str) -> tuple:

@@ -268,7 +268,9 @@ class ParamFactors:
     x_bᵀ x_b over the examples and every layer (and position) using the row, Γ = Σ_k Σ_b w_kb
     y_kbᵀ y_kb, N the number of (example, layer, position) terms — in the order of the leaf's axes
     (`OuterFactors`): the GGN block of a row ≈ left ⊗ right. None elsewhere. A row used by
-    several layers sums their factors (K-FAC "expand" for shared weights).
+    several layers sums their factors (K-FAC "expand" for shared weights). A weight whose bias
+    is added after its product (`joint`: weight → bias) has one block with it: x̃ = [x, 1] in A
+    (the bias's row last), as kfac-jax and curvlinops.
 
     With ``reduce`` (K-FAC "reduce", Eschenhagen et al. 2023), each example's operands are summed
     over every use of the row first — layers, positions and terms, R per example — and then
@@ -287,6 +289,53 @@ class ParamFactors:
                 found = factors.layout(n) if factors.factored(n) else None
                 layouts[(g, leaf)] = found if layouts.get((g, leaf), found) == found else None
         self.layouts = {key: lay for key, lay in layouts.items() if lay is not None}
+        self.joint = self._joint_biases()
+
+    def _joint_biases(self) -> dict[tuple[int, int], tuple[tuple[int, int], dict[int, int]]]:
+        """Weight (group, leaf) → its bias's (group, leaf) and the map from the weight's rows to
+        the bias's, where every layer that uses either uses both, as weight and bias of one
+        product (`OuterFactors.biases`), on rows that pair one to one (a stacked block with a
+        stacked bias row by row): its factors then have the bias's column of ones. Elsewhere the
+        column is dropped and the bias keeps its own curvature."""
+        plan = self.plan
+        rows_of: dict[tuple[int, int], dict[int, set]] = {}  # weight → its rows → the bias rows paired
+        bias_of: dict[tuple[int, int], set] = {}
+        paired_uses: dict[tuple[int, int], int] = {}  # (group, leaf) → members using it in a pairing
+        uses: dict[tuple[int, int], int] = {}  # (group, leaf) → members using it
+        for kind, (*_, factors, _) in zip(self.kinds, self.members):
+            leaves = self._leaves(kind)
+            for _, g, leaf in leaves:
+                uses[(g, leaf)] = uses.get((g, leaf), 0) + kind.size
+            for m, (n, _) in factors.biases.items():
+                (slot_w, *weight), (slot_b, *bias) = leaves[m], leaves[n]
+                weight, bias = tuple(weight), tuple(bias)
+                bias_of.setdefault(weight, set()).add(bias)
+                for key in (weight, bias):
+                    paired_uses[key] = paired_uses.get(key, 0) + kind.size
+                members = kind.by_member.params[:kind.size]
+                for r_w, r_b in zip(members[:, slot_w], members[:, slot_b]):
+                    rows_of.setdefault(weight, {}).setdefault(int(r_w), set()).add(int(r_b))
+        joint = {}
+        for weight, biases in bias_of.items():
+            if len(biases) != 1 or weight not in self.layouts:
+                continue
+            (bias,) = biases
+            gw, gb = plan.param_groups[weight[0]], plan.param_groups[bias[0]]
+            row_map = rows_of[weight]
+            one_to_one = (all(len(b) == 1 for b in row_map.values())
+                          and len({next(iter(b)) for b in row_map.values()}) == len(row_map))
+            real_rows = set(range(gw.rows)) - ({gw.rows - 1} if gw.pad else set())
+            stacked_alike = (gw.stacked_rows is None) == (gb.stacked_rows is None)
+            if (one_to_one and stacked_alike and set(row_map) == real_rows and uses[weight] == paired_uses[weight]
+                    and uses[bias] == paired_uses[bias]
+                    and (gw.stacked_rows is None or all(b == {r} for r, b in row_map.items()))):
+                joint[weight] = (bias, {r: next(iter(b)) for r, b in row_map.items()})
+        for kind, (*_, factors, _) in zip(self.kinds, self.members):
+            leaves = self._leaves(kind)
+            for m in list(factors.biases):
+                if tuple(leaves[factors.biases[m][0]][1:]) != joint.get(tuple(leaves[m][1:]), (None,))[0]:
+                    factors.drop_bias(m)
+        return joint
 
     def _leaves(self, kind: Kind) -> list[tuple[int, int, int]]:
         """(slot, group, leaf) of each cotangent leaf of a member of ``kind``, in order."""

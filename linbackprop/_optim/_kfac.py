@@ -4,7 +4,6 @@ its step size and momentum from the exact quadratic model, the damping by Levenb
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -12,9 +11,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from .._curvature import GaussNewton, Kronecker
+from .._curvature import GaussNewton
 from ._arguments import accepted, params_dtype
-from ._kronecker import Curvature, Diagonal, apply, decompose
+from ._blocks import block_matrix, blocks_of, blockwise
+from ._kronecker import apply, decompose
 
 
 class KfacState(NamedTuple):
@@ -23,12 +23,13 @@ class KfacState(NamedTuple):
     Attributes:
         count: the steps taken.
         damping: λ of the next step.
-        sums: per parameter leaf, the decayed sums Σ_k decay^k F_(t−k) of its fresh curvature
-            (a tuple of [`Kronecker`][linbackprop.Kronecker] terms, or a diagonal); None before
-            the first update.
+        sums: per block (a weight with its bias where ``factors`` joined them, or one leaf),
+            the decayed sums Σ_k decay^k F_(t−k) of its fresh curvature (a tuple of
+            [`Kronecker`][linbackprop.Kronecker] terms, or a diagonal); None before the first
+            update.
         weight: Σ_k decay^k, so that ``sums / weight`` is the bias-corrected average (the
             first step's average is the first step's factors exactly).
-        inverses: per leaf, the decomposition of the averaged curvature that the steps apply
+        inverses: per block, the decomposition of the averaged curvature that the steps apply
             (recomputed every ``update_every`` steps); None before the first update.
         previous: the last update u (momentum's direction); zeros before the first.
         learning_rate: α of the last step (the coefficient of the preconditioned gradient).
@@ -68,7 +69,9 @@ def kfac(damping: float = 1e-3, decay: float = 0.95, update_every: int = 5, *, l
        [`Kronecker`][linbackprop.Kronecker] pair, or a tuple of pairs for a loss of several
        terms), averaged over the steps with ``decay`` and bias-corrected as kfac-jax's weighted
        average: F̄_t = Σ_k decay^k F_(t−k) / Σ_k decay^k (the first step uses its own factors
-       exactly). Leaves without factors take a diagonal from ``diagonal=`` (``lbp.diag_ggn``).
+       exactly). A bias marked [`BiasOf`][linbackprop.BiasOf] is preconditioned with its weight,
+       as one block [W; b]. Other leaves without factors take a diagonal from ``diagonal=``
+       (``lbp.diag_ggn``).
     2. **Direction.** Δ = −(F̄ + λI)⁻¹ g with λ added exactly (eigendecompositions of the
        factors, recomputed every ``update_every`` steps and at every one of the first
        ``update_every``, so that no early single-batch estimate is held; between, the held
@@ -181,7 +184,8 @@ def kfac(damping: float = 1e-3, decay: float = 0.95, update_every: int = 5, *, l
             raise ValueError("kfac with value_fn needs params: opt.update(grad, state, params, ...).")
 
         leaves, treedef = jax.tree.flatten(grad)
-        fresh = _curvature_per_leaf(grad, factors, diagonal)
+        blocks = blocks_of(grad, factors, diagonal, "kfac")
+        fresh = [block.curvature for block in blocks]
         dtype = state.damping.dtype
         if state.sums is None:  # the first update: zero sums and placeholder decompositions of their shapes
             sums = jax.tree.map(jnp.zeros_like, fresh)
@@ -199,7 +203,8 @@ def kfac(damping: float = 1e-3, decay: float = 0.95, update_every: int = 5, *, l
         recompute = ((state.count < update_every) | (state.count % update_every == 0)) & (weight > 0)
         inverses = jax.lax.cond(recompute, lambda: [decompose(c, lam) for c in averaged], lambda: held)
 
-        direction = treedef.unflatten([-apply(inv, g, lam) for inv, g in zip(inverses, leaves)])
+        direction = treedef.unflatten(blockwise(blocks, leaves, [-apply(inv, block_matrix(block, leaves), lam)
+                                                                 for inv, block in zip(inverses, blocks)]))
         previous = state.previous
         vdot = optax.tree.vdot
         b = jnp.stack([vdot(grad, direction), vdot(grad, previous)]).astype(dtype)
@@ -274,37 +279,3 @@ def _coefficients(m: jax.Array, b: jax.Array, learning_rate: float | None, momen
     mu2 = (-b[1] * m[0, 0] + b[0] * m[0, 1]) / safe_det
     alpha1 = -b[0] / jnp.maximum(m[0, 0], tiny)
     return jnp.where(degenerate, alpha1, alpha2).astype(dtype), jnp.where(degenerate, 0, mu2).astype(dtype)
-
-
-def _curvature_per_leaf(grad: Any, factors: Any, diagonal: Any) -> list[Curvature]:
-    """Per leaf of the gradient, in order: its Kronecker terms (a tuple), or its diagonal where
-    ``factors`` has None there."""
-    is_factor = lambda x: x is None or isinstance(x, Kronecker) or (
-        isinstance(x, tuple) and len(x) > 0 and all(isinstance(t, Kronecker) for t in x))
-    paths = jax.tree_util.tree_flatten_with_path(grad)[0]
-    flat_factors = jax.tree.flatten(factors, is_leaf=is_factor)[0]
-    if len(flat_factors) != len(paths):
-        raise ValueError(f"kfac: factors has {len(flat_factors)} leaves, the gradient {len(paths)}; pass "
-                         "factors=lbp.kfac_factors(loss)(params, *batch) for the same parameters.")
-    flat_diag = [None] * len(paths) if diagonal is None else jax.tree.leaves(diagonal, is_leaf=lambda x: x is None)
-    if len(flat_diag) != len(paths):
-        raise ValueError(f"kfac: diagonal has {len(flat_diag)} leaves, the gradient {len(paths)}; pass "
-                         "diagonal=lbp.diag_ggn(loss)(params, *batch).")
-    out: list[Curvature] = []
-    for (path, g), f, d in zip(paths, flat_factors, flat_diag):
-        where = jax.tree_util.keystr(path)
-        if f is None:
-            if d is None:
-                raise ValueError(f"kfac: {where} has no Kronecker factors (not a dense product); pass its GGN "
-                                 "diagonal: diagonal=lbp.diag_ggn(loss)(params, *batch).")
-            out.append(Diagonal(jnp.asarray(d)))
-            continue
-        terms = (f,) if isinstance(f, Kronecker) else tuple(f)
-        for term in terms:
-            rows = term.left.shape[:-2]
-            if term.right.shape[:-2] != rows or jnp.size(g) != math.prod(
-                    rows + (term.left.shape[-1], term.right.shape[-1])):
-                raise ValueError(f"kfac: the factors of {where} ({term.left.shape}, {term.right.shape}) do not "
-                                 f"match its shape {jnp.shape(g)}.")
-        out.append(terms)
-    return out

@@ -3,7 +3,6 @@ optimizer, with step size, momentum and damping chosen each step, is `_kfac`).""
 
 from __future__ import annotations
 
-import math
 from typing import Any, NamedTuple
 
 import jax
@@ -11,11 +10,14 @@ import jax.numpy as jnp
 import optax
 
 from .._curvature import Kronecker
+from ._blocks import Block, block_matrix, blocks_of, blockwise
+from ._kronecker import Diagonal
 
 
 class ScaleByKfacState(NamedTuple):
-    """The moving averages of the factors (a [`Kronecker`][linbackprop.Kronecker] pair or a diagonal per leaf), their
-    damped inverses and the step count; the averages are None until the first update."""
+    """The moving averages of the factors (a [`Kronecker`][linbackprop.Kronecker] pair or a
+    diagonal per block: a weight with its bias, or one leaf), their damped inverses and the step
+    count; the averages are None until the first update."""
 
     count: jax.Array
     curvature: Any
@@ -29,12 +31,14 @@ def scale_by_kfac(damping: float = 1e-3, decay: float = 0.95, update_every: int 
 
         d_W = (A + π√λ I)⁻¹ ḡ_W (Γ + √λ/π I)⁻¹,    π² = (tr A / dim A) / (tr Γ / dim Γ)
 
-    (W read as the [dim A, dim Γ] matrix of [`Kronecker`][linbackprop.Kronecker]; factored Tikhonov damping with
-    Martens & Grosse's π), and for the leaves without factors (biases, norms: None in
-    ``factors``) the damped diagonal d = ḡ / (diag G + λ) from ``diagonal=lbp.diag_ggn(loss)(params,
-    *batch)``. The factors are averaged with ``decay`` (F ← decay F + (1 − decay) F_new; the first
-    step takes F_new); the inverses are recomputed every ``update_every`` steps (``eigh``-free:
-    Cholesky of the damped factors) and held in between. For shared weights the factors say how
+    (W read as the [dim A, dim Γ] matrix of [`Kronecker`][linbackprop.Kronecker], with its bias
+    as one more row [W; b] where ``factors`` has a [`BiasOf`][linbackprop.BiasOf] at the bias;
+    factored Tikhonov damping with Martens & Grosse's π), and for the leaves without factors
+    (norms, lone vectors: None in ``factors``) the damped diagonal d = ḡ / (diag G + λ) from
+    ``diagonal=lbp.diag_ggn(loss)(params, *batch)``. The factors are averaged with ``decay``
+    (F ← decay F + (1 − decay) F_new; the first step takes F_new); the inverses are recomputed
+    every ``update_every`` steps (``eigh``-free: Cholesky of the damped factors) and held in
+    between. For shared weights the factors say how
     uses count: ``lbp.kfac_factors(loss, approximation="expand")`` (every use a term, the default)
     or ``"reduce"`` (each example's uses summed first); the transform takes either.
 
@@ -50,9 +54,10 @@ def scale_by_kfac(damping: float = 1e-3, decay: float = 0.95, update_every: int 
         >>> params = {"W": jnp.zeros((2, 1)), "b": jnp.zeros(1)}
         >>> tx = optax.chain(lbp.scale_by_kfac(damping=1e-8), optax.scale(-1.0))
         >>> updates, state = tx.update(lbp.grad_by_solve(loss)(params), tx.init(params), params,
-        ...                            factors=lbp.kfac_factors(loss)(params), diagonal=lbp.diag_ggn(loss)(params))
-        >>> jnp.round(optax.apply_updates(params, updates)["W"].ravel(), 3).tolist()  # G_W = A ⊗ Γ: exact here
-        [1.0, 1.0]
+        ...                            factors=lbp.kfac_factors(loss)(params))   # b: in W's block
+        >>> fitted = optax.apply_updates(params, updates)   # G of [W; b] is A ⊗ Γ here: one exact step
+        >>> jnp.round(net(fitted, x).ravel(), 3).tolist()
+        [1.0, 2.0]
     """
     if not 0 <= decay < 1 or update_every < 1 or damping <= 0:
         raise ValueError(f"scale_by_kfac: needs damping > 0 ({damping}), 0 ≤ decay < 1 ({decay}) and "
@@ -69,7 +74,10 @@ def scale_by_kfac(damping: float = 1e-3, decay: float = 0.95, update_every: int 
             raise TypeError("scale_by_kfac needs the factors: tx.update(grad, state, params, "
                             "factors=lbp.kfac_factors(loss)(params, *batch), "
                             "diagonal=lbp.diag_ggn(loss)(params, *batch)).")
-        fresh = _curvature_of(updates, factors, diagonal)
+        leaves, treedef = jax.tree.flatten(updates)
+        blocks = blocks_of(updates, factors, diagonal, "scale_by_kfac")
+        fresh = [_one_term(block, jax.tree_util.keystr(jax.tree_util.tree_flatten_with_path(updates)[0][block.leaf][0]))
+                 for block in blocks]
         if state.curvature is None:
             averaged = fresh
             inverses = _inverses(averaged, damping)
@@ -77,55 +85,33 @@ def scale_by_kfac(damping: float = 1e-3, decay: float = 0.95, update_every: int 
             averaged = jax.tree.map(lambda old, new: decay * old + (1 - decay) * new, state.curvature, fresh)
             inverses = jax.lax.cond(state.count % update_every == 0, lambda c, i: _inverses(c, damping),
                                     lambda c, i: i, averaged, state.inverses)
-        direction = jax.tree.map(_preconditioned, inverses, updates, is_leaf=lambda x: isinstance(x, _Inverse))
-        return direction, ScaleByKfacState(state.count + 1, averaged, inverses)
+        direction = blockwise(blocks, leaves, [_preconditioned(inv, block_matrix(block, leaves))
+                                               for inv, block in zip(inverses, blocks)])
+        return treedef.unflatten(direction), ScaleByKfacState(state.count + 1, averaged, inverses)
 
     return optax.GradientTransformationExtraArgs(init, update)
 
 
-class _Diagonal(NamedTuple):
-    """A leaf preconditioned by its GGN diagonal."""
-
-    diag: jax.Array
-
-
 class _Inverse(NamedTuple):
-    """A leaf's damped inverse: Kronecker (left⁻¹, right⁻¹) or the diagonal's (right None)."""
+    """A block's damped inverse: Kronecker (left⁻¹, right⁻¹) or the diagonal's (right None)."""
 
     left: jax.Array
     right: jax.Array | None
 
 
-def _curvature_of(grads: Any, factors: Any, diagonal: Any) -> Any:
-    """Per leaf of the gradient: its Kronecker pair, or its diagonal where ``factors`` has None."""
-    paths_grads = jax.tree_util.tree_flatten_with_path(grads)
-    is_factor = lambda x: x is None or isinstance(x, Kronecker)
-    flat_factors = jax.tree.flatten(factors, is_leaf=is_factor)[0]
-    leaves, treedef = paths_grads
-    if len(flat_factors) != len(leaves):
-        raise ValueError(f"scale_by_kfac: factors has {len(flat_factors)} leaves, the gradient {len(leaves)}; pass "
-                         "factors=lbp.kfac_factors(loss)(params, *batch) for the same parameters.")
-    flat_diag = [None] * len(leaves) if diagonal is None else jax.tree.leaves(diagonal)
-    out = []
-    for (path, g), f, d in zip(leaves, flat_factors, flat_diag):
-        if isinstance(f, Kronecker):
-            rows = f.left.shape[:-2]
-            if jnp.size(g) != math.prod(rows + (f.left.shape[-1], f.right.shape[-1])):
-                raise ValueError(f"scale_by_kfac: the factors of {jax.tree_util.keystr(path)} "
-                                 f"({f.left.shape}, {f.right.shape}) do not match its shape {jnp.shape(g)}.")
-            out.append(f)
-        elif d is None:
-            raise ValueError(f"scale_by_kfac: {jax.tree_util.keystr(path)} has no Kronecker factors (not a dense "
-                             "product); pass its GGN diagonal: diagonal=lbp.diag_ggn(loss)(params, *batch).")
-        else:
-            out.append(_Diagonal(d))
-    return jax.tree.unflatten(treedef, out)
+def _one_term(block: Block, where: str) -> Kronecker | Diagonal:
+    if isinstance(block.curvature, Diagonal):
+        return block.curvature
+    if len(block.curvature) != 1:
+        raise ValueError(f"scale_by_kfac: {where} has {len(block.curvature)} Kronecker terms; it takes one pair per "
+                         "leaf (lbp.kfac inverts a sum of terms).")
+    return block.curvature[0]
 
 
-def _inverses(curvature: Any, damping: float) -> Any:
-    def one(c: Kronecker | _Diagonal) -> _Inverse:
-        if isinstance(c, _Diagonal):
-            return _Inverse(1.0 / (c.diag + damping), None)
+def _inverses(curvature: list, damping: float) -> list[_Inverse]:
+    def one(c: Kronecker | Diagonal) -> _Inverse:
+        if isinstance(c, Diagonal):
+            return _Inverse(1.0 / (c.values + damping), None)
         left, right = c.left, c.right
         mean_trace = lambda m: jnp.trace(m, axis1=-2, axis2=-1) / m.shape[-1]
         pi = jnp.sqrt(jnp.maximum(mean_trace(left), 1e-30) / jnp.maximum(mean_trace(right), 1e-30))[..., None, None]
@@ -133,7 +119,7 @@ def _inverses(curvature: Any, damping: float) -> Any:
         return _Inverse(_spd_inverse(left + pi * root * jnp.eye(left.shape[-1], dtype=left.dtype)),
                         _spd_inverse(right + root / pi * jnp.eye(right.shape[-1], dtype=right.dtype)))
 
-    return jax.tree.map(one, curvature, is_leaf=lambda x: isinstance(x, (Kronecker, _Diagonal)))
+    return [one(c) for c in curvature]
 
 
 def _spd_inverse(m: jax.Array) -> jax.Array:
