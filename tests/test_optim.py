@@ -50,7 +50,7 @@ def xent(p, x, y):
 @functools.cache
 def gauss_newton_at(loss):
     """(value, grad, G) at problem(), computed once per loss."""
-    return lbp.gauss_newton(loss)(*problem())
+    return jax.jit(lbp.gauss_newton(loss))(*problem())
 
 
 @jax.jit
@@ -59,6 +59,7 @@ def kfac_quantities(params, x, y):
     return lbp.grad_by_solve(xent)(params, x, y), lbp.kfac_factors(xent)(params, x, y), lbp.diag_ggn(xent)(params, x, y)
 
 
+@jax.jit
 def dense_direction(G, grad, lam):
     flat, unravel = ravel_pytree(grad)
     return unravel(jnp.linalg.solve(G.todense() + lam * jnp.eye(flat.size), flat))
@@ -87,13 +88,14 @@ def test_factor_squares_to_the_matrix():
 def test_rows_of_every_example_square_to_the_matrix(loss):
     params, x, y = problem()
     _, grad, G = gauss_newton_at(loss)
-    rows = lbp.ggn_factor(loss)(params, x, y)
+    rows = jax.jit(lbp.ggn_factor(loss))(params, x, y)
     assert rows["W1"].shape == (3 * 2, 2, 4)  # 2 output coordinates per example, 3 examples
     flat = jax.vmap(lambda r: ravel_pytree(r)[0])(rows)
-    close(flat.T @ flat, G.todense(), rtol=1e-9, atol=1e-12)
+    close(flat.T @ flat, jax.jit(lambda G: G.todense())(G), rtol=1e-9, atol=1e-12)
     for solver in ("auto", "woodbury", "dense", "cg"):  # 6 rows < 48 parameters: auto is Woodbury
         tx = lbp.scale_by_gauss_newton(damping=0.3, solver=solver, maxiter=100, tol=1e-14)
-        direction, _ = tx.update(grad, tx.init(params), params, rows=rows)
+        solve = jax.jit(lambda grad, rows, tx=tx: tx.update(grad, tx.init(params), params, rows=rows)[0])
+        direction = solve(grad, rows)
         close(ravel_pytree(direction)[0], ravel_pytree(dense_direction(G, grad, 0.3))[0], rtol=1e-7)
 
 
@@ -102,7 +104,7 @@ def test_rank_one_rows_are_the_residual_jacobian():
     params, x, y = problem(batch=5)
     loss = lambda p, x, y: 0.5 * jnp.sum((NET(p, x)[:, 0] - y[:, 0]) ** 2)
     rows = jax.vmap(lambda r: ravel_pytree(r)[0])(lbp.ggn_factor(loss, rank=1)(params, x, y))
-    jac = jax.jacfwd(lambda flat: NET(ravel_pytree(params)[1](flat), x)[:, 0])(ravel_pytree(params)[0])
+    jac = jax.jit(jax.jacfwd(lambda flat: NET(ravel_pytree(params)[1](flat), x)[:, 0]))(ravel_pytree(params)[0])
     close(jnp.abs(rows), jnp.abs(jac), rtol=1e-9, atol=1e-12)  # each row up to eigh's sign
 
 

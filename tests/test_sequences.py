@@ -55,7 +55,7 @@ def test_stacked_inputs_and_outputs_match_jax_grad(outputs, engine):
     net = rnn(outputs=outputs)
     loss = loss_of(net)
     args = data()
-    expected = jax.grad(loss, argnums=(0, 1, 2))(*args)
+    expected = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(*args)
     close(lbp.grad_by_solve(loss, argnums=(0, 1, 2), engine=engine)(*args), expected)
     close(jax.jit(lbp.grad_by_solve(loss, engine=engine))(*args), expected[0])  # params only: no xs cotangent
 
@@ -78,7 +78,7 @@ def test_checkpoints_match_jax_grad(checkpoints, outputs):
     net = rnn(outputs=outputs)
     loss = loss_of(net)
     args = data()
-    expected = jax.grad(loss, argnums=(0, 1, 2))(*args)
+    expected = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(*args)
     close(lbp.grad_by_solve(loss, argnums=(0, 1, 2), checkpoints=checkpoints)(*args), expected)
     value, grads = jax.jit(lbp.value_and_grad_by_solve(loss, checkpoints=checkpoints))(*args)
     close(value, loss(*args))
@@ -108,7 +108,7 @@ def test_checkpoints_on_a_dag_with_row_blocks_and_long_skips(checkpoints):
          "S": jax.random.normal(k[2], (W, W)) / 3}
     x = jax.random.normal(k[3], (B, W))
     loss = lambda p, x: jnp.sum(jnp.cos(net(p, x)[0])) + jnp.sum(net(p, x)[1] ** 2)
-    expected = jax.grad(loss, argnums=(0, 1))(p, x)
+    expected = jax.jit(jax.grad(loss, argnums=(0, 1)))(p, x)
     close(lbp.grad_by_solve(loss, argnums=(0, 1), checkpoints=checkpoints)(p, x), expected)
 
 
@@ -283,7 +283,7 @@ def test_nested_schedule_matches_jax_grad(steps, checkpoints, outputs, levels_by
     net = rnn(steps, outputs)
     loss = loss_of(net)
     args = data(steps, seed=4)
-    expected = jax.grad(loss, argnums=(0, 1, 2))(*args)
+    expected = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(*args)
     close(jax.jit(lbp.grad_by_solve(loss, argnums=(0, 1, 2), checkpoints=checkpoints, schedule="nested"))(*args),
           expected)
     assert levels_by_layers_alone and all(len(levels) > 1 for levels in levels_by_layers_alone)
@@ -292,7 +292,7 @@ def test_nested_schedule_matches_jax_grad(steps, checkpoints, outputs, levels_by
 def test_nested_schedule_on_a_chain_with_row_blocks_and_skips(levels_by_layers_alone):
     _, loss, p, x = _periodic_problem(36, seed=5)
     close(jax.jit(lbp.grad_by_solve(loss, argnums=(0, 1), checkpoints=6, schedule="nested"))(p, x),
-          jax.grad(loss, argnums=(0, 1))(p, x))
+          jax.jit(jax.grad(loss, argnums=(0, 1)))(p, x))
     assert len(levels_by_layers_alone[-1]) > 1
 
 
