@@ -289,6 +289,21 @@ def test_diag_ggn_is_the_diagonal_of_the_dense_ggn(name):
     np.testing.assert_allclose(ravel_pytree(ours)[0], np.diag(dense), rtol=1e-8, atol=1e-10)
 
 
+def test_two_calls_on_the_same_examples_share_them():
+    """Two calls with the same batch (two views of each example, one weight): row b of both is
+    example b — the GGN diagonal is that of the dense J* H J (the views' cross terms in), and
+    K-FAC gives a Kronecker pair per call (three here: ``losses(p, x)`` is called twice)."""
+    losses, params, (x,) = CASES["chain"]
+    two = lambda p, x: jnp.sum(losses(p, x)) + jnp.sum(losses(p, jnp.tanh(x)) * losses(p, x))
+    dense = reference_ggn(lambda p, x: losses(p, x) + losses(p, jnp.tanh(x)) * losses(p, x), params, (x,))
+    ours = jax.jit(lbp.diag_ggn(two))(params, x)
+    np.testing.assert_allclose(ravel_pytree(ours)[0], np.diag(dense), rtol=1e-8, atol=1e-10)
+    factors = jax.jit(lbp.kfac_factors(two))(params, x)
+    terms = lambda f: type(f) is tuple and all(isinstance(t, lbp.Kronecker) for t in f)
+    pairs = [f for f in jax.tree.leaves(factors, is_leaf=terms) if terms(f)]
+    assert len(pairs) == 3 and all(len(f) == 3 for f in pairs)
+
+
 def test_diag_ggn_through_a_transformation_of_the_parameters():
     """Parameters that reach the network through user code (here scaled): the general path."""
     losses, params, inputs = CASES["skips"]

@@ -113,3 +113,47 @@ def test_bad_coordinates_name_the_fix():
         lbp.forward_laplacian(NET, "y")
     with pytest.raises(ValueError, match=r"\[B, d\] batch of points"):
         LIFTED(params(), jnp.ones(3))
+
+
+def test_a_loss_of_two_calls_with_their_own_points():
+    """The PINN loss as written: the lifted network on the interior points and the plain one on
+    the boundary (different batches), each point an example, interior first. The GGN diagonal and
+    the rank-1 rows against the residuals' Jacobian (jax.jacfwd); K-FAC a Kronecker pair per term,
+    each equal to that term's factors alone, the biases in their weights' blocks."""
+    p, (inner, edge) = params(), points()
+    flat, unravel = ravel_pytree(p)
+    jac = jax.jit(jax.jacfwd(lambda f: residuals(unravel(f), inner, edge)))(flat)
+    close(ravel_pytree(jax.jit(lbp.diag_ggn(pinn_loss))(p, inner, edge))[0], jnp.diag(jac.T @ jac))
+    rows = jax.vmap(lambda r: ravel_pytree(r)[0])(jax.jit(lbp.ggn_factor(pinn_loss, rank=1))(p, inner, edge))
+    close(jnp.abs(rows), jnp.abs(jac))  # each point's row in call order, up to eigh's sign
+    factors = jax.jit(lbp.kfac_factors(pinn_loss))(p, inner, edge)
+    interior = lambda q, a: 0.5 * jnp.mean((LIFTED(q, a)[2][:, 0] + source(a)) ** 2)
+    boundary = lambda q, a: 0.5 * jnp.mean(NET(q, a)[:, 0] ** 2)
+    alone = jax.jit(lbp.kfac_factors(interior))(p, inner), jax.jit(lbp.kfac_factors(boundary))(p, edge)
+    for name in ("W1", "W2", "W3", "S"):
+        assert isinstance(factors[name], tuple) and len(factors[name]) == 2
+        for term, own in zip(factors[name], alone, strict=True):
+            close(term.left, own[name].left)
+            close(term.right, own[name].right)
+    assert factors["b1"] == lbp.BiasOf("['W1']", "left") and factors["b2"] == lbp.BiasOf("['W2']", "left")
+
+
+def test_per_example_gradients_of_two_calls_in_call_order():
+    """Per-example losses of both calls, interior then boundary (jnp.concatenate): the gradients
+    and their norms are jax.jacrev's; clipping, where an example is ambiguous, names the calls."""
+    p, (inner, edge) = params(), points()
+
+    def losses(q, inner, edge):
+        _, _, lap = LIFTED(q, inner)
+        return jnp.concatenate([0.5 * (lap[:, 0] + source(inner)) ** 2, 0.5 * NET(q, edge)[:, 0] ** 2])
+
+    ref = jax.jit(jax.jacrev(losses))(p, inner, edge)
+    ours = jax.jit(lbp.per_example_grads(losses))(p, inner, edge)
+    for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(ref), strict=True):
+        close(a, b)
+    norms = jax.jit(lbp.per_example_grad_norms(losses, chunk=3))(p, inner, edge)
+    close(norms, jnp.linalg.norm(jax.vmap(lambda g: ravel_pytree(g)[0])(ref), axis=1))
+    with pytest.raises(ValueError, match=r"clipped_grad: .*different batches.*call 0: .*batch 7; call 1: .*batch 4"):
+        lbp.clipped_grad(losses, 1.0)(p, inner, edge)
+    with pytest.raises(ValueError, match="must return 11 losses"):
+        lbp.per_example_grads(lambda q, a, b: losses(q, a, b)[:-1])(p, inner, edge)

@@ -89,6 +89,11 @@ def clipped_grad(losses: Callable, clip: float | jax.Array, argnums: int | Seque
 
     def run(*args: Any) -> tuple[Any, jax.Array]:
         split, calls, per_example, batch, lams = per_example_setup(losses, args, nums, engine)
+        if calls.spans is not None:
+            raise ValueError("clipped_grad: fun's network calls have different batches, so which of their examples "
+                             "is one example (one privacy unit) to clip is ambiguous: "
+                             f"{'; '.join(calls.call_names())}. Call the network once per example's data, or clip "
+                             "the per-example gradients yourself (lbp.per_example_grads, jnp.concatenate order).")
         c = jnp.asarray(clip, jnp.result_type(float))
         ghost = ghost_norms(split, calls, per_example, batch)
         if ghost is not None:

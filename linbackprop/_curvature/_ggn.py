@@ -58,16 +58,9 @@ def diag_ggn(fun: Callable, argnums: int | Sequence[int] = 0, *, engine: Engine 
     nums, single = normalise_argnums(argnums)
 
     def run(*args: Any) -> Any:
-        calls, batch, unflatten, lam, vecs = _hessian_blocks(fun, args, nums, engine, "diag_ggn")
-        if calls.placed:
-            parts, total = calls.squares(batch)
-            share = lambda s, weights: parts(calls.adjoints(unflatten(s), batch), weights)
-        else:  # arguments mapped to the blocks: per-example gradients, squared
-            total = lambda acc: acc
-            share = lambda s, weights: jax.tree.map(lambda g: weighted_square_sum(g, weights),
-                                                    calls.per_example(calls.adjoints(unflatten(s), batch), batch))
-
-        diag = total(_over_columns(share, lam, vecs, samples, key, "diag_ggn"))
+        calls, examples = _hessian_blocks(fun, args, nums, engine, "diag_ggn")
+        parts, total = _squares(calls, examples)
+        diag = total(_over_columns(parts, examples, samples, key, "diag_ggn"))
         return diag[0] if single else diag
 
     return run
@@ -109,13 +102,17 @@ def ggn_factor(fun: Callable, argnums: int | Sequence[int] = 0, *, rank: int | N
         raise ValueError(f"ggn_factor(rank={rank!r}): a positive int (the residuals per example), or None for all.")
 
     def run(*args: Any) -> Any:
-        calls, batch, unflatten, lam, vecs = _hessian_blocks(fun, args, nums, engine, "ggn_factor")
-        coords = lam.shape[1]
-        keep = coords if rank is None else min(rank, coords)
+        calls, examples = _hessian_blocks(fun, args, nums, engine, "ggn_factor")
+        batches = examples.by_call(examples.batches)
         rows = []
-        for k in range(coords - keep, coords):  # eigh's order is ascending: the largest last
-            s = vecs[:, :, k] * jnp.sqrt(jnp.maximum(lam[:, k], 0.0))[:, None]
-            rows.append(calls.per_example(calls.adjoints(unflatten(s), batch), batch))
+        for g, (group, lam, vecs) in enumerate(zip(examples.groups, examples.lam, examples.vecs)):
+            coords = lam.shape[1]
+            keep = coords if rank is None else min(rank, coords)
+            for k in range(coords - keep, coords):  # eigh's order is ascending: the largest last
+                s = [vecs[:, :, k] * jnp.sqrt(jnp.maximum(lam[:, k], 0.0))[:, None] if h == g
+                     else jnp.zeros(x.shape, x.dtype) for h, x in enumerate(examples.lam)]
+                lams = calls.adjoints(examples.unflatten(s), batches)
+                rows.append(calls.per_example(lams, examples.batches[g], only=group))
         out = jax.tree.map(lambda *r: jnp.concatenate(r, axis=0), *rows)
         return out[0] if single else out
 
@@ -221,48 +218,119 @@ def kfac_factors(fun: Callable, argnums: int | Sequence[int] = 0, *, engine: Eng
     nums, single = normalise_argnums(argnums)
 
     def run(*args: Any) -> Any:
-        calls, batch, unflatten, lam, vecs = _hessian_blocks(fun, args, nums, engine, "kfac_factors")
-        if not calls.placed:
+        calls, examples = _hessian_blocks(fun, args, nums, engine, "kfac_factors")
+        if any(None in place for place in calls.placement):
             raise NotImplementedError(
-                "kfac_factors needs each differentiated argument leaf to be one parameter block of one network "
-                "call, as it is (here parameters are transformed or shared between calls before the network "
-                "uses them); use diag_ggn or gauss_newton for such parameters.")
-        maps = [ParamFactors(plan, prim, batch, reduce=approximation == "reduce")
-                for plan, prim in zip(calls.plans, calls.stored)]
+                "kfac_factors needs each differentiated argument leaf to be one parameter block of the network "
+                "calls, as it is (here parameters are transformed before a network uses them); use diag_ggn or "
+                "gauss_newton for such parameters.")
+        batches = examples.by_call(examples.batches)
+        maps = [ParamFactors(plan, prim, batches[call], reduce=approximation == "reduce")
+                for plan, prim, call in zip(calls.plans, calls.stored, calls.solved)]
         paths, treedef = jax.tree_util.tree_flatten_with_path(calls.diff)
         keys = [jax.tree_util.keystr(path[1:] if single else path) for path, _ in paths]
         where = [functools.partial(_placed, plan, theta, place)
                  for plan, theta, place in zip(calls.plans, calls.thetas, calls.placement)]
-        covered = {at for m, placed in zip(maps, where)
-                   for key in [*m.layouts, *(bias for bias, _ in m.joint.values())] for at in placed(*key).values()}
+        factored, joint = _agreed(maps, where, calls.placement)
         # the other leaves' GGN diagonal from the same back substitutions (no second curvature pass)
-        squares = calls.squares(batch) if len(covered) < len(paths) else None
+        squares = _squares(calls, examples) if len(factored) + len(joint) < len(paths) else None
 
-        def share(s: jax.Array, weights: jax.Array) -> tuple:
-            lams = calls.adjoints(unflatten(s), batch)
-            factored = [m.parts(lam_c, weights) for m, lam_c in zip(maps, lams)]
-            return factored, None if squares is None else squares[0](lams, weights)
+        def share(s: list, weights: list) -> tuple:
+            lams = calls.adjoints(examples.unflatten(s), batches)
+            by_call = examples.by_call(weights)
+            parts = [m.parts(lam_c, by_call[call]) for m, lam_c, call in zip(maps, lams, calls.solved)]
+            return parts, None if squares is None else squares[0](s, weights, lams)
 
-        summed, summed_squares = _over_columns(share, lam, vecs, samples, key, "kfac_factors")
-        result: list[Any] = [None] * len(paths) if squares is None else jax.tree.leaves(squares[1](summed_squares))
+        summed, summed_squares = _over_columns(share, examples, samples, key, "kfac_factors")
+        result: list[Any] = ([None] * len(paths) if squares is None
+                             else list(jax.tree.leaves(squares[1](summed_squares))))
+        terms: dict[int, list[Kronecker]] = {}
         for m, part, placed in zip(maps, summed, where):
             for g, pairs in m.total(part).items():
                 for leaf, pair in enumerate(pairs):
                     if pair is None:
                         continue
-                    weights = placed(g, leaf)
-                    for row, at in weights.items():
-                        result[at] = Kronecker(*(pair if row is None else (f[row] for f in pair)))
-                    if (g, leaf) in m.joint:  # the bias's row and column in the λ-free factor, last
-                        (bias_group, bias_leaf), row_map = m.joint[(g, leaf)]
-                        side = "left" if m.layouts[(g, leaf)][0] else "right"
-                        biases = placed(bias_group, bias_leaf)
-                        for row, at in weights.items():
-                            result[biases[None if row is None else row_map[row]]] = BiasOf(keys[at], side)
+                    for row, at in placed(g, leaf).items():
+                        if at in factored:
+                            term = Kronecker(*(pair if row is None else (f[row] for f in pair)))
+                            terms.setdefault(at, []).append(term)
+        for at, found in terms.items():  # a leaf several calls use: a pair per call (a term each)
+            result[at] = found[0] if len(found) == 1 else tuple(found)
+        for bias, (weight, side) in joint.items():
+            result[bias] = BiasOf(keys[weight], side)
         out = tuple(jax.tree.unflatten(treedef, result))
         return out[0] if single else out
 
     return run
+
+
+def _agreed(maps: list, where: list, placement: list) -> tuple[set[int], dict[int, tuple[int, str]]]:
+    """Which argument leaves get Kronecker terms (those that every call using them factors), and
+    which are biases joined to a weight's block (bias → (weight, side)): where every call that
+    uses either joins them, on the same side; elsewhere the calls' joint columns are dropped."""
+    users: dict[int, set[int]] = {}
+    for c, place in enumerate(placement):
+        for at in place:
+            users.setdefault(at, set()).add(c)
+    factored_by: dict[int, set[int]] = {}
+    claims: dict[int, set] = {}
+    for c, (m, placed) in enumerate(zip(maps, where)):
+        for key in m.layouts:
+            weights = placed(*key)
+            for at in weights.values():
+                factored_by.setdefault(at, set()).add(c)
+            if key in m.joint:
+                (bias_key, row_map), side = m.joint[key], "left" if m.layouts[key][0] else "right"
+                biases = placed(*bias_key)
+                for row, at in weights.items():
+                    claims.setdefault(at, set()).add((biases[None if row is None else row_map[row]], side, c))
+    factored = {at for at, by in factored_by.items() if by == users[at]}
+    joint = {}
+    for weight in factored:
+        found = claims.get(weight, set())
+        pairs = {(bias, side) for bias, side, _ in found}
+        if len(pairs) == 1 and {c for *_, c in found} == users[weight]:
+            (bias, side), = pairs
+            if users[bias] == users[weight] and bias not in factored:
+                joint[bias] = (weight, side)
+    kept = {(weight, bias) for bias, (weight, _) in joint.items()}
+    for m, placed in zip(maps, where):  # a call's joint column no other call agrees with
+        for key in list(m.joint):
+            (bias_key, row_map) = m.joint[key]
+            weights, biases = placed(*key), placed(*bias_key)
+            if any((at, biases[None if row is None else row_map[row]]) not in kept or at not in factored
+                   for row, at in weights.items()):
+                m.drop_joint(key)
+    return factored, joint
+
+
+def _squares(calls: Calls, examples: Examples) -> tuple[Callable, Callable]:
+    """The GGN diagonal's share of one column of H's factor and its total:
+    ``share(s, weights[, lams])`` (per group; ``lams`` the calls' adjoints of s, computed where
+    not given) and ``total``. As matrix products where each argument leaf is a parameter block
+    of the calls as it is and the calls that share one have different examples (`ParamSquares`:
+    the calls' squares add up); else from the per-example gradients, squared, group by group."""
+    batches = examples.by_call(examples.batches)
+    groups_of: dict[int, list[int]] = {}
+    for call, place in zip(calls.solved, calls.placement):
+        for at in place:
+            groups_of.setdefault(at, []).append(examples.of_call(call))
+    separable = (all(None not in place for place in calls.placement)
+                 and all(len(set(gs)) == len(gs) for gs in groups_of.values()))
+    adjoints = lambda s, lams: calls.adjoints(examples.unflatten(s), batches) if lams is None else lams
+    if separable:
+        parts, total = calls.squares(batches)
+        return (lambda s, weights, lams=None: parts(adjoints(s, lams), examples.by_call(weights))), total
+
+    def share(s: list, weights: list, lams: list | None = None) -> Any:
+        lams = adjoints(s, lams)
+        out = None
+        for group, batch, w in zip(examples.groups, examples.batches, weights):
+            part = jax.tree.map(lambda g, w=w: weighted_square_sum(g, w), calls.per_example(lams, batch, only=group))
+            out = part if out is None else jax.tree.map(jnp.add, out, part)
+        return out
+
+    return share, lambda acc: acc
 
 
 def _placed(plan: Any, theta: Any, place: list[int], g: int, leaf: int) -> dict:
@@ -276,79 +344,149 @@ def _placed(plan: Any, theta: Any, place: list[int], g: int, leaf: int) -> dict:
     return {row: place[position[id(jax.tree.leaves(theta[name])[diff[leaf]])]] for row, name in rows}
 
 
-def _hessian_blocks(fun: Callable, args: tuple, nums: tuple[int, ...], engine: str, name: str) -> tuple:
-    """The forward pass of ``fun``'s network calls with residuals (`Calls`), the batch, the
-    map from [B, C] matrices to the calls' outputs, and each example's C × C block of H
-    factored: eigenvalues [B, C] and eigenvectors [B, C, C] (``eigh``: exact for indefinite H)."""
+class Examples(NamedTuple):
+    """The examples of ``fun``'s network calls and each one's block of H, factored. Calls whose
+    outputs all have the same batch size share their examples (row b of every call is example
+    b: one group); calls of different batch sizes (a PINN's interior and boundary points) each
+    have their own examples, the groups' in call order. Per group: its calls (positions among
+    all calls), B_g, and each example's C_g × C_g block of H as eigenvalues [B_g, C_g] and
+    eigenvectors [B_g, C_g, C_g] (``eigh``: exact for indefinite H); ``unflatten`` maps one
+    [B_g, C_g] matrix per group to cotangents of all the calls' outputs."""
+
+    groups: list[list[int]]
+    batches: list[int]
+    lam: list[jax.Array]
+    vecs: list[jax.Array]
+    unflatten: Callable
+
+    def of_call(self, call: int) -> int:
+        """The group of a call (its position among all calls)."""
+        return next(g for g, members in enumerate(self.groups) if call in members)
+
+    def by_call(self, per_group: list) -> list:
+        """A per-group list as one entry per call (position among all calls)."""
+        return [per_group[self.of_call(c)] for c in range(sum(len(g) for g in self.groups))]
+
+
+def _hessian_blocks(fun: Callable, args: tuple, nums: tuple[int, ...], engine: str, name: str
+                    ) -> tuple[Calls, Examples]:
+    """The forward pass of ``fun``'s network calls with residuals (`Calls`) and their examples
+    with H's blocks factored (`Examples`). H is taken block diagonal over the examples: ``fun``
+    is a sum (or mean) of terms that each read one example of one call — what the transforms
+    built on this assume."""
     split = Split(fun, args, nums, False)
     calls = Calls(split, engine)
     loss = lambda o: split.loss(o, *split.diff)[0]
     if jnp.ndim(loss(calls.outs)) != 0:
         raise ValueError(f"{name} needs fun to return a scalar loss (a sum or mean over examples).")
-    batch = _batch_of(calls, name)
-    flat_outs, unflatten = _by_example(calls, batch, name=name)
+    sizes = [_batch_of(calls, name, only=c) for c in range(len(calls.nets))]
+    if not sizes:
+        raise ValueError(f"{name} needs at least one network call with an output.")
+    groups = [list(range(len(sizes)))] if len(set(sizes)) == 1 else [[c] for c in range(len(sizes))]
+    batches = [sizes[g[0]] for g in groups]
+    flats = [_by_example(calls, b, name, only=g) for g, b in zip(groups, batches)]
+    leaves, treedef = jax.tree.flatten(calls.outs)
+    owner = [c for c, out in enumerate(calls.outs) for _ in jax.tree.leaves(out)]  # each leaf's call
+
+    def unflatten(per_group: list) -> Any:
+        out = [jnp.zeros(np.shape(x), jnp.result_type(x)) for x in leaves]
+        for (_, back), group, flat in zip(flats, groups, per_group):
+            part = jax.tree.leaves(back(flat))
+            at = iter(part)
+            for n, c in enumerate(owner):
+                if c in group:
+                    out[n] = next(at)
+        return treedef.unflatten(out)
+
     _, hvp = jax.linearize(jax.grad(loss), calls.outs)
-    coords = flat_outs.shape[1]
-    basis = jnp.broadcast_to(jnp.eye(coords, dtype=flat_outs.dtype)[:, None, :], (coords, batch, coords))
-    columns = jax.vmap(lambda e: _by_example(calls, batch, name, hvp(unflatten(e)))[0])(basis)  # [C(j), B, C(i)]
-    h = jnp.moveaxis(columns, 0, 2)  # [B, i, j]
-    lam, vecs = jnp.linalg.eigh((h + jnp.swapaxes(h, 1, 2)) / 2)
-    return calls, batch, unflatten, lam, vecs
+    lam, vecs = [], []
+    for g, (group, batch, (flat, _)) in enumerate(zip(groups, batches, flats)):
+        coords = flat.shape[1]
+        basis = jnp.broadcast_to(jnp.eye(coords, dtype=flat.dtype)[:, None, :], (coords, batch, coords))
+        zeros = [jnp.zeros((b, f.shape[1]), f.dtype) for b, (f, _) in zip(batches, flats)]
+
+        def column(e, g=g, group=group, batch=batch, zeros=zeros):
+            return _by_example(calls, batch, name, hvp(unflatten([e if i == g else z for i, z in enumerate(zeros)])),
+                               only=group)[0]
+
+        h = jnp.moveaxis(jax.vmap(column)(basis), 0, 2)  # [C(j), B, C(i)] → [B, i, j]
+        values, vectors = jnp.linalg.eigh((h + jnp.swapaxes(h, 1, 2)) / 2)
+        lam.append(values)
+        vecs.append(vectors)
+    return calls, Examples(groups, batches, lam, vecs, unflatten)
 
 
-def _over_columns(share: Callable, lam: jax.Array, vecs: jax.Array, samples: int | None, key: Any,
-                  name: str) -> Any:
-    """Σ_k share(s_k, w_k) over H's factor: the eigenvectors s_k with weights λ_k (exact), or with
-    ``samples=M`` the mean over M samples s = H_b^{1/2} z, z ~ N(0, I), weights 1 (H's positive
-    part: unbiased where H is positive semi-definite). One column (or sample) after another: a
-    vmapped solve over the C columns has buffers C times as large, which outgrow the caches
-    (slower: docs/performance.md)."""
-    batch, coords = lam.shape
+def _over_columns(share: Callable, examples: Examples, samples: int | None, key: Any, name: str) -> Any:
+    """Σ_k share(s_k, w_k) over H's factor, s_k and w_k one [B_g, C_g] matrix and one [B_g]
+    vector per group of examples: the eigenvectors s_k with weights λ_k (exact; a group with
+    fewer coordinates than k gives zeros), or with ``samples=M`` the mean over M samples s =
+    H_b^{1/2} z, z ~ N(0, I), weights 1 (H's positive part: unbiased where H is positive
+    semi-definite). One column (or sample) after another: a vmapped solve over the C columns has
+    buffers C times as large, which outgrow the caches (slower: docs/performance.md)."""
+    lam, vecs = examples.lam, examples.vecs
+    coords = max(x.shape[1] for x in lam)
 
     def summed(one: Callable, ks: jax.Array) -> Any:
         init = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), jax.eval_shape(one, ks[0]))
         return jax.lax.scan(lambda acc, k: (jax.tree.map(jnp.add, acc, one(k)), None), init, ks)[0]
 
+    def column(k: jax.Array) -> Any:
+        s = [jnp.where(k < v.shape[2], v[:, :, jnp.minimum(k, v.shape[2] - 1)], 0) for v in vecs]
+        w = [jnp.where(k < x.shape[1], x[:, jnp.minimum(k, x.shape[1] - 1)], 0) for x in lam]
+        return share(s, w)
+
     if samples is None:
-        return summed(lambda k: share(vecs[:, :, k], lam[:, k]), jnp.arange(coords))
+        return summed(column, jnp.arange(coords))
     if key is None:
         raise ValueError(f"{name}(samples=M) needs a PRNG key: {name}(fun, samples=M, key=jax.random.key(0)).")
-    root = vecs * jnp.sqrt(jnp.maximum(lam, 0.0))[:, None, :]  # H_b⁺ = root rootᵀ
-    ones = jnp.ones((batch,), lam.dtype)
-    sample = lambda k: jnp.einsum("bij,bj->bi", root, jax.random.normal(k, (batch, coords), lam.dtype))
-    return jax.tree.map(lambda d: d / samples, summed(lambda k: share(sample(k), ones), jax.random.split(key, samples)))
+    roots = [v * jnp.sqrt(jnp.maximum(x, 0.0))[:, None, :] for v, x in zip(vecs, lam)]  # H_b⁺ = root rootᵀ
+    ones = [jnp.ones((x.shape[0],), x.dtype) for x in lam]
+
+    def sample(k: jax.Array) -> Any:
+        keys = jax.random.split(k, len(roots))
+        return share([jnp.einsum("bij,bj->bi", r, jax.random.normal(kk, r.shape[:2], r.dtype))
+                      for r, kk in zip(roots, keys)], ones)
+
+    return jax.tree.map(lambda d: d / samples, summed(sample, jax.random.split(key, samples)))
 
 
-def _batch_of(calls: Calls, name: str) -> int:
-    """The batch: the leading axis of the first output state (axis 1 of a Stack); ``name``: the
-    transform asking (for its errors)."""
-    for net, outs in zip(calls.nets, calls.outs):
+def _batch_of(calls: Calls, name: str, only: int | None = None) -> int:
+    """The batch: the leading axis of the first output state (axis 1 of a Stack) of the calls, or
+    of call ``only``; ``name``: the transform asking (for its errors)."""
+    for c, (net, outs) in enumerate(zip(calls.nets, calls.outs)):
+        if only is not None and c != only:
+            continue
         for item, value in zip(net.output_spec, (outs,) if net.single_output else outs):
             for leaf in jax.tree.leaves(value):
                 return int(np.shape(leaf)[1 if isinstance(item, Stack) else 0])
     raise ValueError(f"{name} needs at least one network call with an output.")
 
 
-def _by_example(calls: Calls, batch: int, name: str, outs: Any = None) -> tuple[jax.Array, Callable]:
-    """The calls' outputs as [B, C] (each leaf's batch axis first: axis 0 of a state, axis 1 of a
-    Stack), and the map back from such a matrix to outputs."""
+def _by_example(calls: Calls, batch: int, name: str, outs: Any = None, only: list[int] | None = None
+                ) -> tuple[jax.Array, Callable]:
+    """The outputs of the calls ``only`` names (all by default) as [B, C] (each leaf's batch axis
+    first: axis 0 of a state, axis 1 of a Stack), and the map back from such a matrix to those
+    calls' output leaves (a flat list, in order)."""
     outs = calls.outs if outs is None else outs
-    leaves, treedef = jax.tree.flatten(outs)
-    axes = _batch_axes(calls, batch, name)
+    members = range(len(calls.nets)) if only is None else only
+    leaves = [x for c in members for x in jax.tree.leaves(outs[c])]
+    axes = _batch_axes(calls, batch, name, members)
     moved = [jnp.moveaxis(x, ax, 0).reshape(batch, -1) for x, ax in zip(leaves, axes)]
     sizes = np.cumsum([m.shape[1] for m in moved])[:-1]
     shapes = [jnp.moveaxis(x, ax, 0).shape for x, ax in zip(leaves, axes)]
 
     def unflatten(flat):
         parts = jnp.split(flat, sizes, axis=1)
-        return treedef.unflatten([jnp.moveaxis(p.reshape(s), 0, ax) for p, s, ax in zip(parts, shapes, axes)])
+        return [jnp.moveaxis(p.reshape(s), 0, ax) for p, s, ax in zip(parts, shapes, axes)]
 
     return jnp.concatenate(moved, axis=1), unflatten
 
 
-def _batch_axes(calls: Calls, batch: int, name: str) -> list[int]:
+def _batch_axes(calls: Calls, batch: int, name: str, members: Any = None) -> list[int]:
     axes = []
-    for net, outs in zip(calls.nets, calls.outs):
+    for c, (net, outs) in enumerate(zip(calls.nets, calls.outs)):
+        if members is not None and c not in members:
+            continue
         items = (outs,) if net.single_output else outs
         for item, value in zip(net.output_spec, items):
             ax = 1 if isinstance(item, Stack) else 0

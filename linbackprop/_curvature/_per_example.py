@@ -17,7 +17,7 @@ from jax.extend.core import Literal
 
 from .._call import output_tangents, outputs_of, prepare
 from .._engine import ParamSquares, back_substitution, param_adjoint, param_adjoint_per_example
-from .._graph import Network
+from .._graph import Network, Stack
 from .._outer import depending
 from .._plan import Plan, current_plan, differentiable_dtype
 from .._settings import Engine, current
@@ -73,23 +73,45 @@ class Calls:
         self.thetas, self.vjp, (self.stored, outs) = jax.vjp(solve_mode(route, engine=engine), *split.diff,
                                                              has_aux=True)
         self.outs = tuple(outs)  # every call's outputs, as the call returned them
+        # (call, first example, examples) per call where the calls' batches differ (examples in call order)
+        self.spans: list[tuple[int, int, int]] | None = None
         _check_inputs_independent(split)
 
-    def adjoints(self, g_outs: tuple, batch: int) -> list[list[Any]]:
+    def batches(self) -> list[int]:
+        """Each call's batch: the leading axis of its first output leaf (axis 1 of a Stack)."""
+        out = []
+        for net, outs in zip(self.nets, self.outs):
+            sizes = [int(np.shape(leaf)[1 if isinstance(item, Stack) else 0])
+                     for item, value in zip(net.output_spec, (outs,) if net.single_output else outs)
+                     for leaf in jax.tree.leaves(value)]
+            out.append(sizes[0] if sizes else 0)
+        return out
+
+    def call_names(self) -> list[str]:
+        return [f"call {c}: a Network of {len(net.layers)} layers reading {list(net.inputs)}, batch {b}"
+                for c, (net, b) in enumerate(zip(self.nets, self.batches()))]
+
+    def adjoints(self, g_outs: tuple, batch: int | Sequence[int]) -> list[list[Any]]:
         """Λ of each call: one back substitution ℒ*Λ = E* g for all examples at once; ``g_outs``:
-        cotangents of the calls' outputs (checks the per-example assumption on the way)."""
+        cotangents of the calls' outputs; ``batch``: the batch, or each call's (checks the
+        per-example assumption on the way)."""
         lams = []
         for plan, call, prim in zip(self.plans, self.solved, self.stored):
-            check_per_example(plan, batch)
+            check_per_example(plan, batch if isinstance(batch, int) else batch[call])
             lams.append(back_substitution(plan, prim, self._rhs(plan, self.nets[call], g_outs[call])))
         return lams
 
-    def per_example(self, lams: list, batch: int, examples: Any = None) -> tuple:
+    def per_example(self, lams: list, batch: int, examples: Any = None, only: Sequence[int] | None = None) -> tuple:
         """J* g split by example from the calls' adjoints Λ (`adjoints`): per differentiated
-        argument, a pytree with a leading axis of the examples (all, or those indexed by ``examples``)."""
+        argument, a pytree with a leading axis of the examples (all, or those indexed by
+        ``examples``), from every call or those ``only`` names (positions among all calls: the
+        calls whose examples these are; the others add nothing)."""
         n = batch if examples is None else len(examples)
         theta_cts = []
-        for plan, prim, theta, lam in zip(self.plans, self.stored, self.thetas, lams):
+        for plan, prim, theta, lam, call in zip(self.plans, self.stored, self.thetas, lams, self.solved):
+            if only is not None and call not in only:
+                theta_cts.append(jax.tree.map(lambda x: jnp.zeros((n, *np.shape(x)), jnp.result_type(x)), theta))
+                continue
             unpack = self._unpack(plan, theta)
             bufs = param_adjoint_per_example(plan, prim, lam, batch, examples)
             theta_cts.append(jax.vmap(lambda b, unpack=unpack: unpack(b)[0])(bufs))
@@ -98,17 +120,21 @@ class Calls:
                          for d in self.diff)
         return jax.vmap(lambda cts: self.vjp(cts))(theta_cts)
 
-    def squares(self, batch: int) -> tuple[Callable, Callable]:
+    def squares(self, batch: int | Sequence[int]) -> tuple[Callable, Callable]:
         """Σ_k Σ_b w_kb (J_b* g_k)², elementwise, per differentiated argument, in two parts:
         ``parts(lams, weights)`` for one k (from the calls' adjoints Λ_k), added up over k by the
         caller, and ``total(parts)`` once (outer products' λ-free factors and matrix products are
         formed there, once: `ParamSquares`). Only where each argument leaf is one parameter
         block of one call, as it is (`placed`: squares then commute with the map from the
-        arguments to the blocks)."""
-        maps = [ParamSquares(plan, prim, batch) for plan, prim in zip(self.plans, self.stored)]
+        arguments to the blocks; an argument leaf used by several calls of different examples adds
+        their squares). ``batch``: the batch, or each call's; ``weights`` of ``parts``: w_k, or
+        each call's."""
+        per_call = lambda x: [x if isinstance(batch, int) else x[call] for call in self.solved]
+        maps = [ParamSquares(plan, prim, b) for plan, prim, b in zip(self.plans, self.stored, per_call(batch))]
 
-        def parts(lams: list, weights: jax.Array) -> list:
-            return [m.parts(lam, weights) for m, lam in zip(maps, lams)]
+        def parts(lams: list, weights: jax.Array | Sequence[jax.Array]) -> list:
+            ws = [weights] * len(maps) if isinstance(batch, int) else per_call(weights)
+            return [m.parts(lam, w) for m, lam, w in zip(maps, lams, ws)]
 
         def total(parts: list) -> tuple:
             leaves, treedef = jax.tree.flatten(self.diff)
@@ -264,7 +290,17 @@ def per_example_setup(fun: Callable, args: tuple, nums: tuple[int, ...], engine:
     losses = lambda outs, *d: per_example_losses(split, outs, d)
     batch = jnp.shape(losses(calls.outs, *split.diff))[0]
     g_outs = jax.grad(lambda o: jnp.sum(losses(o, *split.diff)))(calls.outs)
-    return split, calls, losses, batch, calls.adjoints(g_outs, batch)
+    sizes = calls.batches()
+    if len(set(sizes)) <= 1:  # one batch: row b of every call is example b
+        return split, calls, losses, batch, calls.adjoints(g_outs, batch)
+    if sum(sizes) != batch:
+        raise ValueError(f"Per-example quantities of network calls with different batches take each call's "
+                         f"examples as examples, in call order: fun must return {sum(sizes)} losses "
+                         f"(jnp.concatenate of each call's), it returned {batch}; the calls: "
+                         f"{'; '.join(calls.call_names())}.")
+    starts = np.cumsum([0, *sizes])[:-1]
+    calls.spans = [(c, int(start), size) for c, (start, size) in enumerate(zip(starts, sizes))]
+    return split, calls, losses, batch, calls.adjoints(g_outs, sizes)
 
 
 def per_example_losses(split: Split, outs: tuple, diff: tuple) -> jax.Array:
@@ -285,7 +321,10 @@ def per_example_grads(fun: Callable, argnums: int | Sequence[int] = 0, *, engine
     ℓ_b sees only row b of the outputs); then ℳ is applied to each example's rows alone,
     (∂Φ_i/∂θ)* Λ_i[b] — the layer's VJP on one example — and shared and ``Row`` blocks sum the
     contributions of every layer that uses them. Terms of ``fun`` that use the arguments
-    directly are added per example (``jax.jacrev`` of them). Layers that mix examples (batch
+    directly are added per example (``jax.jacrev`` of them). Network calls with different
+    batches (a PINN's interior and boundary points) each bring their own examples: ``fun``
+    returns the losses of all of them, each call's in call order (``jnp.concatenate``), and
+    each loss reads one example of one call. Layers that mix examples (batch
     statistics, attention across the batch) raise a ``ValueError``; networks whose inputs depend
     on the differentiated arguments raise ``NotImplementedError``.
 
@@ -303,7 +342,11 @@ def per_example_grads(fun: Callable, argnums: int | Sequence[int] = 0, *, engine
 
     def run(*args: Any) -> Any:
         split, calls, losses, batch, lams = per_example_setup(fun, args, nums, engine)
-        through_networks = calls.per_example(lams, batch)
+        if calls.spans is None:
+            through_networks = calls.per_example(lams, batch)
+        else:  # each call's examples in turn
+            through_networks = jax.tree.map(lambda *parts: jnp.concatenate(parts), *[
+                calls.per_example(lams, size, only=[call]) for call, _, size in calls.spans])
         direct = jax.jacrev(lambda *d: losses(calls.outs, *d), argnums=tuple(range(len(nums))))(*split.diff)
         grads = tuple(add_trees(a, b) for a, b in zip(direct, through_networks))
         return grads[0] if single else grads
@@ -357,7 +400,16 @@ def squared_grad_norms(split: Split, calls: Calls, losses: Callable, batch: int,
 
     def chunk_squares(start):
         examples = jnp.minimum(start + jnp.arange(size), batch - 1)
-        through = calls.per_example(lams, batch, examples)
+        if calls.spans is None:
+            through = calls.per_example(lams, batch, examples)
+        else:  # each example from its call: the others' rows masked out
+            through = None
+            for call, first, n in calls.spans:
+                local = examples - first
+                inside = (local >= 0) & (local < n)
+                mask = lambda x, inside=inside: jnp.where(inside.reshape((-1,) + (1,) * (x.ndim - 1)), x, 0)
+                part = jax.tree.map(mask, calls.per_example(lams, n, jnp.clip(local, 0, n - 1), only=[call]))
+                through = part if through is None else add_trees(through, part)
         direct = jax.vmap(lambda b: jax.grad(lambda *d: losses(calls.outs, *d)[b], argnums=argnums)(*split.diff))(
             examples)
         total = add_trees(direct, through)
@@ -370,6 +422,6 @@ def squared_grad_norms(split: Split, calls: Calls, losses: Callable, batch: int,
 def ghost_norms(split: Split, calls: Calls, losses: Callable, batch: int) -> list[ParamNorms] | None:
     """The calls' `ParamNorms` where ``fun`` reaches the arguments only through its networks and
     each argument leaf is one block of one call (`Calls.ghost`); else None."""
-    if reaches_outputs(jax.make_jaxpr(lambda *d: losses(calls.outs, *d))(*split.diff).jaxpr):
-        return None
+    if calls.spans is not None or reaches_outputs(jax.make_jaxpr(lambda *d: losses(calls.outs, *d))(*split.diff).jaxpr):
+        return None  # (calls of different batches: the per-example gradients, chunk by chunk)
     return calls.ghost(batch)

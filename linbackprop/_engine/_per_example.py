@@ -337,6 +337,16 @@ class ParamFactors:
                     factors.drop_bias(m)
         return joint
 
+    def drop_joint(self, weight: tuple[int, int]) -> None:
+        """The weight (group, leaf)'s factors without its bias's column (another call using it
+        does not join them)."""
+        self.joint.pop(weight, None)
+        for kind, (*_, factors, _) in zip(self.kinds, self.members):
+            leaves = self._leaves(kind)
+            for m in list(factors.biases):
+                if tuple(leaves[m][1:]) == weight:
+                    factors.drop_bias(m)
+
     def _leaves(self, kind: Kind) -> list[tuple[int, int, int]]:
         """(slot, group, leaf) of each cotangent leaf of a member of ``kind``, in order."""
         return [(p, g, leaf) for p, g in enumerate(kind.param_groups)
