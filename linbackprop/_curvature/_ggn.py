@@ -105,14 +105,15 @@ def ggn_factor(fun: Callable, argnums: int | Sequence[int] = 0, *, rank: int | N
         calls, examples = _hessian_blocks(fun, args, nums, engine, "ggn_factor")
         batches = examples.by_call(examples.batches)
         rows = []
-        for g, (group, lam, vecs) in enumerate(zip(examples.groups, examples.lam, examples.vecs)):
+        lams, vecses = examples.eigen()
+        for g, (group, lam, vecs) in enumerate(zip(examples.groups, lams, vecses)):
             coords = lam.shape[1]
             keep = coords if rank is None else min(rank, coords)
             for k in range(coords - keep, coords):  # eigh's order is ascending: the largest last
                 s = [vecs[:, :, k] * jnp.sqrt(jnp.maximum(lam[:, k], 0.0))[:, None] if h == g
-                     else jnp.zeros(x.shape, x.dtype) for h, x in enumerate(examples.lam)]
-                lams = calls.adjoints(examples.unflatten(s), batches)
-                rows.append(calls.per_example(lams, examples.batches[g], only=group))
+                     else jnp.zeros(x.shape, x.dtype) for h, x in enumerate(lams)]
+                adjoints = calls.adjoints(examples.unflatten(s), batches)
+                rows.append(calls.per_example(adjoints, examples.batches[g], only=group))
         out = jax.tree.map(lambda *r: jnp.concatenate(r, axis=0), *rows)
         return out[0] if single else out
 
@@ -349,15 +350,38 @@ class Examples(NamedTuple):
     outputs all have the same batch size share their examples (row b of every call is example
     b: one group); calls of different batch sizes (a PINN's interior and boundary points) each
     have their own examples, the groups' in call order. Per group: its calls (positions among
-    all calls), B_g, and each example's C_g × C_g block of H as eigenvalues [B_g, C_g] and
-    eigenvectors [B_g, C_g, C_g] (``eigh``: exact for indefinite H); ``unflatten`` maps one
-    [B_g, C_g] matrix per group to cotangents of all the calls' outputs."""
+    all calls), B_g, and each example's C_g × C_g block of H [B_g, C_g, C_g]; ``unflatten``
+    maps one [B_g, C_g] matrix per group to cotangents of all the calls' outputs."""
 
     groups: list[list[int]]
     batches: list[int]
-    lam: list[jax.Array]
-    vecs: list[jax.Array]
+    blocks: list[jax.Array]
     unflatten: Callable
+
+    def eigen(self) -> tuple[list[jax.Array], list[jax.Array]]:
+        """Per group, H_b = Σ_k λ_bk s_bk s_bkᵀ: eigenvalues [B_g, C_g] and eigenvectors
+        [B_g, C_g, C_g] (``eigh``: exact for indefinite H)."""
+        pairs = [jnp.linalg.eigh(h) for h in self.blocks]
+        return [lam for lam, _ in pairs], [vecs for _, vecs in pairs]
+
+    def roots(self) -> list[jax.Array]:
+        """Per group, R_b [B_g, C_g, C_g] with R_b R_bᵀ = H_b's positive part: Cholesky of
+        H_b + δ_b I (δ_b = 8 C ε · max diag H_b: round-off, what a sampled estimate cannot
+        see) where every block is positive semi-definite, the eigendecomposition otherwise —
+        a batch of small Cholesky factorisations costs a fraction of as many ``eigh``."""
+        out = []
+        for h in self.blocks:
+            coords = h.shape[-1]
+            shift = 8 * coords * jnp.finfo(h.dtype).eps * jnp.max(jnp.diagonal(h, axis1=1, axis2=2), axis=1)
+            eye = jnp.eye(coords, dtype=h.dtype)
+            chol = jnp.linalg.cholesky(h + (shift + jnp.finfo(h.dtype).tiny)[:, None, None] * eye)
+
+            def positive_part(h=h) -> jax.Array:
+                lam, vecs = jnp.linalg.eigh(h)
+                return vecs * jnp.sqrt(jnp.maximum(lam, 0.0))[:, None, :]
+
+            out.append(jax.lax.cond(jnp.all(jnp.isfinite(chol)), lambda chol=chol: chol, positive_part))
+        return out
 
     def of_call(self, call: int) -> int:
         """The group of a call (its position among all calls)."""
@@ -399,7 +423,7 @@ def _hessian_blocks(fun: Callable, args: tuple, nums: tuple[int, ...], engine: s
         return treedef.unflatten(out)
 
     _, hvp = jax.linearize(jax.grad(loss), calls.outs)
-    lam, vecs = [], []
+    blocks = []
     for g, (group, batch, (flat, _)) in enumerate(zip(groups, batches, flats)):
         coords = flat.shape[1]
         basis = jnp.broadcast_to(jnp.eye(coords, dtype=flat.dtype)[:, None, :], (coords, batch, coords))
@@ -410,10 +434,8 @@ def _hessian_blocks(fun: Callable, args: tuple, nums: tuple[int, ...], engine: s
                                only=group)[0]
 
         h = jnp.moveaxis(jax.vmap(column)(basis), 0, 2)  # [C(j), B, C(i)] → [B, i, j]
-        values, vectors = jnp.linalg.eigh((h + jnp.swapaxes(h, 1, 2)) / 2)
-        lam.append(values)
-        vecs.append(vectors)
-    return calls, Examples(groups, batches, lam, vecs, unflatten)
+        blocks.append((h + jnp.swapaxes(h, 1, 2)) / 2)
+    return calls, Examples(groups, batches, blocks, unflatten)
 
 
 def _over_columns(share: Callable, examples: Examples, samples: int | None, key: Any, name: str) -> Any:
@@ -423,8 +445,7 @@ def _over_columns(share: Callable, examples: Examples, samples: int | None, key:
     H_b^{1/2} z, z ~ N(0, I), weights 1 (H's positive part: unbiased where H is positive
     semi-definite). One column (or sample) after another: a vmapped solve over the C columns has
     buffers C times as large, which outgrow the caches (slower: docs/performance.md)."""
-    lam, vecs = examples.lam, examples.vecs
-    coords = max(x.shape[1] for x in lam)
+    coords = max(h.shape[1] for h in examples.blocks)
 
     def summed(one: Callable, ks: jax.Array) -> Any:
         init = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), jax.eval_shape(one, ks[0]))
@@ -436,11 +457,12 @@ def _over_columns(share: Callable, examples: Examples, samples: int | None, key:
         return share(s, w)
 
     if samples is None:
+        lam, vecs = examples.eigen()
         return summed(column, jnp.arange(coords))
     if key is None:
         raise ValueError(f"{name}(samples=M) needs a PRNG key: {name}(fun, samples=M, key=jax.random.key(0)).")
-    roots = [v * jnp.sqrt(jnp.maximum(x, 0.0))[:, None, :] for v, x in zip(vecs, lam)]  # H_b⁺ = root rootᵀ
-    ones = [jnp.ones((x.shape[0],), x.dtype) for x in lam]
+    roots = examples.roots()  # H_b⁺ = root rootᵀ
+    ones = [jnp.ones((r.shape[0],), r.dtype) for r in roots]
 
     def sample(k: jax.Array) -> Any:
         keys = jax.random.split(k, len(roots))
