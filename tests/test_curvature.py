@@ -429,3 +429,26 @@ def test_calls_whose_outputs_are_inputs_give_zeros_beside_the_others():
     close(factors["V"], jnp.zeros_like(params["V"]))  # no call uses it: its GGN diagonal is zero
     alone = lambda p, x: jnp.sum(passthrough(p, x) ** 2)  # no call uses a parameter at all
     close(lbp.diag_ggn(alone)(params, x), jax.tree.map(jnp.zeros_like, params))
+
+
+def test_sampling_roots_square_to_the_positive_part_of_each_block():
+    """``samples=M`` draws s = R z with R Rᵀ = H_b's positive part: Cholesky where the blocks are
+    positive semi-definite (up to round-off), the eigendecomposition where one that matters is
+    indefinite; a block at round-off level takes its diagonal's root."""
+    from linbackprop._curvature._ggn import Examples
+
+    rng = np.random.default_rng(5)
+    m = rng.standard_normal((6, 4, 3))
+    psd = jnp.asarray(m @ np.swapaxes(m, 1, 2))  # rank 3 of 4: singular, positive semi-definite
+    positive = lambda h: (lambda w, v: (v * np.maximum(w, 0)[:, None, :]) @ np.swapaxes(v, 1, 2))(*np.linalg.eigh(h))
+    roots = lambda blocks: np.asarray(Examples([[0]], [blocks.shape[0]], [blocks], None).roots()[0])
+    r = roots(psd)
+    np.testing.assert_allclose(r @ np.swapaxes(r, 1, 2), psd, rtol=1e-6, atol=1e-6)
+    indefinite = psd.at[2].set(jnp.diag(jnp.array([1.0, -0.5, 2.0, 0.0])))
+    r = roots(indefinite)
+    np.testing.assert_allclose(r @ np.swapaxes(r, 1, 2), positive(np.asarray(indefinite)), rtol=1e-9, atol=1e-12)
+    # negative beyond the shift but far below √ε of the batch's scale: its diagonal's positive part
+    noise = psd.at[3].set(1e-12 * jnp.diag(jnp.array([1.0, -1.0, 1.0, 1.0])))
+    r = roots(noise)
+    np.testing.assert_allclose(r[3] @ r[3].T, np.diag([1e-12, 0, 1e-12, 1e-12]), rtol=1e-9, atol=1e-20)
+    np.testing.assert_allclose(r[:3] @ np.swapaxes(r[:3], 1, 2), psd[:3], rtol=1e-6, atol=1e-6)

@@ -366,21 +366,30 @@ class Examples(NamedTuple):
 
     def roots(self) -> list[jax.Array]:
         """Per group, R_b [B_g, C_g, C_g] with R_b R_bᵀ = H_b's positive part: Cholesky of
-        H_b + δ_b I (δ_b = 8 C ε · max diag H_b: round-off, what a sampled estimate cannot
-        see) where every block is positive semi-definite, the eigendecomposition otherwise —
-        a batch of small Cholesky factorisations costs a fraction of as many ``eigh``."""
+        H_b + δ_b I, the eigendecomposition only where a block that matters is indefinite — a
+        batch of small Cholesky factorisations costs a fraction of as many ``eigh``. The shift
+        δ_b = C ε · max_b' diag H_b' + C √ε · max diag H_b is round-off at the batch's scale and
+        at the example's. A block below √ε of the batch's scale (an example whose softmax has
+        saturated: H_b of 10⁻¹² computed with larger errors) is noise to a sampled estimate:
+        where its Cholesky fails it takes the square root of its diagonal's positive part."""
         out = []
         for h in self.blocks:
             coords = h.shape[-1]
-            shift = 8 * coords * jnp.finfo(h.dtype).eps * jnp.max(jnp.diagonal(h, axis1=1, axis2=2), axis=1)
-            eye = jnp.eye(coords, dtype=h.dtype)
-            chol = jnp.linalg.cholesky(h + (shift + jnp.finfo(h.dtype).tiny)[:, None, None] * eye)
+            eps = jnp.finfo(h.dtype).eps
+            diagonal = jnp.diagonal(h, axis1=1, axis2=2)
+            largest = jnp.max(diagonal, axis=1)
+            shift = coords * eps * jnp.max(largest) + coords * jnp.sqrt(eps) * largest + jnp.finfo(h.dtype).tiny
+            chol = jnp.linalg.cholesky(h + shift[:, None, None] * jnp.eye(coords, dtype=h.dtype))
+            ok = jnp.all(jnp.isfinite(chol), axis=(1, 2))
+            negligible = largest <= jnp.sqrt(eps) * jnp.max(largest)
+            fallback = jax.vmap(jnp.diag)(jnp.sqrt(jnp.maximum(diagonal, 0.0)))
 
             def positive_part(h=h) -> jax.Array:
                 lam, vecs = jnp.linalg.eigh(h)
                 return vecs * jnp.sqrt(jnp.maximum(lam, 0.0))[:, None, :]
 
-            out.append(jax.lax.cond(jnp.all(jnp.isfinite(chol)), lambda chol=chol: chol, positive_part))
+            cheap = lambda chol=chol, ok=ok, fallback=fallback: jnp.where(ok[:, None, None], chol, fallback)
+            out.append(jax.lax.cond(jnp.all(ok | negligible), cheap, positive_part))
         return out
 
     def of_call(self, call: int) -> int:
