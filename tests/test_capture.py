@@ -457,3 +457,36 @@ def test_per_example_quantities_of_an_nnx_model_with_embedding_and_layer_norm():
     clipped, found_norms = lbp.clipped_grad(losses, 0.5, layers=Block)(model, tokens, targets)
     close(found_norms, norms, tol=1e-5)
     close(clipped, jax.tree.map(lambda g: jnp.tensordot(jnp.minimum(1, 0.5 / norms), g, 1), ref), tol=1e-5)
+
+
+def test_a_marked_function_not_named_in_layers_is_not_a_layer():
+    """``@lbp.layer`` marks a function; only ``layers=`` that names it makes its calls layers. With
+    ``layers=body``, a marked ``head`` is part of the loss: G is the GGN of body's outputs
+    (dense J* H J from jax.jacfwd and jax.hessian), head's weight has no part in it, and the
+    gradient stays jax.grad's."""
+    @lbp.layer
+    def body(p, x):
+        return jnp.tanh(x @ p["W"])
+
+    @lbp.layer
+    def head(p, h):
+        return jnp.tanh(h @ p["V"])
+
+    rng = np.random.default_rng(6)
+    params = {"W": jnp.asarray(rng.standard_normal((3, 4))), "V": jnp.asarray(rng.standard_normal((4, 2)))}
+    x = jnp.asarray(rng.standard_normal((5, 3)))
+    loss = lambda p, x: 0.5 * jnp.sum(head(p, body(p, x)) ** 2)
+    value, grad, G = jax.jit(lbp.gauss_newton(loss, layers=body))(params, x)
+    close((value, grad), jax.value_and_grad(loss)(params, x))
+    from jax.flatten_util import ravel_pytree
+
+    flat, unravel = ravel_pytree(params)
+    jac = jax.jacfwd(lambda f: body(unravel(f), x).ravel())(flat)
+    h = jax.hessian(lambda o: loss_of_head(params, o.reshape(5, 4)))(body(params, x).ravel())
+    close(jax.jit(lambda G: G.todense())(G), jac.T @ h @ jac)
+    assert [layer.name for layer in lbp.capture(loss, params, x, layers=body).net.layers
+            if not layer.name.startswith("glue")] == ["body0"]
+
+
+def loss_of_head(p, h):
+    return 0.5 * jnp.sum(jnp.tanh(h @ p["V"]) ** 2)

@@ -24,6 +24,7 @@ class _Capturing(threading.local):
         self.calls: list[str] | None = None  # while capturing: the display name of each marked call
         self.inside = 0  # depth of marked calls being traced (a layer inside a layer is part of it)
         self.functions: set = set()  # the @layer functions called while capturing
+        self.named: frozenset = frozenset()  # the @layer functions the capture's layers= names
 
 
 CAPTURING = _Capturing()
@@ -49,7 +50,8 @@ def layer(fn: Callable) -> Callable:
 
     @functools.wraps(fn)
     def marked(*args: Any, **kwargs: Any) -> Any:
-        if CAPTURING.calls is None or CAPTURING.inside:
+        # a layer only where the capture's layers= names it: elsewhere fn itself (part of the glue or the loss)
+        if CAPTURING.calls is None or CAPTURING.inside or marked not in CAPTURING.named:
             return fn(*args, **kwargs)
         CAPTURING.functions.add(marked)
         return _opaque(lambda: fn(*args, **kwargs), getattr(fn, "__name__", "layer"))

@@ -131,14 +131,14 @@ def _program(flat: Callable, diff: list, rest: list, entries: tuple, names: list
     """The Program of ``flat(diff, rest)`` traced with the calls of ``entries`` marked (cached per
     captured jaxpr), and the shape of its result."""
     patched = Patched(entries)
-    saved = CAPTURING.calls, CAPTURING.functions
-    CAPTURING.calls, CAPTURING.functions = [], set()
+    saved = CAPTURING.calls, CAPTURING.functions, CAPTURING.named
+    CAPTURING.calls, CAPTURING.functions, CAPTURING.named = [], set(), frozenset(patched.functions)
     try:
         with patched, settings_changed(capture=next(capture_numbers)):  # its own jit key (Settings.capture)
             closed, shape = jax.make_jaxpr(flat, return_shape=True)(diff, rest)
         calls, functions = tuple(CAPTURING.calls), CAPTURING.functions
     finally:
-        CAPTURING.calls, CAPTURING.functions = saved
+        CAPTURING.calls, CAPTURING.functions, CAPTURING.named = saved
     never = [c.__qualname__ for c in patched.classes if c not in patched.seen]
     never += [getattr(f, "__qualname__", repr(f)) for f in patched.functions if f not in functions]
     if never:
