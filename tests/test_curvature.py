@@ -435,7 +435,7 @@ def test_sampling_roots_square_to_the_positive_part_of_each_block():
     """``samples=M`` draws s = R z with R Rᵀ = H_b's positive part: Cholesky where the blocks are
     positive semi-definite (up to round-off), the eigendecomposition where one that matters is
     indefinite; a block at round-off level takes its diagonal's root."""
-    from linbackprop._curvature._ggn import Examples
+    from linbackprop._curvature._examples import Examples
 
     rng = np.random.default_rng(5)
     m = rng.standard_normal((6, 4, 3))

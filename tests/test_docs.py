@@ -15,7 +15,8 @@ import pytest
 import linbackprop as lbp
 
 MODULES = ["_capture._marks", "_capture._program", "_capture._rewrite", "_curvature._clipping",
-           "_curvature._gauss_newton", "_curvature._ggn", "_curvature._per_example", "_graph", "_interop",
+           "_curvature._gauss_newton", "_curvature._ggn", "_curvature._kfac", "_curvature._per_example", "_graph",
+           "_interop",
            "_laplacian",
            "_operators", "_optim._gauss_newton", "_optim._kfac", "_optim._scale_by_kfac", "_pictures",
            "_transforms"]

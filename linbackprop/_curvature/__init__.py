@@ -13,12 +13,14 @@ use that the leading axis of every state is the batch: one back substitution ser
 example, and ℳ is applied to each example's rows alone.
 
 Modules: `_split` (``fun`` as model and loss), `_gauss_newton`, `_per_example` (and the
-norms: `_ghost`), `_ggn` (the GGN diagonal, K-FAC), `_clipping` (DP-SGD's clipped sum).
+norms: `_ghost`), `_examples` (the examples and H's blocks), `_ggn` (the GGN diagonal and its
+factor), `_kfac` (K-FAC's factors), `_clipping` (DP-SGD's clipped sum).
 """
 
 from ._clipping import clipped_grad
 from ._gauss_newton import GaussNewton, gauss_newton
-from ._ggn import BiasOf, Kronecker, diag_ggn, ggn_factor, kfac_factors
+from ._ggn import diag_ggn, ggn_factor
+from ._kfac import BiasOf, Kronecker, kfac_factors
 from ._per_example import per_example_grad_norms, per_example_grads
 
 __all__ = ["BiasOf", "GaussNewton", "Kronecker", "clipped_grad", "diag_ggn", "gauss_newton", "ggn_factor",

@@ -1,0 +1,231 @@
+"""The examples of a loss's network calls and each one's block of H = ∂²ℓ/∂(outputs)²: the forward
+pass with residuals, the blocks factored (exactly, or as square roots for sampling), and the sum
+over H's columns that the GGN diagonal, its factor and K-FAC's factors share.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .._graph import Stack
+from .._outer import weighted_square_sum
+from ._per_example import Calls
+from ._split import Split
+
+
+class Examples(NamedTuple):
+    """The examples of ``fun``'s network calls and each one's block of H, factored. Calls whose
+    outputs all have the same batch size share their examples (row b of every call is example
+    b: one group); calls of different batch sizes (a PINN's interior and boundary points) each
+    have their own examples, the groups' in call order. Per group: its calls (positions among
+    all calls), B_g, and each example's C_g × C_g block of H [B_g, C_g, C_g]; ``unflatten``
+    maps one [B_g, C_g] matrix per group to cotangents of all the calls' outputs."""
+
+    groups: list[list[int]]
+    batches: list[int]
+    blocks: list[jax.Array]
+    unflatten: Callable
+
+    def eigen(self) -> tuple[list[jax.Array], list[jax.Array]]:
+        """Per group, H_b = Σ_k λ_bk s_bk s_bkᵀ: eigenvalues [B_g, C_g] and eigenvectors
+        [B_g, C_g, C_g] (``eigh``: exact for indefinite H)."""
+        pairs = [jnp.linalg.eigh(h) for h in self.blocks]
+        return [lam for lam, _ in pairs], [vecs for _, vecs in pairs]
+
+    def roots(self) -> list[jax.Array]:
+        """Per group, R_b [B_g, C_g, C_g] with R_b R_bᵀ = H_b's positive part: Cholesky of
+        H_b + δ_b I, the eigendecomposition only where a block that matters is indefinite — a
+        batch of small Cholesky factorisations costs a fraction of as many ``eigh``. The shift
+        δ_b = C ε · max_b' diag H_b' + C √ε · max diag H_b is round-off at the batch's scale and
+        at the example's. A block below √ε of the batch's scale (an example whose softmax has
+        saturated: H_b of 10⁻¹² computed with larger errors) is noise to a sampled estimate:
+        where its Cholesky fails it takes the square root of its diagonal's positive part."""
+        out = []
+        for h in self.blocks:
+            coords = h.shape[-1]
+            eps = jnp.finfo(h.dtype).eps
+            diagonal = jnp.diagonal(h, axis1=1, axis2=2)
+            largest = jnp.max(diagonal, axis=1)
+            shift = coords * eps * jnp.max(largest) + coords * jnp.sqrt(eps) * largest + jnp.finfo(h.dtype).tiny
+            chol = jnp.linalg.cholesky(h + shift[:, None, None] * jnp.eye(coords, dtype=h.dtype))
+            ok = jnp.all(jnp.isfinite(chol), axis=(1, 2))
+            negligible = largest <= jnp.sqrt(eps) * jnp.max(largest)
+            fallback = jax.vmap(jnp.diag)(jnp.sqrt(jnp.maximum(diagonal, 0.0)))
+
+            def positive_part(h=h) -> jax.Array:
+                lam, vecs = jnp.linalg.eigh(h)
+                return vecs * jnp.sqrt(jnp.maximum(lam, 0.0))[:, None, :]
+
+            cheap = lambda chol=chol, ok=ok, fallback=fallback: jnp.where(ok[:, None, None], chol, fallback)
+            out.append(jax.lax.cond(jnp.all(ok | negligible), cheap, positive_part))
+        return out
+
+    def of_call(self, call: int) -> int:
+        """The group of a call (its position among all calls)."""
+        return next(g for g, members in enumerate(self.groups) if call in members)
+
+    def by_call(self, per_group: list) -> list:
+        """A per-group list as one entry per call (position among all calls)."""
+        return [per_group[self.of_call(c)] for c in range(sum(len(g) for g in self.groups))]
+
+
+def hessian_blocks(fun: Callable, args: tuple, nums: tuple[int, ...], engine: str, name: str
+                    ) -> tuple[Calls, Examples]:
+    """The forward pass of ``fun``'s network calls with residuals (`Calls`) and their examples
+    with H's blocks factored (`Examples`). H is taken block diagonal over the examples: ``fun``
+    is a sum (or mean) of terms that each read one example of one call — what the transforms
+    built on this assume."""
+    split = Split(fun, args, nums, False)
+    calls = Calls(split, engine)
+    loss = lambda o: split.loss(o, *split.diff)[0]
+    if jnp.ndim(loss(calls.outs)) != 0:
+        raise ValueError(f"{name} needs fun to return a scalar loss (a sum or mean over examples).")
+    sizes = [_batch_of(calls, name, only=c) for c in range(len(calls.nets))]
+    if not sizes:
+        raise ValueError(f"{name} needs at least one network call with an output.")
+    groups = [list(range(len(sizes)))] if len(set(sizes)) == 1 else [[c] for c in range(len(sizes))]
+    batches = [sizes[g[0]] for g in groups]
+    flats = [_by_example(calls, b, name, only=g) for g, b in zip(groups, batches)]
+    leaves, treedef = jax.tree.flatten(calls.outs)
+    owner = [c for c, out in enumerate(calls.outs) for _ in jax.tree.leaves(out)]  # each leaf's call
+
+    def unflatten(per_group: list) -> Any:
+        out = [jnp.zeros(np.shape(x), jnp.result_type(x)) for x in leaves]
+        for (_, back), group, flat in zip(flats, groups, per_group):
+            part = jax.tree.leaves(back(flat))
+            at = iter(part)
+            for n, c in enumerate(owner):
+                if c in group:
+                    out[n] = next(at)
+        return treedef.unflatten(out)
+
+    _, hvp = jax.linearize(jax.grad(loss), calls.outs)
+    blocks = []
+    for g, (group, batch, (flat, _)) in enumerate(zip(groups, batches, flats)):
+        coords = flat.shape[1]
+        basis = jnp.broadcast_to(jnp.eye(coords, dtype=flat.dtype)[:, None, :], (coords, batch, coords))
+        zeros = [jnp.zeros((b, f.shape[1]), f.dtype) for b, (f, _) in zip(batches, flats)]
+
+        def column(e, g=g, group=group, batch=batch, zeros=zeros):
+            return _by_example(calls, batch, name, hvp(unflatten([e if i == g else z for i, z in enumerate(zeros)])),
+                               only=group)[0]
+
+        h = jnp.moveaxis(jax.vmap(column)(basis), 0, 2)  # [C(j), B, C(i)] → [B, i, j]
+        blocks.append((h + jnp.swapaxes(h, 1, 2)) / 2)
+    return calls, Examples(groups, batches, blocks, unflatten)
+
+
+def over_columns(share: Callable, examples: Examples, samples: int | None, key: Any, name: str) -> Any:
+    """Σ_k share(s_k, w_k) over H's factor, s_k and w_k one [B_g, C_g] matrix and one [B_g]
+    vector per group of examples: the eigenvectors s_k with weights λ_k (exact; a group with
+    fewer coordinates than k gives zeros), or with ``samples=M`` the mean over M samples s =
+    H_b^{1/2} z, z ~ N(0, I), weights 1 (H's positive part: unbiased where H is positive
+    semi-definite). One column (or sample) after another: a vmapped solve over the C columns has
+    buffers C times as large, which outgrow the caches (slower: docs/performance.md)."""
+    coords = max(h.shape[1] for h in examples.blocks)
+
+    def summed(one: Callable, ks: jax.Array) -> Any:
+        init = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), jax.eval_shape(one, ks[0]))
+        return jax.lax.scan(lambda acc, k: (jax.tree.map(jnp.add, acc, one(k)), None), init, ks)[0]
+
+    def column(k: jax.Array) -> Any:
+        s = [jnp.where(k < v.shape[2], v[:, :, jnp.minimum(k, v.shape[2] - 1)], 0) for v in vecs]
+        w = [jnp.where(k < x.shape[1], x[:, jnp.minimum(k, x.shape[1] - 1)], 0) for x in lam]
+        return share(s, w)
+
+    if samples is None:
+        lam, vecs = examples.eigen()
+        return summed(column, jnp.arange(coords))
+    if key is None:
+        raise ValueError(f"{name}(samples=M) needs a PRNG key: {name}(fun, samples=M, key=jax.random.key(0)).")
+    roots = examples.roots()  # H_b⁺ = root rootᵀ
+    ones = [jnp.ones((r.shape[0],), r.dtype) for r in roots]
+
+    def sample(k: jax.Array) -> Any:
+        keys = jax.random.split(k, len(roots))
+        return share([jnp.einsum("bij,bj->bi", r, jax.random.normal(kk, r.shape[:2], r.dtype))
+                      for r, kk in zip(roots, keys)], ones)
+
+    return jax.tree.map(lambda d: d / samples, summed(sample, jax.random.split(key, samples)))
+
+
+def _batch_of(calls: Calls, name: str, only: int | None = None) -> int:
+    """The batch: the leading axis of the first output state (axis 1 of a Stack) of the calls, or
+    of call ``only``; ``name``: the transform asking (for its errors)."""
+    for c, (net, outs) in enumerate(zip(calls.nets, calls.outs)):
+        if only is not None and c != only:
+            continue
+        for item, value in zip(net.output_spec, (outs,) if net.single_output else outs):
+            for leaf in jax.tree.leaves(value):
+                return int(np.shape(leaf)[1 if isinstance(item, Stack) else 0])
+    raise ValueError(f"{name} needs at least one network call with an output.")
+
+
+def _by_example(calls: Calls, batch: int, name: str, outs: Any = None, only: list[int] | None = None
+                ) -> tuple[jax.Array, Callable]:
+    """The outputs of the calls ``only`` names (all by default) as [B, C] (each leaf's batch axis
+    first: axis 0 of a state, axis 1 of a Stack), and the map back from such a matrix to those
+    calls' output leaves (a flat list, in order)."""
+    outs = calls.outs if outs is None else outs
+    members = range(len(calls.nets)) if only is None else only
+    leaves = [x for c in members for x in jax.tree.leaves(outs[c])]
+    axes = _batch_axes(calls, batch, name, members)
+    moved = [jnp.moveaxis(x, ax, 0).reshape(batch, -1) for x, ax in zip(leaves, axes)]
+    sizes = np.cumsum([m.shape[1] for m in moved])[:-1]
+    shapes = [jnp.moveaxis(x, ax, 0).shape for x, ax in zip(leaves, axes)]
+
+    def unflatten(flat):
+        parts = jnp.split(flat, sizes, axis=1)
+        return [jnp.moveaxis(p.reshape(s), 0, ax) for p, s, ax in zip(parts, shapes, axes)]
+
+    return jnp.concatenate(moved, axis=1), unflatten
+
+
+def _batch_axes(calls: Calls, batch: int, name: str, members: Any = None) -> list[int]:
+    axes = []
+    for c, (net, outs) in enumerate(zip(calls.nets, calls.outs)):
+        if members is not None and c not in members:
+            continue
+        items = (outs,) if net.single_output else outs
+        for item, value in zip(net.output_spec, items):
+            ax = 1 if isinstance(item, Stack) else 0
+            for leaf in jax.tree.leaves(value):
+                if np.ndim(leaf) <= ax or np.shape(leaf)[ax] != batch:
+                    raise ValueError(f"{name}: an output of {net!r} has shape {np.shape(leaf)}, without the "
+                                     f"batch ({batch}) on axis {ax}; every state's leading axis must be the batch.")
+                axes.append(ax)
+    return axes
+
+
+def ggn_squares(calls: Calls, examples: Examples) -> tuple[Callable, Callable]:
+    """The GGN diagonal's share of one column of H's factor and its total:
+    ``share(s, weights[, lams])`` (per group; ``lams`` the calls' adjoints of s, computed where
+    not given) and ``total``. As matrix products where each argument leaf is a parameter block
+    of the calls as it is and the calls that share one have different examples (`ParamSquares`:
+    the calls' squares add up); else from the per-example gradients, squared, group by group."""
+    batches = examples.by_call(examples.batches)
+    groups_of: dict[int, list[int]] = {}
+    for call, place in zip(calls.solved, calls.placement):
+        for at in place:
+            groups_of.setdefault(at, []).append(examples.of_call(call))
+    separable = (all(None not in place for place in calls.placement)
+                 and all(len(set(gs)) == len(gs) for gs in groups_of.values()))
+    adjoints = lambda s, lams: calls.adjoints(examples.unflatten(s), batches) if lams is None else lams
+    if separable:
+        parts, total = calls.squares(batches)
+        return (lambda s, weights, lams=None: parts(adjoints(s, lams), examples.by_call(weights))), total
+
+    def share(s: list, weights: list, lams: list | None = None) -> Any:
+        lams = adjoints(s, lams)
+        out = None
+        for group, batch, w in zip(examples.groups, examples.batches, weights):
+            part = jax.tree.map(lambda g, w=w: weighted_square_sum(g, w), calls.per_example(lams, batch, only=group))
+            out = part if out is None else jax.tree.map(jnp.add, out, part)
+        return out
+
+    return share, lambda acc: acc

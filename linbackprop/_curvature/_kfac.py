@@ -1,0 +1,214 @@
+"""K-FAC's factors of the generalised Gauss–Newton matrix: a Kronecker pair per dense weight (its
+bias in its block), per call of the loss that uses it, and the other leaves' GGN diagonal, from
+the same back substitutions as the diagonal's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any, Literal, NamedTuple
+
+import jax
+
+from .._engine import ParamFactors
+from .._settings import Engine
+from ._examples import ggn_squares, hessian_blocks, over_columns
+from ._split import normalise_argnums, on_model
+
+
+class Kronecker(NamedTuple):
+    """K-FAC factors of one parameter leaf W: its block of G ≈ left ⊗ right, W read row-major as
+    a [left.shape[-1], right.shape[-1]] matrix (a dense layer's W of shape [in, out] in u @ W:
+    left the input side, [in, in], right the output side, [out, out]; a ``Row``-stacked block
+    has one pair per row, stacked on a leading axis). With its bias in the block (a
+    [`BiasOf`][linbackprop.BiasOf] at the bias) the input side has one more row and column:
+    [W; b] is the matrix. For symmetric factors
+    (left ⊗ right)⁻¹ vec(X) = vec(left⁻¹ X right⁻¹): K-FAC's preconditioned gradient.
+
+    Examples:
+        >>> import jax.numpy as jnp, linbackprop as lbp
+        >>> f = lbp.Kronecker(left=jnp.diag(jnp.array([1.0, 2.0])), right=jnp.array([[4.0]]))
+        >>> (jnp.linalg.solve(f.left, jnp.ones((2, 1))) @ jnp.linalg.inv(f.right)).ravel().tolist()
+        [0.25, 0.125]
+    """
+
+    left: jax.Array
+    right: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class BiasOf:
+    """What [`kfac_factors`][linbackprop.kfac_factors] gives at a bias that shares its weight's
+    Kronecker block: the weight's factors carry a column of ones for it (kfac-jax's and
+    curvlinops' joint block). With W of shape [in, out] in ``x @ W + b``, the block is the
+    [in + 1, out] matrix [W; b] (the bias's row last), read row-major: ``left`` has the ones
+    column (``side="left"``: A = (1/N) Σ [x, 1]ᵀ[x, 1]), ``right`` is Γ. Where the weight is
+    the product's left operand (``W @ x``, W [out, in]) the block is [W, b] and ``side`` is
+    "right". No arrays: a static pytree node (``jax.tree.map`` passes over it).
+
+    Attributes:
+        weight: the weight leaf's path in the differentiated arguments
+            (``jax.tree_util.keystr`` of it, as ``jax.tree_util.tree_flatten_with_path`` gives).
+        side: which factor of the weight's pair has the bias's row and column, last.
+
+    Examples:
+        >>> import jax.numpy as jnp, linbackprop as lbp
+        >>> dense = lambda th, x: jnp.tanh(x @ th[0] + th[1])
+        >>> net = lbp.Network([lbp.Layer("y", dense, ("x",), ("W", "b"))], ["x"], "y")
+        >>> loss = lambda p, x: 0.5 * jnp.sum(net(p, x) ** 2)
+        >>> f = lbp.kfac_factors(loss)({"W": jnp.zeros((2, 1)), "b": jnp.zeros(1)}, jnp.array([[1.0, 2.0]]))
+        >>> f["b"], f["W"].left.tolist()             # [x, 1]ᵀ[x, 1] for x = (1, 2)
+        (BiasOf(weight="['W']", side='left'), [[1.0, 2.0, 1.0], [2.0, 4.0, 2.0], [1.0, 2.0, 1.0]])
+    """
+
+    weight: str
+    side: Literal["left", "right"]
+
+
+jax.tree_util.register_static(BiasOf)
+
+
+def kfac_factors(fun: Callable, argnums: int | Sequence[int] = 0, *, engine: Engine = "auto",
+                 samples: int | None = None, key: jax.Array | None = None, layers: Any = None,
+                 approximation: Literal["expand", "reduce"] = "expand") -> Callable:
+    """K-FAC factors of G = J* H J, shaped like the arguments ``argnums`` names: a
+    [`Kronecker`][linbackprop.Kronecker] pair at each parameter leaf whose every use is a dense product (its
+    per-example cotangent x_bᵀ δ_b, a ``dot_general`` of one example's operands, contracted
+    positions of a sequence summed); a bias added after such a product (its cotangent Σ_t δ_t,
+    x W + b) joins its weight's block, as in kfac-jax and curvlinops: the weight's λ-free factor
+    is A = (1/N) Σ [x, 1]ᵀ[x, 1] (a column of zeros for uses without the bias) and the bias's
+    entry is a [`BiasOf`][linbackprop.BiasOf] naming the weight. Every other leaf (norm scales
+    and shifts, a gather, a bias shared by two products) gets its exact GGN diagonal, shaped
+    like the leaf, from the same back substitutions (as [`diag_ggn`][linbackprop.diag_ggn] would
+    give it: no second curvature pass).
+
+        G_W ≈ A ⊗ Γ,   A = (1/N) Σ_b Σ_t x_btᵀ x_bt,   Γ = Σ_k Σ_b Σ_t λ_bk δ_btkᵀ δ_btk
+
+    over the examples b, the layers and positions t that use W (N terms: K-FAC "expand", for
+    shared weights, RNNs and tied embeddings alike) and the columns of each example's factored H
+    (as [`diag_ggn`][linbackprop.diag_ggn]: λ_bk, s_bk from ``eigh``, δ_bk from one back substitution for all
+    examples per k; with ``samples=M`` and a PRNG ``key``, M sampled columns instead). Exact for
+    one example and one use. ``approximation="reduce"`` (Eschenhagen et al. 2023) sums each
+    example's R uses first, x̄_b = Σ_t x_bt and δ̄_bk = Σ_t δ_btk:
+
+        A = (1/(B R²)) Σ_b x̄_bᵀ x̄_b,   Γ = Σ_k Σ_b λ_bk δ̄_bkᵀ δ̄_bk
+
+    — for a weight shared where the loss is one term per example (pooled sequences, a PINN's
+    operator), as "expand" is for one term per use. ``fun`` returns a scalar loss that is a sum (or mean) over examples;
+    each argument leaf must be one parameter block as it is (not transformed before the network
+    uses it). Layers that mix examples raise a ``ValueError``.
+
+    Examples:
+        >>> import jax.numpy as jnp, linbackprop as lbp
+        >>> net = lbp.Network([lbp.Layer("y", lambda th, x: x @ th[0], ("x",), ("W",))], ["x"], "y")
+        >>> loss = lambda p, x: 0.5 * jnp.sum(net(p, x) ** 2)
+        >>> f = lbp.kfac_factors(loss)({"W": jnp.ones((2, 1))}, jnp.array([[1.0, 2.0]]))["W"]
+        >>> f.left.tolist(), f.right.tolist()                   # one example: exact, x xᵀ ⊗ 1
+        ([[1.0, 2.0], [2.0, 4.0]], [[1.0]])
+    """
+    if approximation not in ("expand", "reduce"):
+        raise ValueError(f"kfac_factors(approximation={approximation!r}): use 'expand' (every use of a weight a "
+                         "term) or 'reduce' (each example's uses summed first).")
+    if layers is not None:
+        return on_model(lambda f, a: kfac_factors(f, a, engine=engine, samples=samples, key=key,
+                                                  approximation=approximation), fun, argnums, layers)
+    nums, single = normalise_argnums(argnums)
+
+    def run(*args: Any) -> Any:
+        calls, examples = hessian_blocks(fun, args, nums, engine, "kfac_factors")
+        if any(None in place for place in calls.placement):
+            raise NotImplementedError(
+                "kfac_factors needs each differentiated argument leaf to be one parameter block of the network "
+                "calls, as it is (here parameters are transformed before a network uses them); use diag_ggn or "
+                "gauss_newton for such parameters.")
+        batches = examples.by_call(examples.batches)
+        maps = [ParamFactors(plan, prim, batches[call], reduce=approximation == "reduce")
+                for plan, prim, call in zip(calls.plans, calls.stored, calls.solved)]
+        paths, treedef = jax.tree_util.tree_flatten_with_path(calls.diff)
+        keys = [jax.tree_util.keystr(path[1:] if single else path) for path, _ in paths]
+        where = [functools.partial(_placed, plan, theta, place)
+                 for plan, theta, place in zip(calls.plans, calls.thetas, calls.placement)]
+        factored, joint = _agreed(maps, where, calls.placement)
+        # the other leaves' GGN diagonal from the same back substitutions (no second curvature pass)
+        squares = ggn_squares(calls, examples) if len(factored) + len(joint) < len(paths) else None
+
+        def share(s: list, weights: list) -> tuple:
+            lams = calls.adjoints(examples.unflatten(s), batches)
+            by_call = examples.by_call(weights)
+            parts = [m.parts(lam_c, by_call[call]) for m, lam_c, call in zip(maps, lams, calls.solved)]
+            return parts, None if squares is None else squares[0](s, weights, lams)
+
+        summed, summed_squares = over_columns(share, examples, samples, key, "kfac_factors")
+        result: list[Any] = ([None] * len(paths) if squares is None
+                             else list(jax.tree.leaves(squares[1](summed_squares))))
+        terms: dict[int, list[Kronecker]] = {}
+        for m, part, placed in zip(maps, summed, where):
+            for g, pairs in m.total(part).items():
+                for leaf, pair in enumerate(pairs):
+                    if pair is None:
+                        continue
+                    for row, at in placed(g, leaf).items():
+                        if at in factored:
+                            term = Kronecker(*(pair if row is None else (f[row] for f in pair)))
+                            terms.setdefault(at, []).append(term)
+        for at, found in terms.items():  # a leaf several calls use: a pair per call (a term each)
+            result[at] = found[0] if len(found) == 1 else tuple(found)
+        for bias, (weight, side) in joint.items():
+            result[bias] = BiasOf(keys[weight], side)
+        out = tuple(jax.tree.unflatten(treedef, result))
+        return out[0] if single else out
+
+    return run
+
+
+def _agreed(maps: list, where: list, placement: list) -> tuple[set[int], dict[int, tuple[int, str]]]:
+    """Which argument leaves get Kronecker terms (those that every call using them factors), and
+    which are biases joined to a weight's block (bias → (weight, side)): where every call that
+    uses either joins them, on the same side; elsewhere the calls' joint columns are dropped."""
+    users: dict[int, set[int]] = {}
+    for c, place in enumerate(placement):
+        for at in place:
+            users.setdefault(at, set()).add(c)
+    factored_by: dict[int, set[int]] = {}
+    claims: dict[int, set] = {}
+    for c, (m, placed) in enumerate(zip(maps, where)):
+        for key in m.layouts:
+            weights = placed(*key)
+            for at in weights.values():
+                factored_by.setdefault(at, set()).add(c)
+            if key in m.joint:
+                (bias_key, row_map), side = m.joint[key], "left" if m.layouts[key][0] else "right"
+                biases = placed(*bias_key)
+                for row, at in weights.items():
+                    claims.setdefault(at, set()).add((biases[None if row is None else row_map[row]], side, c))
+    factored = {at for at, by in factored_by.items() if by == users[at]}
+    joint = {}
+    for weight in factored:
+        found = claims.get(weight, set())
+        pairs = {(bias, side) for bias, side, _ in found}
+        if len(pairs) == 1 and {c for *_, c in found} == users[weight]:
+            (bias, side), = pairs
+            if users[bias] == users[weight] and bias not in factored:
+                joint[bias] = (weight, side)
+    kept = {(weight, bias) for bias, (weight, _) in joint.items()}
+    for m, placed in zip(maps, where):  # a call's joint column no other call agrees with
+        for key in list(m.joint):
+            (bias_key, row_map) = m.joint[key]
+            weights, biases = placed(*key), placed(*bias_key)
+            if any((at, biases[None if row is None else row_map[row]]) not in kept or at not in factored
+                   for row, at in weights.items()):
+                m.drop_joint(key)
+    return factored, joint
+
+
+def _placed(plan: Any, theta: Any, place: list[int], g: int, leaf: int) -> dict:
+    """Row → index among the differentiated arguments' leaves, for a parameter group's leaf: a
+    stacked block's factors are its own (rows stacked: row None); in a group of blocks row r is
+    block r's."""
+    position = {id(x): n for n, x in enumerate(jax.tree.leaves(theta))}
+    group = plan.param_groups[g]
+    diff = [n for n, d in enumerate(group.diff_leaves) if d]
+    rows = [(None, group.names[0])] if group.stacked_rows is not None else list(enumerate(group.names))
+    return {row: place[position[id(jax.tree.leaves(theta[name])[diff[leaf]])]] for row, name in rows}
