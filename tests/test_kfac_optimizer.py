@@ -265,3 +265,39 @@ def test_clear_errors():
     for kwargs in ({"damping": 0.0}, {"decay": 1.0}, {"update_every": 0}, {"damping_decay": 1.5}):
         with pytest.raises(ValueError, match="kfac"):
             lbp.kfac(**kwargs)
+
+
+def test_an_rnn_with_a_shared_weight_and_a_norm_trains_with_the_factors_alone():
+    """h_t = tanh(LN(h A + x_t B + c) γ), the weights shared by every step: A and B get Kronecker
+    pairs (every step a term), c (added after two products) and the norm's γ their GGN diagonal
+    from the same kfac_factors pass — no diag_ggn — and lbp.kfac trains it under one jit."""
+    T, B, D, W = 5, 16, 3, 6
+    norm = lambda z: (z - z.mean(-1, keepdims=True)) / jnp.sqrt(z.var(-1, keepdims=True) + 1e-3)
+    cell = lambda th, h, x: jnp.tanh(norm(h @ th[0] + x @ th[1] + th[2]) * th[3])
+    net = lbp.Network([lbp.Layer(t, cell, (t - 1, lbp.Row("xs", t - 1)), ("A", "B", "c", "g")) for t in range(1, T + 1)]
+                      + [lbp.Layer("y", lambda th, h: h @ th[0], (T,), ("V",))], [0, "xs"], "y")
+    rng = np.random.default_rng(8)
+    r = lambda *s: jnp.asarray(0.5 * rng.standard_normal(s))
+    params = {"A": r(W, W), "B": r(D, W), "c": r(W), "g": 1.0 + r(W), "V": r(W, 2)}
+    h0, xs = jnp.zeros((B, W)), r(T, B, D)
+    y = jnp.sin(xs.sum(0)[:, :2])
+    loss = lambda p: 0.5 * jnp.mean((net(p, h0, xs) - y) ** 2)
+    factors = jax.jit(lbp.kfac_factors(loss))(params)
+    assert all(isinstance(factors[k], lbp.Kronecker) for k in ("A", "B", "V"))
+    diagonal = jax.jit(lbp.diag_ggn(loss))(params)
+    for k in ("c", "g"):  # the same pass's diagonal is diag_ggn's
+        close(factors[k], diagonal[k])
+    opt = lbp.kfac(damping=1e-3)
+
+    @jax.jit
+    def step(params, state):
+        value, grad, G = lbp.gauss_newton(loss)(params)
+        updates, state = opt.update(grad, state, params, factors=lbp.kfac_factors(loss)(params), curvature=G,
+                                    value=value, value_fn=lambda p, **_: loss(p))
+        return optax.apply_updates(params, updates), state, value
+
+    state, values = opt.init(params), []
+    for _ in range(20):
+        params, state, value = step(params, state)
+        values.append(float(value))
+    assert all(np.isfinite(values)) and values[-1] < 0.02 * values[0], values  # 0.33 → 0.0034 measured
