@@ -56,7 +56,7 @@ def _outer_source(jaxpr: Any, var: Any, summed: bool = False) -> tuple[Any, list
     return None
 
 
-def _evaluate(jaxpr: Any, consts: list, args: list, wanted: list) -> list:
+def evaluate(jaxpr: Any, consts: list, args: list, wanted: list) -> list:
     """The values of ``wanted`` variables of ``jaxpr`` at ``args``, evaluating only what they need."""
     needed = {v for v in wanted if not isinstance(v, Literal)}
     eqns = []
@@ -99,13 +99,13 @@ class SquareSums:
             self.closed: Any = closed
             wanted = [v for v, src in zip(jaxpr.outvars, self.sources) if src is None]
             wanted += [u for src in self.sources if src is not None for u in src[0].invars]
-            jax.eval_shape(lambda a: _evaluate(jaxpr, closed.consts, a, wanted), list(example_args))  # evaluable
+            jax.eval_shape(lambda a: evaluate(jaxpr, closed.consts, a, wanted), list(example_args))  # evaluable
         except (AttributeError, TypeError, KeyError, ValueError, NotImplementedError):
             self.closed = None  # JAX's jaxpr internals changed: every cotangent formed per example
 
     def _values(self, batched_args: list, in_axes: list, wanted: list) -> list:
         closed = self.closed
-        return jax.vmap(lambda a: _evaluate(closed.jaxpr, closed.consts, a, wanted), in_axes=(in_axes,))(
+        return jax.vmap(lambda a: evaluate(closed.jaxpr, closed.consts, a, wanted), in_axes=(in_axes,))(
             list(batched_args))
 
     def parts(self, batched_args: list, in_axes: list, weights: jax.Array) -> list:
@@ -160,7 +160,7 @@ def depending(jaxpr: Any, varying: list[bool]) -> set:
     return moving
 
 
-def _first_operand(eqn: Any, path: list[Any]) -> int | None:
+def first_operand(eqn: Any, path: list[Any]) -> int | None:
     """Which operand of the product (0: lhs, 1: rhs) holds the leading axes of the leaf the
     ``path`` makes of it, where the leaf, read row-major, is the product's two groups of free
     axes one after the other (the Kronecker layout); None where the path mixes them."""
@@ -187,235 +187,7 @@ def _first_operand(eqn: Any, path: list[Any]) -> int | None:
     return labels[0]
 
 
-class OuterFactors:
-    """Kronecker factors of cotangent leaves that are products of one example's operands, x_bᵀ y_b
-    (a ``dot_general`` without batch axes, the contracted axes summed: positions of a sequence),
-    or sums of such products (a weight used several times in one layer), with y linear in the
-    adjoint (the arguments marked ``varying``):
-
-        Σ_b vec(x_bᵀ y_b) vec(x_bᵀ y_b)ᵀ  ≈  (1/N) (Σ_b x_bᵀ x_b) ⊗ (Σ_b y_bᵀ y_b)
-
-    (K-FAC; exact for one example and one position; N counts the (example, position) terms, each
-    use in a sum counted: K-FAC "expand"). `example_sums` gives what K-FAC "reduce" needs
-    instead: each example's operands summed over its uses and positions.
-    `parts` forms Σ_b w_b y_bᵀ y_b for one (adjoint, weights) — parts add up over the GGN's
-    columns k — and `total` the λ-free Σ_b x_bᵀ x_b once; `layout` says in which
-    order they make the leaf's Kronecker product. Leaves that are no such product (and all
-    leaves, should JAX's jaxpr internals change) get no factors."""
-
-    def __init__(self, per_example: Callable[..., list], example_args: list, varying: list[bool]):
-        self.sources: list[Any] = []
-        try:
-            closed = jax.make_jaxpr(per_example)(*example_args)
-            moving = depending(closed.jaxpr, varying)
-            for var in closed.jaxpr.outvars:
-                terms = _outer_terms(closed.jaxpr, var)
-                found = [] if terms is not None else None
-                for eqn, path in terms or ():
-                    sides = [not isinstance(v, Literal) and v in moving for v in eqn.invars]
-                    first = _first_operand(eqn, path)
-                    if sum(sides) != 1 or first is None:
-                        found = None
-                        break
-                    found.append((eqn, sides.index(True), first))
-                if found and len({self._layout(term) for term in found}) != 1:
-                    found = None  # the terms would make different Kronecker layouts
-                self.sources.append(_merged(found) if found else None)
-            self.closed: Any = closed
-            self.biases = _biases(closed.jaxpr, self.sources)
-            wanted = [u for src in self.sources if src is not None for group in src for term in group
-                      for u in term[0].invars]
-            jax.eval_shape(lambda a: _evaluate(closed.jaxpr, closed.consts, a, wanted), list(example_args))
-        except (AttributeError, TypeError, KeyError, ValueError, NotImplementedError):
-            self.closed, self.sources, self.biases = None, [], {}  # JAX's jaxpr internals changed: no factors
-
-    def factored(self, n: int) -> bool:
-        return self.closed is not None and self.sources[n] is not None
-
-    def layout(self, n: int) -> tuple[bool, int, int]:
-        """Leaf ``n``: (whether the λ-free factor is the leading one, its size, the other's)."""
-        return self._layout(self.sources[n][0][0])
-
-    @staticmethod
-    def _layout(term: tuple) -> tuple[bool, int, int]:
-        eqn, side, first = term
-        sizes = [_free_size(v, c) for v, c in zip(eqn.invars, eqn.params["dimension_numbers"][0])]
-        return first != side, sizes[1 - side], sizes[side]
-
-    def count(self, n: int, batch: int) -> int:
-        """N of leaf ``n``: examples times the contracted positions of every use (K-FAC "expand")."""
-        return batch * sum(math.prod(eqn.invars[side].aval.shape[d] for d in eqn.params["dimension_numbers"][0][side])
-                           for (eqn, side, _), *_ in self.sources[n])
-
-    def _uses(self, batched_args: list, in_axes: list, operand: int) -> list[list[tuple] | None]:
-        """Per leaf: each use's operand ``operand`` (0: λ-free, 1: the adjoint's), [B, ...] one
-        example per row, with its contracted (position) axes; None where not factored."""
-        # a use's λ-free operand once, its adjoint operands added (xᵀy₁ + xᵀy₂ = xᵀ(y₁ + y₂))
-        wanted = [eqn.invars[side if operand else 1 - side] for src in self.sources if src is not None
-                  for group in src for eqn, side, _ in (group if operand else group[:1])]
-        closed = self.closed
-        values = iter(jax.vmap(lambda a: _evaluate(closed.jaxpr, closed.consts, a, wanted), in_axes=(in_axes,))(
-            list(batched_args)))
-        out: list[list[tuple] | None] = []
-        for src in self.sources:
-            if src is None:
-                out.append(None)
-                continue
-            uses = []
-            for group in src:
-                eqn, side, _ = group[0]
-                contracted = eqn.params["dimension_numbers"][0][side if operand else 1 - side]
-                x = next(values)
-                for _ in group[1:] if operand else ():
-                    x = x + next(values)
-                uses.append((x, tuple(d + 1 for d in contracted)))
-            out.append(uses)
-        return out
-
-    def _grams(self, batched_args: list, in_axes: list, operand: int, weights: jax.Array | None) -> list:
-        out = []
-        ones_in = self._ones_columns() if operand == 0 else {}
-        for n, uses in enumerate(self._uses(batched_args, in_axes, operand)):
-            total = None
-            for u, (x, contracted) in enumerate(uses or ()):  # each use's Gram matrix, added up
-                axes = (0, *contracted)
-                scaled = x if weights is None else weights.reshape((-1,) + (1,) * (x.ndim - 1)).astype(x.dtype) * x
-                gram = lax.dot_general(scaled, x, ((axes, axes), ((), ())))
-                size = math.prod(x.shape[1:]) // math.prod(x.shape[d] for d in contracted)
-                gram = gram.reshape(size, size)
-                if n in ones_in:  # the bias's column: Σ x over its terms beside x, their count in the corner
-                    column = x.sum(axis=axes).reshape(size) if u in ones_in[n] else jnp.zeros(size, x.dtype)
-                    count = x.shape[0] * math.prod(x.shape[d] for d in contracted) if u in ones_in[n] else 0
-                    gram = jnp.block([[gram, column[:, None]], [column[None, :], jnp.full((1, 1), count, x.dtype)]])
-                total = gram if total is None else total + gram
-            out.append(total)
-        return out
-
-    def _ones_columns(self) -> dict[int, set[int]]:
-        """Per weight leaf joined with its bias: the uses whose inputs get a column of ones (those
-        whose adjoint operand the bias's cotangent sums; the others a column of zeros)."""
-        return {weight: uses for weight, (_, uses) in self.biases.items()}
-
-    def drop_bias(self, n: int) -> None:
-        """Leaf ``n``'s factors without its bias's column (the bias left to a diagonal)."""
-        self.biases.pop(n, None)
-
-    def parts(self, batched_args: list, in_axes: list, weights: jax.Array) -> list:
-        """Per leaf: Σ_b w_b y_bᵀ y_b (the adjoint's operand; None where not factored)."""
-        return self._grams(batched_args, in_axes, 1, weights) if self.closed is not None else []
-
-    def total(self, batched_args: list, in_axes: list) -> list:
-        """Per leaf: Σ_b x_bᵀ x_b (the λ-free operand; None where not factored)."""
-        return self._grams(batched_args, in_axes, 0, None) if self.closed is not None else []
-
-    def example_sums(self, batched_args: list, in_axes: list, adjoint: bool) -> list:
-        """Per leaf: each example's operand summed over its uses and positions, [B, size] — the
-        λ-free one (x̄_b = Σ_t x_bt) or the adjoint's (ȳ_b = Σ_t y_bt): K-FAC "reduce" forms its
-        factors from these (None where not factored)."""
-        if self.closed is None:
-            return []
-        out = []
-        ones_in = {} if adjoint else self._ones_columns()
-        for n, uses in enumerate(self._uses(batched_args, in_axes, int(adjoint))):
-            total = None
-            for u, (x, contracted) in enumerate(uses or ()):
-                summed = x.sum(axis=contracted).reshape(x.shape[0], -1)
-                if n in ones_in:  # the bias's column: each example's count of the bias's terms
-                    count = math.prod(x.shape[d] for d in contracted) if u in ones_in[n] else 0
-                    summed = jnp.concatenate([summed, jnp.full((x.shape[0], 1), count, x.dtype)], axis=1)
-                total = summed if total is None else total + summed
-            out.append(total)
-        return out
-
-
-def _biases(jaxpr: Any, sources: list) -> dict[int, tuple[int, set[int]]]:
-    """The bias leaves that join a weight leaf's Kronecker block: per weight leaf m, (the bias
-    leaf n, the uses of m whose inputs get a column of ones). Leaf n is m's bias where its
-    cotangent is a sum, over some of m's uses, of the use's adjoint operand y summed over that
-    use's contracted axes (the positions) — Σ_t y_t, as a bias added after x W gets — laid out
-    row-major as y's free axes: then [W; b]'s cotangent is [x; 1]ᵀ y (a column of zeros for
-    the uses without the bias: a Laplacian's derivative rows). One such weight per bias, one
-    bias per weight; anything else keeps its own curvature."""
-    producers = {v: eqn for eqn in jaxpr.eqns for v in eqn.outvars}
-    adjoints: dict[Any, list[tuple]] = {}  # each use's adjoint operand: var → (weight, use, term, summed axes)
-    for m, src in enumerate(sources):
-        for u, group in enumerate(src or ()):
-            for t, (eqn, side, _) in enumerate(group):
-                y = eqn.invars[side]
-                contracted = eqn.params["dimension_numbers"][0][side]
-                adjoints.setdefault(y, []).append((m, u, t, frozenset(d for d in contracted if y.aval.shape[d] != 1)))
-    found: dict[int, tuple[int, set[int]]] = {}
-    claimed: dict[int, int] = {}  # weight → how many biases matched it
-    for n, var in enumerate(jaxpr.outvars):
-        if sources[n] is not None:
-            continue
-        terms = _summed_terms(producers, var, adjoints)
-        if not terms:
-            continue
-        matched = [[(m, u, t) for m, u, t, contracted in adjoints.get(y, ()) if contracted == axes]
-                   for y, axes in terms]
-        if any(len(ms) != 1 for ms in matched):
-            continue
-        hits = [ms[0] for ms in matched]
-        weights = {m for m, _, _ in hits}
-        if len(weights) != 1 or len(set(hits)) != len(hits):
-            continue
-        (m,) = weights
-        uses = {u for _, u, _ in hits}
-        if any({t for _, uu, t in hits if uu == u} != set(range(len(sources[m][u]))) for u in uses):
-            continue  # a use whose copies the bias sums only in part
-        y0, axes0 = terms[0]
-        free = math.prod(k for d, k in enumerate(y0.aval.shape) if d not in axes0)
-        if math.prod(var.aval.shape) != free:
-            continue
-        claimed[m] = claimed.get(m, 0) + 1
-        found[m] = (n, uses)
-    return {m: pair for m, pair in found.items() if claimed[m] == 1}
-
-
-def _summed_terms(producers: dict, var: Any, stop: dict) -> list[tuple[Any, frozenset]] | None:
-    """``var`` as Σ_j (y_j summed over some of its axes), y_j among ``stop``, through
-    ``add``/``add_any`` and row-major layout operations (no transposes): [(y_j, the axes of
-    size > 1 summed)]."""
-    if isinstance(var, Literal):
-        return None
-    if var in stop:
-        return [(var, frozenset())]
-    eqn = producers.get(var)
-    if eqn is None:
-        return None
-    name = eqn.primitive.name
-    if name in ("add", "add_any") and len(eqn.invars) == 2:
-        parts = [_summed_terms(producers, v, stop) for v in eqn.invars]
-        return None if None in parts else parts[0] + parts[1]
-    same_size = not isinstance(eqn.invars[0], Literal) and eqn.invars[0].aval.size == var.aval.size
-    if name in ("reshape", "squeeze", "expand_dims", "convert_element_type", "copy", "copy_p") or (
-            name == "broadcast_in_dim" and same_size):  # size-1 axes added: the row-major order kept
-        return _summed_terms(producers, eqn.invars[0], stop)
-    if name == "reduce_sum" and not isinstance(eqn.invars[0], Literal) and eqn.invars[0] in stop:
-        y = eqn.invars[0]
-        return [(y, frozenset(d for d in eqn.params["axes"] if y.aval.shape[d] != 1))]
-    return None
-
-
-def _merged(terms: list[tuple]) -> list[list[tuple]]:
-    """The terms grouped into uses: products with the same λ-free operand (the same variable and
-    contraction, the same adjoint operand's shape) are one use whose adjoint operands add — the
-    copies of one product that nested JVPs leave in a program."""
-    groups: dict[tuple, list[tuple]] = {}
-    for eqn, side, first in terms:
-        fixed = eqn.invars[1 - side]
-        key = (id(eqn) if isinstance(fixed, Literal) else fixed, str(eqn.params["dimension_numbers"]), side, first,
-               eqn.invars[side].aval.shape)
-        groups.setdefault(key, []).append((eqn, side, first))
-    return list(groups.values())
-
-
-def _free_size(var: Any, contracted: tuple[int, ...]) -> int:
-    return math.prod(n for d, n in enumerate(var.aval.shape) if d not in contracted)
-
-
-def _outer_terms(jaxpr: Any, var: Any) -> list[tuple[Any, list[Any]]] | None:
+def outer_terms(jaxpr: Any, var: Any) -> list[tuple[Any, list[Any]]] | None:
     """``var`` as a sum of products of one example's operands — each a ``dot_general`` without
     batch axes (contracted axes of any size), then layout operations — through ``add`` /
     ``add_any``: a weight used twice in one layer, x Wᵀ + h Wᵀ. The (product, operations after
@@ -423,7 +195,7 @@ def _outer_terms(jaxpr: Any, var: Any) -> list[tuple[Any, list[Any]]] | None:
     producers = {v: eqn for eqn in jaxpr.eqns for v in eqn.outvars}
     eqn = producers.get(var) if not isinstance(var, Literal) else None
     if eqn is not None and eqn.primitive.name in ("add", "add_any") and len(eqn.invars) == 2:
-        parts = [_outer_terms(jaxpr, v) for v in eqn.invars]
+        parts = [outer_terms(jaxpr, v) for v in eqn.invars]
         return None if None in parts else parts[0] + parts[1]
     found = _outer_source(jaxpr, var, summed=True)
     return None if found is None else [found]
@@ -450,11 +222,11 @@ class OuterTerms:
             closed = jax.make_jaxpr(per_example)(*example_args)
             moving = depending(closed.jaxpr, varying)
             for var in closed.jaxpr.outvars:
-                terms = _outer_terms(closed.jaxpr, var)
+                terms = outer_terms(closed.jaxpr, var)
                 described = []
                 for eqn, path in terms or []:
                     sides = [not isinstance(v, Literal) and v in moving for v in eqn.invars]
-                    first = _first_operand(eqn, path)
+                    first = first_operand(eqn, path)
                     if sum(sides) != 1 or first is None or any(
                             op.primitive.name == "broadcast_in_dim" for op in path):  # copies change the norm
                         described = None
@@ -466,7 +238,7 @@ class OuterTerms:
                 self.terms.append(described or None)
             self.closed: Any = closed
             wanted = [u for terms in self.terms if terms for eqn, *_ in terms for u in eqn.invars]
-            jax.eval_shape(lambda a: _evaluate(closed.jaxpr, closed.consts, a, wanted), list(example_args))
+            jax.eval_shape(lambda a: evaluate(closed.jaxpr, closed.consts, a, wanted), list(example_args))
         except (AttributeError, TypeError, KeyError, ValueError, NotImplementedError):
             self.closed, self.terms = None, []  # JAX's jaxpr internals changed: every leaf formed per example
 
@@ -486,7 +258,7 @@ class OuterTerms:
         wanted: list = []
         for n, var in enumerate(closed.jaxpr.outvars):
             wanted += [u for eqn, *_ in self.terms[n] for u in eqn.invars] if factored[n] else [var]
-        values = iter(jax.vmap(lambda a: _evaluate(closed.jaxpr, closed.consts, a, wanted), in_axes=(in_axes,))(
+        values = iter(jax.vmap(lambda a: evaluate(closed.jaxpr, closed.consts, a, wanted), in_axes=(in_axes,))(
             list(batched_args)))
         return [Products([(next(values), next(values)) for _ in self.terms[n]]) if factored[n] else next(values)
                 for n in range(len(closed.jaxpr.outvars))]

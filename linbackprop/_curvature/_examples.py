@@ -85,9 +85,9 @@ def hessian_blocks(fun: Callable, args: tuple, nums: tuple[int, ...], engine: st
     loss = lambda o: split.loss(o, *split.diff)[0]
     if jnp.ndim(loss(calls.outs)) != 0:
         raise ValueError(f"{name} needs fun to return a scalar loss (a sum or mean over examples).")
-    sizes = [_batch_of(calls, name, only=c) for c in range(len(calls.nets))]
-    if not sizes:
-        raise ValueError(f"{name} needs at least one network call with an output.")
+    sizes = calls.batches()
+    if not sizes or 0 in sizes:
+        raise ValueError(f"{name} needs every network call to have an output with the batch on its leading axis.")
     groups = [list(range(len(sizes)))] if len(set(sizes)) == 1 else [[c] for c in range(len(sizes))]
     batches = [sizes[g[0]] for g in groups]
     flats = [_by_example(calls, b, name, only=g) for g, b in zip(groups, batches)]
@@ -133,13 +133,14 @@ def over_columns(share: Callable, examples: Examples, samples: int | None, key: 
         init = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), jax.eval_shape(one, ks[0]))
         return jax.lax.scan(lambda acc, k: (jax.tree.map(jnp.add, acc, one(k)), None), init, ks)[0]
 
-    def column(k: jax.Array) -> Any:
-        s = [jnp.where(k < v.shape[2], v[:, :, jnp.minimum(k, v.shape[2] - 1)], 0) for v in vecs]
-        w = [jnp.where(k < x.shape[1], x[:, jnp.minimum(k, x.shape[1] - 1)], 0) for x in lam]
-        return share(s, w)
-
     if samples is None:
         lam, vecs = examples.eigen()
+
+        def column(k: jax.Array) -> Any:
+            s = [jnp.where(k < v.shape[2], v[:, :, jnp.minimum(k, v.shape[2] - 1)], 0) for v in vecs]
+            w = [jnp.where(k < x.shape[1], x[:, jnp.minimum(k, x.shape[1] - 1)], 0) for x in lam]
+            return share(s, w)
+
         return summed(column, jnp.arange(coords))
     if key is None:
         raise ValueError(f"{name}(samples=M) needs a PRNG key: {name}(fun, samples=M, key=jax.random.key(0)).")
@@ -152,18 +153,6 @@ def over_columns(share: Callable, examples: Examples, samples: int | None, key: 
                       for r, kk in zip(roots, keys)], ones)
 
     return jax.tree.map(lambda d: d / samples, summed(sample, jax.random.split(key, samples)))
-
-
-def _batch_of(calls: Calls, name: str, only: int | None = None) -> int:
-    """The batch: the leading axis of the first output state (axis 1 of a Stack) of the calls, or
-    of call ``only``; ``name``: the transform asking (for its errors)."""
-    for c, (net, outs) in enumerate(zip(calls.nets, calls.outs)):
-        if only is not None and c != only:
-            continue
-        for item, value in zip(net.output_spec, (outs,) if net.single_output else outs):
-            for leaf in jax.tree.leaves(value):
-                return int(np.shape(leaf)[1 if isinstance(item, Stack) else 0])
-    raise ValueError(f"{name} needs at least one network call with an output.")
 
 
 def _by_example(calls: Calls, batch: int, name: str, outs: Any = None, only: list[int] | None = None

@@ -76,8 +76,8 @@ def scale_by_kfac(damping: float = 1e-3, decay: float = 0.95, update_every: int 
                             "diagonal=lbp.diag_ggn(loss)(params, *batch)).")
         leaves, treedef = jax.tree.flatten(updates)
         blocks = blocks_of(updates, factors, diagonal, "scale_by_kfac")
-        fresh = [_one_term(block, jax.tree_util.keystr(jax.tree_util.tree_flatten_with_path(updates)[0][block.leaf][0]))
-                 for block in blocks]
+        paths = [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_flatten_with_path(updates)[0]]
+        fresh = [_one_term(block, paths[block.leaf]) for block in blocks]
         if state.curvature is None:
             averaged = fresh
             inverses = _inverses(averaged, damping)
