@@ -431,24 +431,39 @@ def test_calls_whose_outputs_are_inputs_give_zeros_beside_the_others():
     close(lbp.diag_ggn(alone)(params, x), jax.tree.map(jnp.zeros_like, params))
 
 
-def test_sampling_roots_square_to_the_positive_part_of_each_block():
-    """``samples=M`` draws s = R z with R Rᵀ = H_b's positive part: Cholesky where the blocks are
-    positive semi-definite (up to round-off), the eigendecomposition where one that matters is
-    indefinite; a block at round-off level takes its diagonal's root."""
+def test_sampling_roots_square_to_each_block_or_its_diagonally_dominant_repair():
+    """``samples=M`` draws s = R z with R Rᵀ = H_b (Cholesky, a round-off shift) where the blocks
+    are positive semi-definite; a block whose Cholesky fails is made diagonally dominant first
+    (each diagonal entry raised to its row's off-diagonal sum): a float32 softmax cross-entropy
+    block of a saturated softmax gets its exact diagonal back, an indefinite block a positive
+    semi-definite surrogate above it, the other blocks unchanged; a NaN block its diagonal's root."""
     from linbackprop._curvature._examples import Examples
 
     rng = np.random.default_rng(5)
     m = rng.standard_normal((6, 4, 3))
     psd = jnp.asarray(m @ np.swapaxes(m, 1, 2))  # rank 3 of 4: singular, positive semi-definite
-    positive = lambda h: (lambda w, v: (v * np.maximum(w, 0)[:, None, :]) @ np.swapaxes(v, 1, 2))(*np.linalg.eigh(h))
     roots = lambda blocks: np.asarray(Examples([[0]], [blocks.shape[0]], [blocks], None).roots()[0])
+    square = lambda r: r @ np.swapaxes(r, 1, 2)
     r = roots(psd)
-    np.testing.assert_allclose(r @ np.swapaxes(r, 1, 2), psd, rtol=1e-6, atol=1e-6)
-    indefinite = psd.at[2].set(jnp.diag(jnp.array([1.0, -0.5, 2.0, 0.0])))
+    np.testing.assert_allclose(square(r), psd, rtol=1e-6, atol=1e-6)
+    block = np.zeros((4, 4))
+    block[:3, :3] = [[1.0, 0.5, 0.0], [0.5, -0.5, 0.25], [0.0, 0.25, 2.0]]  # indefinite
+    indefinite = psd.at[2].set(jnp.asarray(block))
     r = roots(indefinite)
-    np.testing.assert_allclose(r @ np.swapaxes(r, 1, 2), positive(np.asarray(indefinite)), rtol=1e-9, atol=1e-12)
-    # negative beyond the shift but far below √ε of the batch's scale: its diagonal's positive part
-    noise = psd.at[3].set(1e-12 * jnp.diag(jnp.array([1.0, -1.0, 1.0, 1.0])))
-    r = roots(noise)
-    np.testing.assert_allclose(r[3] @ r[3].T, np.diag([1e-12, 0, 1e-12, 1e-12]), rtol=1e-9, atol=1e-20)
-    np.testing.assert_allclose(r[:3] @ np.swapaxes(r[:3], 1, 2), psd[:3], rtol=1e-6, atol=1e-6)
+    repaired = np.asarray(indefinite[2]).copy()
+    repaired[1, 1] = 0.75  # raised to |0.5| + |0.25|; the other rows dominate already
+    np.testing.assert_allclose(square(r)[2], repaired, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(np.delete(square(r), 2, axis=0), np.delete(np.asarray(psd), 2, axis=0),
+                               rtol=1e-6, atol=1e-6)
+    # softmax cross-entropy's H = diag(p) − p pᵀ of a saturated softmax, in float32: the diagonal's
+    # p_0 (1 − p_0) cancels to a value below its row's off-diagonal sum, and Cholesky fails
+    p = np.array([1 - 3e-9, 1e-9, 2e-9], np.float64)
+    exact = np.diag(p) - np.outer(p, p)
+    computed = exact.copy()
+    computed[0, 0] = 1e-9  # cancellation: the exact 3e-9 lost
+    r = roots(jnp.asarray(computed[None], jnp.float32))
+    np.testing.assert_allclose(square(r)[0], exact, rtol=1e-3, atol=1e-11)  # the shift: 3e-12
+    nan = psd.at[3].set(jnp.nan * jnp.eye(4))
+    r = roots(nan)
+    assert np.all(np.isnan(np.diagonal(r[3]))) and np.all(np.isfinite(r[[0, 1, 2, 4, 5]]))
+    np.testing.assert_allclose(square(r[[0, 1, 2, 4, 5]]), np.asarray(psd)[[0, 1, 2, 4, 5]], rtol=1e-6, atol=1e-6)

@@ -38,31 +38,38 @@ class Examples(NamedTuple):
         return [lam for lam, _ in pairs], [vecs for _, vecs in pairs]
 
     def roots(self) -> list[jax.Array]:
-        """Per group, R_b [B_g, C_g, C_g] with R_b R_bᵀ = H_b's positive part: Cholesky of
-        H_b + δ_b I, the eigendecomposition only where a block that matters is indefinite — a
-        batch of small Cholesky factorisations costs a fraction of as many ``eigh``. The shift
-        δ_b = C ε · max_b' diag H_b' + C √ε · max diag H_b is round-off at the batch's scale and
-        at the example's. A block below √ε of the batch's scale (an example whose softmax has
-        saturated: H_b of 10⁻¹² computed with larger errors) is noise to a sampled estimate:
-        where its Cholesky fails it takes the square root of its diagonal's positive part."""
+        """Per group, R_b [B_g, C_g, C_g] with R_b R_bᵀ = H_b + δ_b I (Cholesky), δ_b =
+        C ε · max_b' diag H_b' + C √ε · max diag H_b: round-off at the batch's scale and at the
+        example's. A block whose Cholesky fails is first made diagonally dominant, each diagonal
+        entry raised to its row's off-diagonal sum H_ii ← max(H_ii, Σ_j≠i |H_ij|), then factored
+        the same way — no eigendecomposition (a batch of ``eigh`` costs as much as several
+        gradients). For softmax cross-entropy that is H's exact diagonal (H 1 = 0: H_ii = p_i(1 −
+        p_i) = Σ_j≠i p_i p_j), which float32 loses to cancellation once an example's softmax
+        saturates, while its off-diagonal products stay accurate. For a block that is indefinite
+        in fact it is a positive semi-definite surrogate above H (the exact ``samples=None``
+        path keeps H's eigenvalues as they are). What is still not finite (a NaN in H) takes the
+        square root of its diagonal's positive part."""
         out = []
         for h in self.blocks:
             coords = h.shape[-1]
             eps = jnp.finfo(h.dtype).eps
-            diagonal = jnp.diagonal(h, axis1=1, axis2=2)
-            largest = jnp.max(diagonal, axis=1)
-            shift = coords * eps * jnp.max(largest) + coords * jnp.sqrt(eps) * largest + jnp.finfo(h.dtype).tiny
-            chol = jnp.linalg.cholesky(h + shift[:, None, None] * jnp.eye(coords, dtype=h.dtype))
-            ok = jnp.all(jnp.isfinite(chol), axis=(1, 2))
-            negligible = largest <= jnp.sqrt(eps) * jnp.max(largest)
-            fallback = jax.vmap(jnp.diag)(jnp.sqrt(jnp.maximum(diagonal, 0.0)))
+            eye = jnp.eye(coords, dtype=h.dtype)
 
-            def positive_part(h=h) -> jax.Array:
-                lam, vecs = jnp.linalg.eigh(h)
-                return vecs * jnp.sqrt(jnp.maximum(lam, 0.0))[:, None, :]
+            def factor(h: jax.Array) -> tuple[jax.Array, jax.Array]:
+                diagonal = jnp.diagonal(h, axis1=1, axis2=2)
+                largest = jnp.max(diagonal, axis=1)
+                batch_scale = jnp.max(jnp.where(jnp.isfinite(largest), largest, 0))  # a NaN block stays its own
+                shift = coords * eps * batch_scale + coords * jnp.sqrt(eps) * largest + jnp.finfo(h.dtype).tiny
+                chol = jnp.linalg.cholesky(h + shift[:, None, None] * eye)
+                return chol, jnp.all(jnp.isfinite(chol), axis=(1, 2))
 
-            cheap = lambda chol=chol, ok=ok, fallback=fallback: jnp.where(ok[:, None, None], chol, fallback)
-            out.append(jax.lax.cond(jnp.all(ok | negligible), cheap, positive_part))
+            chol, ok = factor(h)
+            off = jnp.sum(jnp.abs(h), axis=2) - jnp.abs(jnp.diagonal(h, axis1=1, axis2=2))
+            dominant = h + jax.vmap(jnp.diag)(jnp.maximum(off - jnp.diagonal(h, axis1=1, axis2=2), 0.0))
+            repaired, repaired_ok = jax.lax.cond(jnp.all(ok), lambda: (chol, ok), lambda: factor(dominant))
+            fallback = jax.vmap(jnp.diag)(jnp.sqrt(jnp.maximum(jnp.diagonal(h, axis1=1, axis2=2), 0.0)))
+            out.append(jnp.where(ok[:, None, None], chol,
+                                 jnp.where(repaired_ok[:, None, None], repaired, fallback)))
         return out
 
     def of_call(self, call: int) -> int:
@@ -124,9 +131,10 @@ def over_columns(share: Callable, examples: Examples, samples: int | None, key: 
     """Σ_k share(s_k, w_k) over H's factor, s_k and w_k one [B_g, C_g] matrix and one [B_g]
     vector per group of examples: the eigenvectors s_k with weights λ_k (exact; a group with
     fewer coordinates than k gives zeros), or with ``samples=M`` the mean over M samples s =
-    H_b^{1/2} z, z ~ N(0, I), weights 1 (H's positive part: unbiased where H is positive
-    semi-definite). One column (or sample) after another: a vmapped solve over the C columns has
-    buffers C times as large, which outgrow the caches (slower: docs/performance.md)."""
+    R_b z, z ~ N(0, I), weights 1, R_b R_bᵀ = H_b up to round-off where H_b is positive
+    semi-definite (unbiased there; `Examples.roots` for the rest). One column (or sample) after
+    another: a vmapped solve over the C columns has buffers C times as large, which outgrow the
+    caches (slower: docs/performance.md)."""
     coords = max(h.shape[1] for h in examples.blocks)
 
     def summed(one: Callable, ks: jax.Array) -> Any:

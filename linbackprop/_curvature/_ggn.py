@@ -36,9 +36,11 @@ def diag_ggn(fun: Callable, argnums: int | Sequence[int] = 0, *, engine: Engine 
     squared. About C/3 + 2 gradients for dense layers (C back substitutions and one forward pass).
     Layers that mix examples raise a ``ValueError``.
 
-    The estimate draws z ~ N(0, I) per example and sample and back-substitutes s = H_b^{1/2} z
-    (H_b's positive part: unbiased where H is positive semi-definite, as for squared error and
-    softmax cross-entropy): diag G ≈ (1/M) Σ_m Σ_b (J_b* s_bm)². Cheaper than the exact
+    The estimate draws z ~ N(0, I) per example and sample and back-substitutes s = R_b z, R_b
+    R_bᵀ = H_b (Cholesky; unbiased where H is positive semi-definite, as for squared error and
+    softmax cross-entropy, whose float32 blocks a saturated softmax leaves indefinite by
+    round-off are repaired to their exact diagonal; an indefinite block takes a positive
+    semi-definite surrogate above it): diag G ≈ (1/M) Σ_m Σ_b (J_b* s_bm)². Cheaper than the exact
     diagonal when the outputs have many coordinates (a language model's vocabulary).
 
     Examples:
