@@ -1,7 +1,7 @@
 """Benchmarks: grad_by_solve against jax.grad, side by side in one process.
 
     python benchmarks/run.py [--repeats 15] [--write-docs] [--quick]
-        [--rows {all,gradients,curvature,headline,eager,capture,private,pinn}]
+        [--rows {all,gradients,curvature,headline,eager,capture,private,pinn,kfac}]
         [--pinn-network {2-64-1,2-64-64-48-48-1}] [--pinn-seconds S]
 
 Every timing row runs jit(grad_by_solve) and its reference jit(jax.grad) interleaved (medians of
@@ -17,7 +17,8 @@ device, and leaves the CPU tables as they are. ``--rows pinn`` (not in ``all``: 
 6 × ``--pinn-seconds`` of steps) trains the kfac-pinns Poisson problem of
 examples/pinn_poisson.py with each method on the same budget (kfac-pinns' 300 s on 2-64-1,
 1000 s on the deep-wide 2-64-64-48-48-1) and writes that network's table into
-docs/guides/training.md.
+docs/guides/training.md. ``--rows kfac`` (not in ``all``, a few minutes) trains scikit-learn's
+digits with ``lbp.kfac`` and Adam (benchmarks/kfac_rows.py) and writes its table there too.
 """
 
 from __future__ import annotations
@@ -817,7 +818,7 @@ def main() -> None:
     parser.add_argument("--pinn-seconds", type=float, help="--rows pinn: seconds of steps per method "
                                                            "(default: kfac-pinns' budget for the network)")
     parser.add_argument("--rows", choices=["all", "gradients", "curvature", "headline", "eager", "capture", "private",
-                                           "pinn"],
+                                           "pinn", "kfac"],
                         default="all",
                         help="which tables to measure (and write); headline: README's rows and where ℳ after the "
                              "loop stops paying, the short list for an accelerator")
@@ -839,6 +840,14 @@ def main() -> None:
             flags = f" --pinn-network {args.pinn_network}" + (f" --pinn-seconds {seconds:g}" * bool(args.pinn_seconds))
             _write_between(ROOT / "docs" / "guides" / "training.md", f"pinn table {args.pinn_network}", text,
                            args.rows, flags)
+        return
+    if args.rows == "kfac":
+        from kfac_rows import kfac_rows  # benchmarks/ is the script's directory
+
+        text = small_table("K-FAC on scikit-learn's digits", kfac_rows(r, interleaved))
+        print(text)
+        if args.write_docs and on_cpu:
+            _write_between(ROOT / "docs" / "guides" / "training.md", "kfac table", text, args.rows)
         return
     if args.rows in ("all", "private"):
         text = small_table("DP-SGD's clipped sum", private_rows(r))
