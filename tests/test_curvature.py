@@ -467,3 +467,31 @@ def test_sampling_roots_square_to_each_block_or_its_diagonally_dominant_repair()
     r = roots(nan)
     assert np.all(np.isnan(np.diagonal(r[3]))) and np.all(np.isfinite(r[[0, 1, 2, 4, 5]]))
     np.testing.assert_allclose(square(r[[0, 1, 2, 4, 5]]), np.asarray(psd)[[0, 1, 2, 4, 5]], rtol=1e-6, atol=1e-6)
+
+
+def test_outputs_the_loss_does_not_read_cost_no_columns():
+    """A loss that reads one leaf of a network's outputs (a physics-informed loss reads the lifted
+    Δu, not u and ∇u): H has no rows there, so ggn_factor has one row per coordinate read (2 per
+    example, not 5) and every transform still agrees with the dense J* H J."""
+    two = lambda th, x: {"a": jnp.tanh(x @ th[0]), "b": jnp.sin(x @ th[1])}
+    net = lbp.Network([lbp.Layer("y", two, ("x",), ("A", "B"))], ["x"], "y")
+    k = jax.random.split(jax.random.key(3), 3)
+    params = {"A": jax.random.normal(k[0], (4, 3)), "B": jax.random.normal(k[1], (4, 2))}
+    x = jax.random.normal(k[2], (6, 4))
+    loss = lambda p, x: (lambda b: jnp.sum(jnp.cos(b) + b**2))(net(p, x)["b"])  # one call
+    flat, unravel = ravel_pytree(params)
+    outs = lambda v: net(unravel(v), x)["b"].reshape(-1)
+    J = jax.jacfwd(outs)(flat)
+    H = jax.hessian(lambda o: jnp.sum(jnp.cos(o) + o**2))(outs(flat))
+    dense = J.T @ H @ J  # H is diagonal: 2 - cos(o) > 0
+    K = jax.jit(lbp.ggn_factor(loss))(params, x)
+    assert K["A"].shape[0] == K["B"].shape[0] == 2 * 6
+    rows = np.concatenate([np.asarray(K[n]).reshape(12, -1) for n in ("A", "B")], axis=1)
+    np.testing.assert_allclose(rows.T @ rows, dense, rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(ravel_pytree(jax.jit(lbp.diag_ggn(loss))(params, x))[0], np.diag(dense),
+                               rtol=1e-10, atol=1e-12)
+    factors = jax.jit(lbp.kfac_factors(loss))(params, x)
+    np.testing.assert_array_equal(factors["A"].right, 0)  # Γ of the unread output
+    one = jax.jit(lbp.kfac_factors(loss))(params, x[:1])["B"]  # one example: K-FAC is exact
+    J1, H1 = jax.jacfwd(lambda v: net(unravel(v), x[:1])["b"].reshape(-1))(flat), jnp.diag(2 - jnp.cos(outs(flat)[:2]))
+    np.testing.assert_allclose(np.kron(one.left, one.right), (J1.T @ H1 @ J1)[12:, 12:], rtol=1e-10, atol=1e-12)

@@ -97,8 +97,9 @@ def hessian_blocks(fun: Callable, args: tuple, nums: tuple[int, ...], engine: st
         raise ValueError(f"{name} needs every network call to have an output with the batch on its leading axis.")
     groups = [list(range(len(sizes)))] if len(set(sizes)) == 1 else [[c] for c in range(len(sizes))]
     batches = [sizes[g[0]] for g in groups]
-    flats = [_by_example(calls, b, name, only=g) for g, b in zip(groups, batches)]
     leaves, treedef = jax.tree.flatten(calls.outs)
+    read = _read_by(loss, leaves, treedef)
+    flats = [_by_example(calls, b, name, only=g, read=read) for g, b in zip(groups, batches)]
     owner = [c for c, out in enumerate(calls.outs) for _ in jax.tree.leaves(out)]  # each leaf's call
 
     def unflatten(per_group: list) -> Any:
@@ -120,7 +121,7 @@ def hessian_blocks(fun: Callable, args: tuple, nums: tuple[int, ...], engine: st
 
         def column(e, g=g, group=group, batch=batch, zeros=zeros):
             return _by_example(calls, batch, name, hvp(unflatten([e if i == g else z for i, z in enumerate(zeros)])),
-                               only=group)[0]
+                               only=group, read=read)[0]
 
         h = jnp.moveaxis(jax.vmap(column)(basis), 0, 2)  # [C(j), B, C(i)] → [B, i, j]
         blocks.append((h + jnp.swapaxes(h, 1, 2)) / 2)
@@ -163,22 +164,40 @@ def over_columns(share: Callable, examples: Examples, samples: int | None, key: 
     return jax.tree.map(lambda d: d / samples, summed(sample, jax.random.split(key, samples)))
 
 
-def _by_example(calls: Calls, batch: int, name: str, outs: Any = None, only: list[int] | None = None
-                ) -> tuple[jax.Array, Callable]:
+def _read_by(loss: Callable, leaves: list, treedef: Any) -> list[bool]:
+    """Per output leaf, whether ``loss`` reads it (an equation of its jaxpr, or its result): a
+    leaf it never reads has zero rows and columns in H, and each of its coordinates would cost
+    a back substitution for nothing (a physics-informed loss reads the lifted network's Δu, not
+    its u and ∇u: one column per point instead of d + 2)."""
+    jaxpr = jax.make_jaxpr(lambda *xs: loss(treedef.unflatten(xs)))(*leaves).jaxpr
+    read = {id(v) for eqn in jaxpr.eqns for v in eqn.invars} | {id(v) for v in jaxpr.outvars}
+    return [id(v) in read for v in jaxpr.invars]
+
+
+def _by_example(calls: Calls, batch: int, name: str, outs: Any = None, only: list[int] | None = None,
+                read: list[bool] | None = None) -> tuple[jax.Array, Callable]:
     """The outputs of the calls ``only`` names (all by default) as [B, C] (each leaf's batch axis
     first: axis 0 of a state, axis 1 of a Stack), and the map back from such a matrix to those
-    calls' output leaves (a flat list, in order)."""
+    calls' output leaves (a flat list, in order). With ``read`` (per leaf of all the calls'
+    outputs), the leaves the loss does not read are left out of the matrix and come back as
+    zeros (unless it reads none of these calls' leaves: then all are kept)."""
     outs = calls.outs if outs is None else outs
     members = range(len(calls.nets)) if only is None else only
+    counts = [len(jax.tree.leaves(out)) for out in outs]
+    starts = np.cumsum([0, *counts])
     leaves = [x for c in members for x in jax.tree.leaves(outs[c])]
+    kept = [True] * len(leaves) if read is None else [read[starts[c] + n] for c in members for n in range(counts[c])]
+    if not any(kept):
+        kept = [True] * len(leaves)
     axes = _batch_axes(calls, batch, name, members)
-    moved = [jnp.moveaxis(x, ax, 0).reshape(batch, -1) for x, ax in zip(leaves, axes)]
+    moved = [jnp.moveaxis(x, ax, 0).reshape(batch, -1) for x, ax, k in zip(leaves, axes, kept) if k]
     sizes = np.cumsum([m.shape[1] for m in moved])[:-1]
     shapes = [jnp.moveaxis(x, ax, 0).shape for x, ax in zip(leaves, axes)]
 
     def unflatten(flat):
-        parts = jnp.split(flat, sizes, axis=1)
-        return [jnp.moveaxis(p.reshape(s), 0, ax) for p, s, ax in zip(parts, shapes, axes)]
+        parts = iter(jnp.split(flat, sizes, axis=1))
+        return [jnp.moveaxis(next(parts).reshape(s), 0, ax) if k else jnp.zeros(np.shape(x), jnp.result_type(x))
+                for x, s, ax, k in zip(leaves, shapes, axes, kept)]
 
     return jnp.concatenate(moved, axis=1), unflatten
 

@@ -71,7 +71,8 @@ def ggn_factor(fun: Callable, argnums: int | Sequence[int] = 0, *, rank: int | N
         G = Σ_b J_b* H_b J_b = Σ_b Σ_k (J_b* √λ_bk s_bk)(J_b* √λ_bk s_bk)ᵀ,   H_b = Σ_k λ_bk s_bk s_bkᵀ
 
     ``fun`` returns a scalar loss that is a sum (or mean) over examples, so that H is block
-    diagonal (each example's C × C block factored by ``eigh``, as in [`diag_ggn`][linbackprop.diag_ggn]); row
+    diagonal (each example's C × C block factored by ``eigh``, as in [`diag_ggn`][linbackprop.diag_ggn]; C
+    counts the output coordinates the loss reads: an output it never reads has no rows); row
     (k, b) is example b's gradient of the k-th column of its factor: one back substitution for
     all examples per k, then ℳ per example. ``rank=r`` keeps each example's r largest
     eigenvalues: exact where each example has at most r residuals — a least-squares loss
