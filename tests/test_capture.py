@@ -492,3 +492,14 @@ def test_a_marked_function_not_named_in_layers_is_not_a_layer():
 
 def loss_of_head(p, h):
     return 0.5 * jnp.sum(jnp.tanh(h @ p["V"]) ** 2)
+
+
+@pytest.mark.parametrize("transform", ["kfac_factors", "diag_ggn", "ggn_factor"])
+def test_curvature_of_a_model_without_layers_says_to_name_them(transform):
+    """A model as written, no ``layers=``: there is no network call whose outputs H is taken
+    over, and the error says that ``layers=`` names the calls (it said the calls' outputs had
+    no batch axis)."""
+    model = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
+    loss = lambda m, x: jnp.sum(m(x) ** 2)
+    with pytest.raises(ValueError, match=rf"{transform}: fun calls no network.*layers="):
+        getattr(lbp, transform)(loss)(model, jnp.ones((4, 3)))

@@ -93,7 +93,11 @@ def hessian_blocks(fun: Callable, args: tuple, nums: tuple[int, ...], engine: st
     if jnp.ndim(loss(calls.outs)) != 0:
         raise ValueError(f"{name} needs fun to return a scalar loss (a sum or mean over examples).")
     sizes = calls.batches()
-    if not sizes or 0 in sizes:
+    if not sizes:
+        raise ValueError(f"{name}: fun calls no network, so there are no outputs to take the loss's Hessian H of. "
+                         f"A model as written needs layers= naming its layers (for example {name}(loss, "
+                         "layers=nnx.Linear), or the functions marked @lbp.layer); or call an lbp.Network.")
+    if 0 in sizes:
         raise ValueError(f"{name} needs every network call to have an output with the batch on its leading axis.")
     groups = [list(range(len(sizes)))] if len(set(sizes)) == 1 else [[c] for c in range(len(sizes))]
     batches = [sizes[g[0]] for g in groups]
