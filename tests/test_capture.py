@@ -503,3 +503,39 @@ def test_curvature_of_a_model_without_layers_says_to_name_them(transform):
     loss = lambda m, x: jnp.sum(m(x) ** 2)
     with pytest.raises(ValueError, match=rf"{transform}: fun calls no network.*layers="):
         getattr(lbp, transform)(loss)(model, jnp.ones((4, 3)))
+
+
+@lbp.layer
+def gated_cell(p, h, x):
+    return jnp.tanh(h @ p["A"] + x @ p["B"]) * jax.nn.sigmoid(x @ p["C"])
+
+
+def test_a_scan_over_a_sequence_reads_its_steps_as_rows_of_one_input():
+    """``lax.scan`` over the inputs of a sequence, its loss reading every hidden state: the steps
+    read rows of one input (as a hand-built network's ``Row("xs", t)``), not one input per step;
+    gradients and Gauss–Newton products as plain JAX's."""
+    T, B, D, H = 5, 3, 2, 4
+    k = jax.random.split(jax.random.key(7), 4)
+    params = {"A": 0.5 * jax.random.normal(k[0], (H, H)), "B": jax.random.normal(k[1], (D, H)),
+              "C": jax.random.normal(k[2], (D, H))}
+    xs = jax.random.normal(k[3], (T, B, D))
+
+    def losses(p, xs):
+        _, hs = jax.lax.scan(lambda h, x: (gated_cell(p, h, x),) * 2, jnp.zeros((xs.shape[1], H)), xs)
+        return jnp.sum(hs**2, axis=(0, 2))
+
+    loss = lambda p, xs: jnp.sum(losses(p, xs))
+    cap = lbp.capture(loss, params, xs, layers=gated_cell)
+    assert cap.net.inputs.count("xs") == 1 and len(cap.net.inputs) <= 2, cap.net.inputs
+    assert [layer.reads[1] for layer in cap.net.layers] == [lbp.Row("xs", t) for t in range(T)]
+    close(jax.jit(lbp.grad_by_solve(loss, layers=gated_cell))(params, xs), jax.jit(jax.grad(loss))(params, xs))
+    tangent = jax.tree.map(jnp.ones_like, params)
+    close(jax.jit(lambda p: lbp.gauss_newton(loss, layers=gated_cell)(p, xs)[2].mv(tangent))(params),
+          jax.jit(lambda p: jax.vjp(lambda q: losses_states(q, xs), p)[1](
+              2 * jax.jvp(lambda q: losses_states(q, xs), (p,), (tangent,))[1])[0])(params))
+
+
+def losses_states(p, xs):
+    """The hidden states of the scan in the rows test (the GGN's outputs: H = 2 I for Σ h²)."""
+    _, hs = jax.lax.scan(lambda h, x: (gated_cell(p, h, x),) * 2, jnp.zeros((xs.shape[1], 4)), xs)
+    return hs

@@ -313,6 +313,8 @@ def build(closed: ClosedJaxpr, n_diff: int, block_names: Sequence[Hashable], cal
             for a in e.invars:
                 if not isinstance(a, Literal):
                     readers[a].add(n)
+    data_rows = {row: (source, t) for row, (source, t) in found.rows.items()
+                 if source not in block_of_var and source not in moving}
     inputs: dict = {}  # atom -> input name
     layers = []
     output_vars: dict[Hashable, list] = {}
@@ -334,11 +336,16 @@ def build(closed: ClosedJaxpr, n_diff: int, block_names: Sequence[Hashable], cal
                         reads.append(src)
                     specs.append(FromRead(reads.index(src), j))
                 else:  # data: a value computed before the network, an argument, a constant
-                    if a not in inputs:
-                        inputs[a] = _input_name(a, origin, {*inputs.values(), *(name for name, _ in nodes)})
-                    if inputs[a] not in reads:
-                        reads.append(inputs[a])
-                    specs.append(FromInput(reads.index(inputs[a])))
+                    # row t of an array a scan iterates over (a sequence's step): a Row of that
+                    # array, one input for all the steps, as a hand-built network reads it
+                    stacked, t = data_rows.get(a, (a, None))
+                    if stacked not in inputs:
+                        inputs[stacked] = _input_name(stacked, origin, {*inputs.values(),
+                                                                        *(name for name, _ in nodes)})
+                    read = inputs[stacked] if t is None else Row(inputs[stacked], t)
+                    if read not in reads:
+                        reads.append(read)
+                    specs.append(FromInput(reads.index(read)))
         outs = [o for e in node_eqns for o in e.outvars if not isinstance(o, jax.extend.core.DropVar)]
         outs = [o for o in outs if o in used_later or readers[o] - {n}] or outs[:1]
         for j, o in enumerate(outs):
