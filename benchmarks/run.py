@@ -686,6 +686,9 @@ def capture_rows(repeats: int) -> list[tuple[str, str, str]]:
             ("same, compile (lower + compile, medians of fresh builds)",
              f"{c_found / c_hand:.2f} ({c_found:.2f} / {c_hand:.2f} s)", "<= 1.1")]
     rows += nnx_gpt_rows(repeats)
+    from gru_rows import gru_rows  # benchmarks/ is the script's directory
+
+    rows += gru_rows(repeats, interleaved)
     for row in rows:
         print(row, flush=True)
     return rows
