@@ -58,7 +58,7 @@ if not os.environ.get("_NOCACHE"):
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)  # the small programs are most of the compiles
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
-settings.register_profile("dev", max_examples=4, derandomize=True, deadline=timedelta(minutes=5),
+settings.register_profile("dev", max_examples=3, derandomize=True, deadline=timedelta(minutes=5),
                           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 settings.register_profile("ci", parent=settings.get_profile("dev"), max_examples=12)
 

@@ -324,7 +324,7 @@ def _global_network(depth):
     return lbp.Network(layers, [0], depth)
 
 
-def test_a_changed_global_is_seen_by_every_transform_outside_jit(depth=6):
+def test_a_changed_global_is_seen_by_every_transform_outside_jit(depth=3):
     """Outside the user's jit the result is what jax.grad gives now: a layer reading a global
     that changed is planned and compiled again (value_and_grad_by_solve returned the old value and
     gradient, silently). Every entry point: the transforms, checkpoints, the curvature transforms
