@@ -187,6 +187,28 @@ def first_operand(eqn: Any, path: list[Any]) -> int | None:
     return labels[0]
 
 
+def leaf_terms(per_example: Callable[..., list], example_args: list, varying: list[bool]
+               ) -> tuple[Any, list[list[tuple[Any, list[Any], int, int]] | None]]:
+    """``per_example``'s jaxpr and, per output leaf, its outer-product terms as (eqn, path, the
+    moving operand, the first operand) — None where the leaf is no such sum or a term has not
+    exactly one operand moving with the varying arguments."""
+    closed = jax.make_jaxpr(per_example)(*example_args)
+    moving = depending(closed.jaxpr, varying)
+    leaves: list = []
+    for var in closed.jaxpr.outvars:
+        terms = outer_terms(closed.jaxpr, var)
+        found: list | None = [] if terms is not None else None
+        for eqn, path in terms or ():
+            sides = [not isinstance(v, Literal) and v in moving for v in eqn.invars]
+            first = first_operand(eqn, path)
+            if sum(sides) != 1 or first is None:
+                found = None
+                break
+            found.append((eqn, path, sides.index(True), first))
+        leaves.append(found)
+    return closed, leaves
+
+
 def outer_terms(jaxpr: Any, var: Any) -> list[tuple[Any, list[Any]]] | None:
     """``var`` as a sum of products of one example's operands — each a ``dot_general`` without
     batch axes (contracted axes of any size), then layout operations — through ``add`` /
@@ -219,16 +241,11 @@ class OuterTerms:
     def __init__(self, per_example: Callable[..., list], example_args: list, varying: list[bool]):
         self.terms: list[Any] = []
         try:
-            closed = jax.make_jaxpr(per_example)(*example_args)
-            moving = depending(closed.jaxpr, varying)
-            for var in closed.jaxpr.outvars:
-                terms = outer_terms(closed.jaxpr, var)
-                described = []
-                for eqn, path in terms or []:
-                    sides = [not isinstance(v, Literal) and v in moving for v in eqn.invars]
-                    first = first_operand(eqn, path)
-                    if sum(sides) != 1 or first is None or any(
-                            op.primitive.name == "broadcast_in_dim" for op in path):  # copies change the norm
+            closed, leaves = leaf_terms(per_example, example_args, varying)
+            for found in leaves:
+                described: list | None = []
+                for eqn, path, _, first in found or ():
+                    if any(op.primitive.name == "broadcast_in_dim" for op in path):  # copies change the norm
                         described = None
                         break
                     sign = -1 if sum(op.primitive.name == "neg" for op in path) % 2 else 1

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.extend.core import Literal
 
-from ._outer import depending, evaluate, first_operand, outer_terms
+from ._outer import evaluate, leaf_terms
 
 
 class OuterFactors:
@@ -36,18 +36,9 @@ class OuterFactors:
     def __init__(self, per_example: Callable[..., list], example_args: list, varying: list[bool]):
         self.sources: list[Any] = []
         try:
-            closed = jax.make_jaxpr(per_example)(*example_args)
-            moving = depending(closed.jaxpr, varying)
-            for var in closed.jaxpr.outvars:
-                terms = outer_terms(closed.jaxpr, var)
-                found = [] if terms is not None else None
-                for eqn, path in terms or ():
-                    sides = [not isinstance(v, Literal) and v in moving for v in eqn.invars]
-                    first = first_operand(eqn, path)
-                    if sum(sides) != 1 or first is None:
-                        found = None
-                        break
-                    found.append((eqn, sides.index(True), first))
+            closed, leaves = leaf_terms(per_example, example_args, varying)
+            for terms in leaves:
+                found = None if terms is None else [(eqn, side, first) for eqn, _, side, first in terms]
                 if found and len({self._layout(term) for term in found}) != 1:
                     found = None  # the terms would make different Kronecker layouts
                 self.sources.append(_merged(found) if found else None)
