@@ -24,7 +24,7 @@ def f64(tree):
     return jax.tree.map(lambda v: jnp.asarray(v, jnp.float64), tree)
 
 
-def chain_case(depth=40):
+def chain_case(depth=16):
     net = lbp.Network([lbp.Layer(i, residual, (i - 1,), (lbp.Row("W", i - 1), lbp.Row("b", i - 1)))
                        for i in range(1, depth + 1)], [0], depth)
     rng = np.random.default_rng(0)
@@ -61,7 +61,7 @@ def kinds_case(depth=20):
     return lbp.Network(layers, [0], depth), f64(params), (f64(rng.standard_normal((3, 4))),)
 
 
-def rnn_case(steps=24):
+def rnn_case(steps=12):
     """Tied weights, a stacked input read row by row, every state returned (a Stack)."""
     layers = [lbp.Layer(("h", t), rnn_cell, (("h", t - 1), lbp.Row("xs", t - 1)), ("A", "B"))
               for t in range(1, steps + 1)]

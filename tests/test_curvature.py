@@ -354,7 +354,7 @@ def test_diag_ggn_of_dense_layers_forms_no_per_example_parameters():
 
     @jax.jit
     def reference(flat, x):
-        jac = jax.jacfwd(lambda v: net(unravel(v), x).ravel())(flat)
+        jac = jax.jacrev(lambda v: net(unravel(v), x).ravel())(flat)
         h = jax.hessian(lambda o: 0.5 * jnp.sum(jnp.tanh(o) ** 2))(net(unravel(flat), x).ravel())
         return jnp.einsum("oi,op,pi->i", jac, h, jac)
 
