@@ -127,7 +127,7 @@ def test_every_transform_and_linearize_see_the_settings_they_were_given(monkeypa
         for context in (lambda f: f(), lambda f: _transforms.solve_mode(f, **outer)())[:1 + (n in (0, 3, 4, 8))]:
             seen.clear()
             make_plan.cache_clear()  # every plan made anew, under the eyes of `recording`
-            jax.block_until_ready(context(run))
+            jax.make_jaxpr(lambda: context(run))()  # traced: plans are made at trace time
             assert seen, expected
             if run is not cases[-1][0]:  # linearize enters no context: it passes its settings down
                 assert {s for _, s in seen} == {expected}, (expected, seen)
