@@ -132,7 +132,7 @@ def test_weights_shared_along_a_sequence_sum_every_step():
               "c": jnp.asarray(0.1 * rng.standard_normal(W))}
     h0, xs = jnp.asarray(rng.standard_normal((B, W))), jnp.asarray(rng.standard_normal((T, B, D)))
     loss = lambda p, h0, xs: 0.5 * jnp.sum(jnp.sin(net(p, h0, xs)) ** 2)
-    factors = lbp.kfac_factors(loss)(params, h0, xs)
+    factors = jax.jit(lbp.kfac_factors(loss))(params, h0, xs)
     # c is added after two products (h A + x B): no one weight's bias, its GGN diagonal instead
     diagonal = jax.jit(lbp.diag_ggn(loss))(params, h0, xs)
     close(factors["c"], diagonal["c"])
@@ -154,7 +154,7 @@ def test_weights_shared_along_a_sequence_sum_every_step():
     close(factors["B"].left, jnp.einsum("tbi,tbj->ij", xs, xs) / (B * T))
     close(factors["B"].right, gamma)
     # "reduce": each example's steps summed first, A = (1/(B T²)) Σ_b h̄_b h̄_bᵀ, Γ = Σ_b J̄_bᵀ H_b J̄_b
-    reduced = lbp.kfac_factors(loss, approximation="reduce")(params, h0, xs)
+    reduced = jax.jit(lbp.kfac_factors(loss, approximation="reduce"))(params, h0, xs)
     jac_sum = jac.sum(axis=2)  # [B, W(out), W(e)]: the steps' perturbations summed
     gamma_sum = jnp.einsum("bcx,bcd,bdy->xy", jac_sum, hess, jac_sum)
     close(reduced["A"].left, jnp.einsum("bi,bj->ij", hs.sum(0), hs.sum(0)) / (B * T * T))
