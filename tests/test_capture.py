@@ -426,16 +426,17 @@ def test_per_example_quantities_of_layers_fixed_to_their_batch():
                          for _ in range(3)]}
     tokens = jnp.asarray(rng.integers(0, 7, (5, 4)))
     ref = jax.jit(jax.vmap(jax.grad(lambda p, t: seq_losses(p, t[None])[0]), (None, 0)))(params, tokens)
-    close(lbp.per_example_grads(seq_losses, layers=seq_block)(params, tokens), ref)
+    close(jax.jit(lbp.per_example_grads(seq_losses, layers=seq_block))(params, tokens), ref)
     norms = jnp.sqrt(sum(jnp.sum(g.reshape(5, -1) ** 2, axis=1) for g in jax.tree.leaves(ref)))
-    close(lbp.per_example_grad_norms(seq_losses, layers=seq_block)(params, tokens), norms)
-    clipped, found = lbp.clipped_grad(seq_losses, 1.0, layers=seq_block)(params, tokens)
+    close(jax.jit(lbp.per_example_grad_norms(seq_losses, layers=seq_block))(params, tokens), norms)
+    clipped, found = jax.jit(lbp.clipped_grad(seq_losses, 1.0, layers=seq_block))(params, tokens)
     close(found, norms)
     close(clipped, jax.tree.map(lambda g: jnp.tensordot(jnp.minimum(1, 1 / norms), g, 1), ref))
     total = lambda p, t: jnp.sum(seq_losses(p, t))
     by_hand = lambda p, t: jnp.sum(seq_network_losses(p, t))
     close(by_hand(params, tokens), total(params, tokens))
-    close(lbp.diag_ggn(total, layers=seq_block)(params, tokens), jax.jit(lbp.diag_ggn(by_hand))(params, tokens))
+    close(jax.jit(lbp.diag_ggn(total, layers=seq_block))(params, tokens),
+          jax.jit(lbp.diag_ggn(by_hand))(params, tokens))
     is_pair = lambda x: isinstance(x, lbp.Kronecker)
     found, expected = (jax.jit(lbp.kfac_factors(total, layers=seq_block))(params, tokens),
                        jax.jit(lbp.kfac_factors(by_hand))(params, tokens))
@@ -454,9 +455,9 @@ def test_per_example_quantities_of_an_nnx_model_with_embedding_and_layer_norm():
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     one = lambda p, t, y: losses(nnx.merge(graphdef, p, rest), t[None], y[None])[0]
     ref = jax.jit(jax.vmap(jax.grad(one), (None, 0, 0)))(params, tokens, targets)
-    close(lbp.per_example_grads(losses, layers=Block)(model, tokens, targets), ref, tol=1e-5)
+    close(jax.jit(lbp.per_example_grads(losses, layers=Block))(model, tokens, targets), ref, tol=1e-5)
     norms = jnp.sqrt(sum(jnp.sum(g.reshape(3, -1) ** 2, axis=1) for g in jax.tree.leaves(ref)))
-    clipped, found_norms = lbp.clipped_grad(losses, 0.5, layers=Block)(model, tokens, targets)
+    clipped, found_norms = jax.jit(lbp.clipped_grad(losses, 0.5, layers=Block))(model, tokens, targets)
     close(found_norms, norms, tol=1e-5)
     close(clipped, jax.tree.map(lambda g: jnp.tensordot(jnp.minimum(1, 0.5 / norms), g, 1), ref), tol=1e-5)
 
