@@ -196,10 +196,10 @@ def test_curvature_transforms_take_layers():
     loss = lambda p, x, y: jnp.sum(losses(p, x, y))
     one = lambda p, xb, yb: losses(p, xb[None], yb[None])[0]
     ref = jax.jit(jax.vmap(jax.grad(one), (None, 0, 0)))(params, x, y)
-    close(lbp.per_example_grads(losses, layers=block)(params, x, y), ref)
-    norms = lbp.per_example_grad_norms(losses, layers=block)(params, x, y)
+    close(jax.jit(lbp.per_example_grads(losses, layers=block))(params, x, y), ref)
+    norms = jax.jit(lbp.per_example_grad_norms(losses, layers=block))(params, x, y)
     close(norms, jnp.sqrt(sum(jnp.sum(g.reshape(4, -1) ** 2, axis=1) for g in jax.tree.leaves(ref))))
-    value, grad, G = lbp.gauss_newton(loss, layers=block)(params, x, y)
+    value, grad, G = jax.jit(lbp.gauss_newton(loss, layers=block))(params, x, y)
     close((value, grad), jax.value_and_grad(loss)(params, x, y))
     from jax.flatten_util import ravel_pytree
 
@@ -210,9 +210,9 @@ def test_curvature_transforms_take_layers():
     dense = jac.T @ h @ jac
     # the head is in the loss (it follows the last layer call): G is the GGN of the blocks' outputs
     v = jax.tree.map(jnp.ones_like, params)
-    close(ravel_pytree(G.mv(v))[0], dense @ ravel_pytree(v)[0])
-    close(lbp.diag_ggn(loss, layers=block)(params, x, y), unravel(jnp.diag(dense)))
-    factors = lbp.kfac_factors(loss, layers=block)(params, x, y)
+    close(ravel_pytree(jax.jit(lambda G, v: G.mv(v))(G, v))[0], dense @ ravel_pytree(v)[0])
+    close(jax.jit(lbp.diag_ggn(loss, layers=block))(params, x, y), unravel(jnp.diag(dense)))
+    factors = jax.jit(lbp.kfac_factors(loss, layers=block))(params, x, y)
     assert isinstance(factors["blocks"][0]["W"], lbp.Kronecker)
     close(factors["head"], jnp.zeros_like(params["head"]))  # in the loss: no part of G (J = 0 there)
 

@@ -108,7 +108,7 @@ def test_batch_factors_are_the_expand_sums(engine):
     rng = np.random.default_rng(3)
     x, labels = jnp.asarray(rng.standard_normal((5, WIDTH))), jnp.asarray(rng.integers(0, CLASSES, 5))
     loss = lambda p, x: xent(net(p, x), labels)
-    factors = lbp.kfac_factors(loss, engine=engine)(params, x)
+    factors = jax.jit(lbp.kfac_factors(loss, engine=engine))(params, x)
     products = {("W", 0): WIDTH, ("W", 1): WIDTH, "V": WIDTH, "H": CLASSES}
     ref = expand_reference(plain, params, x, lambda o, b: xent(o, labels[b][None]), products)
     for i in range(DEPTH):
