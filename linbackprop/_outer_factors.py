@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -15,6 +15,21 @@ from jax import lax
 from jax.extend.core import Literal
 
 from ._outer import evaluate, leaf_terms
+
+
+class Term(NamedTuple):
+    """One product x_bᵀ y_b of a cotangent leaf: ``eqn`` the ``dot_general``, ``side`` the adjoint
+    operand's position in it, ``first`` whether the leaf takes x's free axes first. ``fixed`` is
+    the λ-free operand's variable, or, where that operand is ``copies`` copies of another stacked
+    along its contracted axis 0 (the forward Laplacian's d directions folded into the examples),
+    that other's: then x_cᵀ y = xᵀ (Σ_k y_k), y's ``axis`` paired with the copies folded back."""
+
+    eqn: Any
+    side: int
+    first: bool
+    fixed: Any
+    copies: int = 1
+    axis: int = 0
 
 
 class OuterFactors:
@@ -37,15 +52,16 @@ class OuterFactors:
         self.sources: list[Any] = []
         try:
             closed, leaves = leaf_terms(per_example, example_args, varying)
+            producers = {v: eqn for eqn in closed.jaxpr.eqns for v in eqn.outvars}
             for terms in leaves:
-                found = None if terms is None else [(eqn, side, first) for eqn, _, side, first in terms]
+                found = None if terms is None else [_term(producers, eqn, side, first) for eqn, _, side, first in terms]
                 if found and len({self._layout(term) for term in found}) != 1:
                     found = None  # the terms would make different Kronecker layouts
                 self.sources.append(_merged(found) if found else None)
             self.closed: Any = closed
             self.biases = _biases(closed.jaxpr, self.sources)
             wanted = [u for src in self.sources if src is not None for group in src for term in group
-                      for u in term[0].invars]
+                      for u in (*term.eqn.invars, term.fixed)]
             jax.eval_shape(lambda a: evaluate(closed.jaxpr, closed.consts, a, wanted), list(example_args))
         except (AttributeError, TypeError, KeyError, ValueError, NotImplementedError):
             self.closed, self.sources, self.biases = None, [], {}  # JAX's jaxpr internals changed: no factors
@@ -58,22 +74,23 @@ class OuterFactors:
         return self._layout(self.sources[n][0][0])
 
     @staticmethod
-    def _layout(term: tuple) -> tuple[bool, int, int]:
-        eqn, side, first = term
+    def _layout(term: Term) -> tuple[bool, int, int]:
+        eqn, side, first = term.eqn, term.side, term.first
         sizes = [_free_size(v, c) for v, c in zip(eqn.invars, eqn.params["dimension_numbers"][0])]
         return first != side, sizes[1 - side], sizes[side]
 
     def count(self, n: int, batch: int) -> int:
         """N of leaf ``n``: examples times the contracted positions of every use (K-FAC "expand")."""
-        return batch * sum(math.prod(eqn.invars[side].aval.shape[d] for d in eqn.params["dimension_numbers"][0][side])
-                           for (eqn, side, _), *_ in self.sources[n])
+        positions = lambda t: math.prod(t.eqn.invars[t.side].aval.shape[d]
+                                        for d in t.eqn.params["dimension_numbers"][0][t.side]) // t.copies
+        return batch * sum(positions(t) for t, *_ in self.sources[n])
 
     def _uses(self, batched_args: list, in_axes: list, operand: int) -> list[list[tuple] | None]:
         """Per leaf: each use's operand ``operand`` (0: λ-free, 1: the adjoint's), [B, ...] one
         example per row, with its contracted (position) axes; None where not factored."""
         # a use's λ-free operand once, its adjoint operands added (xᵀy₁ + xᵀy₂ = xᵀ(y₁ + y₂))
-        wanted = [eqn.invars[side if operand else 1 - side] for src in self.sources if src is not None
-                  for group in src for eqn, side, _ in (group if operand else group[:1])]
+        wanted = [t.eqn.invars[t.side] if operand else t.fixed for src in self.sources if src is not None
+                  for group in src for t in (group if operand else group[:1])]
         closed = self.closed
         values = iter(jax.vmap(lambda a: evaluate(closed.jaxpr, closed.consts, a, wanted), in_axes=(in_axes,))(
             list(batched_args)))
@@ -84,11 +101,13 @@ class OuterFactors:
                 continue
             uses = []
             for group in src:
-                eqn, side, _ = group[0]
+                eqn, side = group[0].eqn, group[0].side
                 contracted = eqn.params["dimension_numbers"][0][side if operand else 1 - side]
-                x = next(values)
-                for _ in group[1:] if operand else ():
-                    x = x + next(values)
+                x = None
+                for t in group if operand else ():
+                    y = _folded(next(values), t)
+                    x = y if x is None else x + y
+                x = next(values) if x is None else x
                 uses.append((x, tuple(d + 1 for d in contracted)))
             out.append(uses)
         return out
@@ -161,9 +180,9 @@ def _biases(jaxpr: Any, sources: list) -> dict[int, tuple[int, set[int]]]:
     adjoints: dict[Any, list[tuple]] = {}  # each use's adjoint operand: var → (weight, use, term, summed axes)
     for m, src in enumerate(sources):
         for u, group in enumerate(src or ()):
-            for t, (eqn, side, _) in enumerate(group):
-                y = eqn.invars[side]
-                contracted = eqn.params["dimension_numbers"][0][side]
+            for t, term in enumerate(group):
+                y = term.eqn.invars[term.side]
+                contracted = term.eqn.params["dimension_numbers"][0][term.side]
                 adjoints.setdefault(y, []).append((m, u, t, frozenset(d for d in contracted if y.aval.shape[d] != 1)))
     found: dict[int, tuple[int, set[int]]] = {}
     claimed: dict[int, int] = {}  # weight → how many biases matched it
@@ -216,20 +235,58 @@ def _summed_terms(producers: dict, var: Any, stop: dict) -> list[tuple[Any, froz
     if name == "reduce_sum" and not isinstance(eqn.invars[0], Literal) and eqn.invars[0] in stop:
         y = eqn.invars[0]
         return [(y, frozenset(d for d in eqn.params["axes"] if y.aval.shape[d] != 1))]
+    if name == "reduce_sum" and not isinstance(eqn.invars[0], Literal) and all(
+            eqn.invars[0].aval.shape[d] == 1 for d in eqn.params["axes"]):  # axes of size 1: a reshape
+        return _summed_terms(producers, eqn.invars[0], stop)
     return None
 
 
-def _merged(terms: list[tuple]) -> list[list[tuple]]:
-    """The terms grouped into uses: products with the same λ-free operand (the same variable and
-    contraction, the same adjoint operand's shape) are one use whose adjoint operands add — the
-    copies of one product that nested JVPs leave in a program."""
-    groups: dict[tuple, list[tuple]] = {}
-    for eqn, side, first in terms:
-        fixed = eqn.invars[1 - side]
-        key = (id(eqn) if isinstance(fixed, Literal) else fixed, str(eqn.params["dimension_numbers"]), side, first,
-               eqn.invars[side].aval.shape)
-        groups.setdefault(key, []).append((eqn, side, first))
-    return list(groups.values())
+def _term(producers: dict, eqn: Any, side: int, first: bool) -> Term:
+    """The product as a `Term`, its λ-free operand traced back through copies stacked along its
+    contracted axis 0: ``reshape(broadcast_in_dim(x, (d, *x.shape)), (d·n, ...))``."""
+    fixed = eqn.invars[1 - side]
+    (lc, rc), _ = eqn.params["dimension_numbers"]
+    fixed_axes, adjoint_axes = (rc, lc) if side == 0 else (lc, rc)
+    reshape = None if isinstance(fixed, Literal) else producers.get(fixed)
+    if reshape is None or reshape.primitive.name != "reshape" or 0 not in fixed_axes:
+        return Term(eqn, side, first, fixed)
+    stacked = reshape.invars[0]
+    broadcast = None if isinstance(stacked, Literal) else producers.get(stacked)
+    if broadcast is None or broadcast.primitive.name != "broadcast_in_dim":
+        return Term(eqn, side, first, fixed)
+    source = broadcast.invars[0]
+    d, *rest = stacked.aval.shape
+    if (isinstance(source, Literal) or tuple(source.aval.shape) != tuple(rest) or not rest
+            or tuple(broadcast.params["broadcast_dimensions"]) != tuple(range(1, len(rest) + 1))
+            or tuple(fixed.aval.shape) != (d * rest[0], *rest[1:])):
+        return Term(eqn, side, first, fixed)
+    return Term(eqn, side, first, source, d, adjoint_axes[list(fixed_axes).index(0)])
+
+
+def _folded(y: jax.Array, term: Term) -> jax.Array:
+    """The adjoint operand ``y`` (one example per row) with a term's copies summed: the operand
+    of xᵀ(Σ_k y_k), the product with the copies' source."""
+    if term.copies == 1:
+        return y
+    axis = term.axis + 1  # after the examples' axis
+    n = y.shape[axis] // term.copies
+    return y.reshape(*y.shape[:axis], term.copies, n, *y.shape[axis + 1:]).sum(axis=axis)
+
+
+def _merged(terms: list[Term]) -> list[list[Term]]:
+    """The terms grouped into uses: products with the same λ-free operand (the same variable, or
+    copies of it, the same contraction, the same adjoint operand's shape once copies are summed)
+    are one use whose adjoint operands add — the copies of one product that nested JVPs leave in
+    a program. A use's first term is one without copies where there is one (its sizes are the
+    use's)."""
+    groups: dict[tuple, list[Term]] = {}
+    for t in terms:
+        shape = list(t.eqn.invars[t.side].aval.shape)
+        shape[t.axis] //= t.copies
+        key = (id(t.eqn) if isinstance(t.fixed, Literal) else t.fixed, str(t.eqn.params["dimension_numbers"]), t.side,
+               t.first, tuple(shape))
+        groups.setdefault(key, []).append(t)
+    return [sorted(group, key=lambda t: t.copies) for group in groups.values()]
 
 
 def _free_size(var: Any, contracted: tuple[int, ...]) -> int:

@@ -69,6 +69,32 @@ def test_lifted_states_are_the_derivatives():
     assert LIFTED.order[0] == ("forward_laplacian", "x") and LIFTED.param_names == NET.param_names
 
 
+def test_three_coordinates_and_a_constant_input_per_point():
+    """d = 3, a layer with a pytree state, and a layer that also reads a per-point coefficient c
+    (an input other than the coordinates: a constant of the derivatives): the states and their
+    gradient against jax.grad / jax.hessian with c held fixed at each point."""
+    both = lambda th, h: {"a": jnp.tanh(h @ th[0]), "b": jnp.sin(h @ th[1])}
+    net = lbp.Network([lbp.Layer("h", both, ("x",), ("A", "B")),
+                       lbp.Layer("g", lambda th, s, c: jnp.tanh(s["a"] * s["b"] @ th[0] + c * th[1]), ("h", "c"),
+                                 ("G", "c0")),
+                       lbp.Layer("u", lambda th, g, s: g @ th[0] + s["b"] @ th[1], ("g", "h"), ("H", "K"))],
+                      ["x", "c"], "u")
+    lifted = lbp.forward_laplacian(net)
+    rng = np.random.default_rng(5)
+    r = lambda *s: jnp.asarray(0.6 * rng.standard_normal(s))
+    p = {"A": r(3, 4), "B": r(3, 4), "G": r(4, 4), "c0": r(4), "H": r(4, 1), "K": r(4, 1)}
+    x, c = r(6, 3), r(6, 1)
+    at = lambda p, point, coefficient: net(p, point[None], coefficient[None])[0, 0]
+    u, grad, lap = jax.jit(lifted)(p, x, c)
+    close(u[:, 0], jax.vmap(at, (None, 0, 0))(p, x, c))
+    close(grad[:, 0, :], jax.vmap(jax.grad(at, argnums=1), (None, 0, 0))(p, x, c))
+    laplacian = lambda p: jax.vmap(lambda a, b: jnp.trace(jax.hessian(at, argnums=1)(p, a, b)))(x, c)
+    close(lap[:, 0], laplacian(p))
+    loss = lambda p: 0.5 * jnp.sum(lifted(p, x, c)[2] ** 2)
+    reference = lambda p: 0.5 * jnp.sum(laplacian(p) ** 2)
+    close(ravel_pytree(jax.jit(lbp.grad_by_solve(loss))(p))[0], ravel_pytree(jax.jit(jax.grad(reference))(p))[0])
+
+
 def test_physics_informed_gradient_and_gauss_newton():
     p, (inner, edge) = params(), points()
 
