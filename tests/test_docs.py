@@ -75,12 +75,27 @@ def test_guides_have_code():
     assert expected <= with_code
 
 
+def api_page(name: str) -> str:
+    """The API page of a public name, relative to docs/: a function whose name differs from a
+    class's only in case (``capture`` and ``Capture``) gets ``-function`` (no two pages may differ
+    only in case: a macOS or Windows checkout would hold one of them)."""
+    twin = any(other != name and other.lower() == name for other in lbp.__all__)
+    return f"api/{name}-function.md" if twin else f"api/{name}.md"
+
+
 def test_every_public_name_has_an_api_page_in_the_nav():
     nav = (ROOT / "mkdocs.yml").read_text()
     for name in lbp.__all__:
-        page = ROOT / "docs" / "api" / f"{name}.md"
-        assert page.exists() and f"::: linbackprop.{name}" in page.read_text(), f"docs/api/{name}.md"
-        assert f"api/{name}.md" in nav, f"mkdocs.yml's nav lacks api/{name}.md"
+        page = ROOT / "docs" / api_page(name)
+        assert page.exists() and f"::: linbackprop.{name}" in page.read_text(), api_page(name)
+        assert f"{api_page(name)}" in nav, f"mkdocs.yml's nav lacks {api_page(name)}"
+
+
+def test_no_two_files_differ_only_in_case():
+    """A case-insensitive file system (macOS, Windows) holds one of two such files."""
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    files = [f.lower() for f in tracked.splitlines()]
+    assert files and len(files) == len(set(files)), sorted({f for f in files if files.count(f) > 1})
 
 
 @pytest.mark.slow  # the docs build: the slow tier
@@ -126,8 +141,44 @@ def test_api_pages_name_their_object_once_and_the_nav_groups_them():
     """Each API page is the object's own heading (no second title), and the nav groups the pages."""
     nav = (ROOT / "mkdocs.yml").read_text()
     for name in lbp.__all__:
-        text = (ROOT / "docs" / "api" / f"{name}.md").read_text()
+        text = (ROOT / "docs" / api_page(name)).read_text()
         assert not any(line.startswith("# ") for line in text.splitlines()), name
-        assert nav.count(f"api/{name}.md") == 1, name
+        assert nav.count(f"{api_page(name)}\n") == 1, name
     for group in ("Transforms", "Networks", "Operators", "Curvature", "Interop", "Pictures"):
         assert f"      - {group}:\n" in nav, group
+
+
+@pytest.mark.parametrize("page", sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs" / "guides").glob("*.md")))
+def test_guides_are_sections_with_headings(page):
+    """A guide a reader scans: its parts are headings (the table of contents), not bold leads."""
+    text = (ROOT / page).read_text()
+    assert len(re.findall(r"^## ", text, flags=re.M)) >= 2, page
+    assert not re.search(r"^\*\*[^*\n]+\.\*\* ", text, flags=re.M), f"{page}: a bold lead where a heading belongs"
+
+
+@pytest.mark.parametrize("page", ["README.md", "docs/getting-started.md", "docs/examples.md", "docs/index.md"])
+def test_code_lines_fit_the_column(page):
+    """The docs' column shows about 95 characters of code at 1280 px: longer lines scroll
+    sideways and hide their ends (88, as black and ruff format)."""
+    lines, inside = [], False
+    for number, line in enumerate((ROOT / page).read_text().splitlines(), 1):
+        if line.startswith("```"):
+            inside = not inside
+        elif inside and len(line) > 88:
+            lines.append(f"{page}:{number}: {len(line)} characters")
+    assert not lines, "\n".join(lines)
+
+
+def test_the_api_index_links_every_public_name_without_signatures():
+    """The index lists every public name once, linked to its page; signatures live on the pages
+    (generated from the code), so the index cannot fall out of date with them."""
+    text = (ROOT / "docs" / "api" / "index.md").read_text()
+    for name in lbp.__all__:
+        link = f"[`{name}`]({api_page(name).removeprefix('api/')})"
+        assert text.count(link) == 1, link
+    assert not re.search(r"\[`\w+\(", text), "a signature in the index"
+    # a table broken by a blank line drops its rows out of the table
+    for table in re.split(r"\n\s*\n", text):
+        rows = [line for line in table.splitlines() if line.startswith("|")]
+        if rows:
+            assert rows[1].startswith("|---"), table[:200]
