@@ -217,6 +217,33 @@ def test_rejected_steps_are_zero_and_raise_the_damping():
     assert float(state.damping) > 1e-2
 
 
+def test_non_finite_steps_leave_the_parameters_and_raise_the_damping():
+    """A gradient with an infinity (an overflow), or a loss that is NaN after the step: the update
+    is zeros (the parameters stay as they are, never NaN), λ grows; factors that are not finite
+    stay out of the average."""
+    params, x, y, value, grad, G, factors, diagonal = at_problem()
+    value_fn = lambda p, **_: loss(p, x, y)
+    opt = lbp.kfac(damping=1e-2, damping_interval=1)
+    state = opt.init(params)
+    u, state = opt.update(grad, state, params, factors=factors, diagonal=diagonal, curvature=G, value=value,
+                          value_fn=value_fn)
+    overflowed = jax.tree.map(lambda g: g.at[(0,) * g.ndim].set(jnp.inf), grad)
+    u, after = opt.update(overflowed, state, params, factors=factors, diagonal=diagonal, curvature=G, value=value,
+                          value_fn=value_fn)
+    assert all(float(jnp.abs(leaf).max()) == 0.0 for leaf in jax.tree.leaves(u))
+    assert float(after.damping) > float(state.damping)
+    rejecting = lbp.kfac(damping=1e-2, reject=True)
+    u, after = rejecting.update(grad, rejecting.init(params), params, factors=factors, diagonal=diagonal,
+                                curvature=G, value=value, value_fn=lambda p, **_: jnp.nan)
+    assert all(float(jnp.abs(leaf).max()) == 0.0 for leaf in jax.tree.leaves(u))
+    assert float(after.damping) > 1e-2
+    poisoned = jax.tree.map(lambda f: f * jnp.nan if isinstance(f, jax.Array) else f, factors)
+    u, after = opt.update(grad, state, params, factors=poisoned, diagonal=diagonal, curvature=G, value=value,
+                          value_fn=value_fn)
+    assert all(bool(jnp.all(jnp.isfinite(leaf))) for leaf in jax.tree.leaves((u, after.sums, after.inverses)))
+    close(after.weight, state.weight)  # the NaN batch left out of the average
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64], ids=["float32", "float64"])
 @pytest.mark.parametrize("update_every", [1, 5])
 def test_trains_under_one_jit(dtype, update_every):
