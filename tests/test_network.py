@@ -57,8 +57,16 @@ def test_graph_errors(layers, inputs, outputs, message):
         lbp.Network(layers, inputs, outputs)
 
 
-def test_graph_error_is_value_error():
-    assert issubclass(lbp.GraphError, ValueError)
+def test_a_bad_graph_is_caught_as_a_value_error():
+    """Code that guards a Network's construction with ``except ValueError`` catches every graph
+    error, and the error names the culprit."""
+    for layers, inputs, outputs in ([], ["x"], "x"), ([lbp.Layer("a", f1, ("a",))], ["x"], "a"):
+        try:
+            lbp.Network(layers, inputs, outputs)
+        except ValueError as error:
+            assert isinstance(error, lbp.GraphError) and str(error)
+        else:
+            pytest.fail("no error")
 
 
 def test_layer_errors():
