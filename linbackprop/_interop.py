@@ -48,7 +48,9 @@ class Functional:
             as the layer's first state: a network input with a fresh key per step, or a ``Row``
             of ``jax.random.split(step_key, n)`` for n layers).
 
-    Example (any pure function of parameters works the same way):
+    Any pure function of parameters works the same way.
+
+    Examples:
         >>> import jax.numpy as jnp, linbackprop as lbp
         >>> f = lbp.Functional(lambda p, x: x @ p["W"], {"W": jnp.eye(2)}, lambda p: p)
         >>> net = lbp.Network([lbp.Layer("y", f.layer, ("x",), ("W",))], ["x"], "y")
@@ -97,7 +99,9 @@ def functional(model: Any, variables: Any = None, *, method: str | None = None,
     ``nnx.vmap``, ``jax.vmap(module.init)``) split the same way; pass ``Row`` s of ``params`` to
     ``layer``.
 
-    Example (equinox; ``pip install 'linbackprop[equinox]'``):
+    The example needs equinox (``pip install 'linbackprop[equinox]'``).
+
+    Examples:
         >>> import equinox as eqx, jax, jax.numpy as jnp, linbackprop as lbp
         >>> mlp = lbp.functional(eqx.nn.MLP(4, 4, 16, 2, key=jax.random.PRNGKey(0)))
         >>> net = lbp.Network([lbp.Layer("y", mlp.layer, ("x",), ("mlp",))], ["x"], "y")

@@ -111,6 +111,10 @@ def test_docs_site_builds_strictly(tmp_path):
     signature = re.sub(r"<[^>]+>", "", page[page.index("doc-signature"):][:4000])
     assert "\n    fun: Callable,\n" in signature, signature[:400]
     assert page.count("<h1") == 1
+    # every docstring example renders as code (an "Example:" header made one prose)
+    for html in (tmp_path / "api").rglob("index.html"):
+        text = re.sub(r"<pre.*?</pre>", "", html.read_text(), flags=re.S)
+        assert "&gt;&gt;&gt;" not in text, f"{html.parent.name}: an example rendered outside a code block"
     # Offline: no stylesheet, script or font from another host.
     index = (tmp_path / "index.html").read_text()
     assert "fonts.googleapis" not in index and "cdn." not in index
@@ -128,6 +132,14 @@ def test_user_pages_speak_of_the_library_not_its_history(page):
     assert "linbackprop/_" not in text and not re.search(r"`_(engine|plan|transforms|curvature|outer|solve|checkpoint|"
                                                          r"stacking|graph|operators|settings|traced)\b", text), page
     assert not re.search(r"\b[Ii]ssue #\d", text), page
+
+
+def test_docstring_examples_are_an_examples_section():
+    """Google style's section is "Examples:"; mkdocstrings renders "Example:" or "Example (...):"
+    as prose, the doctest lines run together."""
+    for module in MODULES + ["_settings", "_traced"]:
+        source = inspect.getsource(importlib.import_module(f"linbackprop.{module}"))
+        assert not re.search(r"^\s*Example\b(?!s:)", source, flags=re.M), module
 
 
 def test_docstrings_have_no_sphinx_roles():

@@ -30,7 +30,7 @@ class Capture:
             differentiated argument (``jax.tree_util.keystr``).
         inputs: its inputs (the data it reads), in ``net.inputs`` order.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp, linbackprop as lbp
         >>> dense = lbp.layer(lambda W, x: jnp.tanh(x @ W))
         >>> cap = lbp.capture(lambda p, x: jnp.sum(dense(p, x)), jnp.eye(2), jnp.ones((1, 2)), layers=dense)
