@@ -134,6 +134,13 @@ def test_user_pages_speak_of_the_library_not_its_history(page):
     assert not re.search(r"\b[Ii]ssue #\d", text), page
 
 
+@pytest.mark.parametrize("page", ["README.md", *PAGES])
+def test_pages_name_no_path_outside_the_repository(page):
+    """A reader's checkout has only the repository: no ../ tools, no machine's absolute paths."""
+    text = (ROOT / page).read_text()
+    assert not re.search(r"\.\./shared|/work/|/root/|/home/|/tmp/", text), page
+
+
 def test_docstring_examples_are_an_examples_section():
     """Google style's section is "Examples:"; mkdocstrings renders "Example:" or "Example (...):"
     as prose, the doctest lines run together."""

@@ -1,0 +1,91 @@
+"""The package's modules are layered one way (docs/architecture.md): no import cycles between
+modules, lazy (in-function) imports included, and no module imports another's private names.
+A package's ``__init__.py`` only re-exports: an import through it counts as an import of the
+submodule that defines the name."""
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "linbackprop"
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = [PACKAGE.name, *path.relative_to(PACKAGE).with_suffix("").parts]
+        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return out
+
+
+MODULES = _modules()
+PACKAGES = {name for name, path in MODULES.items() if path.name == "__init__.py"}
+
+
+def _imports(name: str) -> list[tuple[str, str | None]]:
+    """(module, imported name or None) for every import of ``name``'s source, lazy ones included."""
+    path = MODULES[name]
+    here = name.split(".") if name in PACKAGES else name.split(".")[:-1]
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(here[: len(here) - node.level + 1] + ([node.module] if node.module else []))
+            for alias in node.names:
+                found.append((f"{base}.{alias.name}", None) if f"{base}.{alias.name}" in MODULES
+                             else (base, alias.name))
+        elif isinstance(node, ast.Import):
+            found += [(alias.name, None) for alias in node.names]
+    return [(module, imported) for module, imported in found if module in MODULES]
+
+
+def _defining(module: str, imported: str | None, seen: frozenset = frozenset()) -> set[str]:
+    """The modules an import stands for: a package's re-exported name is its defining submodule."""
+    if module not in PACKAGES or module in seen:
+        return {module}
+    if imported is None:  # the whole package: every module in it
+        return {m for m in MODULES if m.startswith(module + ".") and m not in PACKAGES}
+    for source, name in _imports(module):
+        if name == imported or source.rpartition(".")[2] == imported:
+            return _defining(source, name, seen | {module})
+    return {module}
+
+
+def _graph() -> dict[str, set[str]]:
+    return {name: {target for module, imported in _imports(name) for target in _defining(module, imported)} - {name}
+            for name in MODULES if name not in PACKAGES}
+
+
+def test_no_import_cycles():
+    graph, state, cycles = _graph(), {}, []
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = "open"
+        for target in sorted(graph.get(node, ())):
+            if state.get(target) == "open":
+                cycles.append(path[path.index(target):] + [target])
+            elif target not in state:
+                visit(target, [*path, target])
+        state[node] = "done"
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+    assert not cycles, cycles
+
+
+def test_no_private_names_across_modules():
+    private = [f"{name} imports {imported} from {module}" for name in MODULES if name not in PACKAGES
+               for module, imported in _imports(name)
+               if imported and imported.startswith("_") and not imported.startswith("__")
+               and _defining(module, imported) != {name}]
+    assert not private, private
+
+
+def test_the_check_sees_lazy_imports_and_re_exports():
+    """The graph is not vacuous: a lazy import inside a function is an edge, and an import through
+    a package's __init__ reaches the submodule that defines the name."""
+    graph = _graph()
+    assert sum(len(targets) for targets in graph.values()) > 50
+    assert "linbackprop._graph" in graph["linbackprop._transforms"]
+    assert any(target.startswith("linbackprop._curvature._") for target in graph["linbackprop._optim._kfac"])
