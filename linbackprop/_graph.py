@@ -46,6 +46,10 @@ class Row(NamedTuple):
     leading axis like ``lax.scan``'s ``xs`` (a sequence: one input array instead of T inputs).
     A stacked input is read by rows only; its cotangent comes back stacked.
 
+    Attributes:
+        block: the stacked parameter block's or input's name.
+        index: the row, an int.
+
     Examples:
         >>> import jax.numpy as jnp, linbackprop as lbp
         >>> step = lambda th, u: u + jnp.tanh(u @ th[0])
@@ -70,6 +74,9 @@ class Stack:
     leaf for pytree states), like ``lax.scan``'s ``ys``. ``outputs`` may be one Stack or a list
     mixing Stacks and single names. Under the solve the cotangent of a stacked output goes into
     the back substitution's rows directly (no T separate arrays).
+
+    Attributes:
+        names: the stacked states' names, in order (a tuple).
 
     Examples:
         >>> import jax.numpy as jnp, linbackprop as lbp

@@ -99,6 +99,19 @@ def functional(model: Any, variables: Any = None, *, method: str | None = None,
     ``nnx.vmap``, ``jax.vmap(module.init)``) split the same way; pass ``Row`` s of ``params`` to
     ``layer``.
 
+    Args:
+        model: an ``eqx.Module``, an ``nnx.Module`` or a linen ``nn.Module``.
+        variables: the linen module's variables (``module.init(...)``); None for the others.
+        method: the method to call instead of ``__call__``.
+        rng_streams: the linen RNG streams a ``key`` seeds.
+
+    Returns:
+        A [`Functional`][linbackprop.Functional]: ``apply``, ``params``, ``rebuild``, ``layer``,
+        ``keyed_layer``.
+
+    Raises:
+        TypeError: a model of none of these kinds, or a linen module without ``variables``.
+
     The example needs equinox (``pip install 'linbackprop[equinox]'``).
 
     Examples:

@@ -39,6 +39,19 @@ def forward_laplacian(net: Network, coordinates: Hashable | None = None) -> Netw
     transforms apply as to any Network: a physics-informed network's loss ½‖Δu + f‖² is a loss
     of its outputs.
 
+    Args:
+        net: the network; each layer acting on each example alone.
+        coordinates: the input holding the [B, d] points (the first input if None).
+
+    Returns:
+        The lifted [`Network`][linbackprop.Network]: the same inputs, ``(u, grad, lap)`` per
+        output.
+
+    Raises:
+        GraphError: ``coordinates`` not an input, a layer reading rows of them or no state that
+            depends on them, or an output that is an input.
+        ValueError: (when called) coordinates that are not a [B, d] batch of points.
+
     Examples:
         >>> import jax.numpy as jnp, linbackprop as lbp
         >>> net = lbp.Network([lbp.Layer("u", lambda th, x: jnp.sum(x ** 2, -1, keepdims=True) * th[0], ("x",),

@@ -35,6 +35,10 @@ class LinearOperator(abc.ABC):
     - ``todense()``: the dense matrix (tiny networks), inputs and outputs flattened in C order;
     - ``pattern``: a bool array, True where a block is stored; ``block(i, j)``: one block.
 
+    Attributes:
+        T: the adjoint operator.
+        pattern: a bool array over the blocks, True where one is stored.
+
     Examples:
         >>> import jax.numpy as jnp, linbackprop as lbp
         >>> net = lbp.Network([lbp.Layer(1, lambda th, x: x @ th[0], (0,), ("W",)),
@@ -86,6 +90,10 @@ class Block(LinearOperator):
 
     ``block.mv(x)`` applies the block, ``block.T.mv(y)`` its adjoint: for ℒ block (i, j),
     −∂Φ_i/∂U_j and its transpose; for ℳ block (k, i), Λ_i ↦ (∂Φ_i/∂θ_k)* Λ_i and ∂Φ_i/∂θ_k.
+
+    Attributes:
+        T: the adjoint block.
+        pattern: a 1 × 1 bool array (one stored block).
 
     Examples:
         >>> import jax.numpy as jnp, linbackprop as lbp
@@ -198,6 +206,10 @@ class StateOperator(_Operator):
     Block (i, j) is −∂Φ_i/∂U_j, stored only where layer i reads layer j: the pattern below the
     diagonal is the DAG.
 
+    Attributes:
+        T: ℒ* for ℒ (and ℒ for ℒ*).
+        pattern: the [N, N] bool block pattern: the identity and the DAG's reads.
+
     Examples:
         >>> import jax.numpy as jnp, linbackprop as lbp
         >>> step = lambda th, u: jnp.tanh(u @ th[0])
@@ -270,6 +282,11 @@ class ParamOperator(_Operator):
     """ℳ : 𝒰 → Θ (the adjoint of ℳ* = D_θΦ), or ℳ* with ``.T``.
 
     ℳ Λ sums, for every block θ_k, (∂Φ_i/∂θ_k)* Λ_i over the layers i that use θ_k.
+
+    Attributes:
+        T: ℳ* for ℳ (and ℳ for ℳ*).
+        pattern: the bool pattern of which layer uses which parameter block (blocks by
+            layers for ℳ, transposed for ℳ*).
 
     Examples:
         >>> import jax.numpy as jnp, linbackprop as lbp
@@ -373,6 +390,13 @@ class Linearization:
     ``L`` and ``M`` act on dicts; ``L.T.solve(g)`` is the back substitution of the adjoint
     equation, so ``lin.M.mv(lin.L.T.solve(grad_U))`` is the gradient ℳ (ℒ*)⁻¹ ∇_Uℓ.
 
+    Attributes:
+        net: the network.
+        params: its parameter blocks, as given.
+        states: every state U, ``{name: value}`` (the inputs included).
+        L: ℒ = I − D_UΦ, a [`StateOperator`][linbackprop.StateOperator].
+        M: ℳ (ℳ* as ``M.T``), a [`ParamOperator`][linbackprop.ParamOperator].
+
     Examples:
         >>> import jax, jax.numpy as jnp, linbackprop as lbp
         >>> scale = lambda th, u: jnp.sin(u * th[0])
@@ -426,6 +450,23 @@ class Linearization:
 
 def linearize(net: Network, params: Mapping, *inputs: Any) -> Linearization:
     """Linearise ``net`` at ``params`` and ``inputs``: ``lin.states``, ``lin.L``, ``lin.M``.
+
+    Each layer's Φ_i is linearised once (``jax.linearize``): ℒ = I − D_UΦ, unit lower block
+    triangular with the DAG as its pattern, and ℳ* = D_θΦ, as operators on dicts of states and
+    of blocks.
+
+    Args:
+        net: the network.
+        params: its parameter blocks, ``{block name: array}``.
+        *inputs: its inputs, in ``net.inputs`` order.
+
+    Returns:
+        A [`Linearization`][linbackprop.Linearization]: the states U and the operators ℒ (``L``)
+        and ℳ (``M``).
+
+    Raises:
+        KeyError: a block the network uses missing from ``params``.
+        TypeError: a number of inputs other than ``net.inputs``'.
 
     Examples:
         >>> import jax.numpy as jnp, linbackprop as lbp

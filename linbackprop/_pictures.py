@@ -38,7 +38,19 @@ def spy(op: Any, ax: Any = None, dense: bool = True, title: str | None = None) -
 
     With ``dense`` (tiny networks only) every nonzero entry of ``op.todense()`` is drawn and grid
     lines separate the blocks (states and parameter blocks flattened in C order); otherwise one
-    square per stored block of ``op.pattern``. Returns the matplotlib axes.
+    square per stored block of ``op.pattern``.
+
+    Args:
+        op: ``lin.L``, ``lin.L.T``, ``lin.M`` or ``lin.M.T`` of a [`linearize`][linbackprop.linearize].
+        ax: the matplotlib axes to draw on (a new figure's if None).
+        dense: draw every nonzero entry (tiny networks) instead of one square per block.
+        title: the axes' title (the operator's name if None).
+
+    Returns:
+        The matplotlib axes.
+
+    Raises:
+        TypeError: ``op`` not an operator of a linearisation.
 
     Examples:
         >>> import jax.numpy as jnp, linbackprop as lbp
@@ -106,7 +118,15 @@ def plot_network(net: Network, ax: Any = None, title: str | None = None) -> Any:
     (see `layout`: a transformer's attention and MLP layers on lanes of their own) are
     drawn compactly: one colour per repeating kind with its blocks in the legend, names under
     the nodes, and a dashed purple arc below for each block shared across kinds (tied
-    embeddings). Returns the axes.
+    embeddings).
+
+    Args:
+        net: the network.
+        ax: the matplotlib axes to draw on (a new figure's if None).
+        title: the axes' title.
+
+    Returns:
+        The matplotlib axes.
 
     Examples:
         >>> import jax.numpy as jnp, linbackprop as lbp

@@ -122,6 +122,9 @@ def solving() -> bool:
     """True inside grad_by_solve / value_and_grad_by_solve / jvp_by_solve, where a Network call
     is differentiated by the solve (elsewhere it is plain JAX code).
 
+    Returns:
+        Whether the code running now is traced inside one of the transforms.
+
     Examples:
         >>> import linbackprop as lbp
         >>> seen = []

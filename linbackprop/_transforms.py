@@ -83,6 +83,32 @@ def grad_by_solve(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool
     once per kind of layer), ``"unrolled"`` as straight-line code; ``"auto"`` (default) loops when
     kinds repeat (at least 6 layers and 2 per kind on average), else unrolls.
 
+    Args:
+        fun: the function to differentiate, as for ``jax.grad``: a scalar of its arguments, the
+            Network calls in it differentiated by the solve (elsewhere JAX's own rules).
+        argnums: the argument(s) to differentiate, as ``jax.grad``'s.
+        has_aux: ``fun`` returns ``(value, aux)``; the gradient comes with ``aux``.
+        remat: keep only the states in the forward pass; re-linearise each layer in the back
+            substitution.
+        checkpoints: keep about this many states; segments between them recomputed.
+        schedule: ``"even"`` (segments of equal length) or ``"nested"`` (levels of segments).
+        param_products: where ℳΛ is formed: ``"after"``, ``"in_loop"`` or ``"auto"``.
+        engine: ``"loop"``, ``"unrolled"`` or ``"auto"``.
+        layers: differentiate a model as it is written (a flax nnx, linen or equinox module, a
+            plain JAX function): the classes or ``@lbp.layer`` functions whose calls are the
+            layers; the gradient comes back in the argument's own type (as ``nnx.grad``,
+            ``eqx.filter_grad``). The guide "Your flax / equinox model" shows how.
+        **grad_kwargs: passed to ``jax.grad`` (``holomorphic``, ``allow_int``, ``reduce_axes``).
+
+    Returns:
+        A function of ``fun``'s arguments returning the gradient (with ``aux`` if ``has_aux``),
+        shaped like the differentiated arguments, as ``jax.grad(fun, argnums, has_aux)`` would.
+
+    Raises:
+        ValueError: ``layers=`` that finds no call, or a model it cannot take as it is (the
+            message names the call and the fix).
+        TypeError: ``layers=`` that is neither a class nor an ``@lbp.layer`` function.
+
     Examples:
         >>> import jax, jax.numpy as jnp, linbackprop as lbp
         >>> net = lbp.Network([lbp.Layer("y", lambda th, x: jnp.tanh(x @ th[0]), ("x",), ("W",))],
@@ -107,6 +133,26 @@ def value_and_grad_by_solve(fun: Callable, argnums: int | Sequence[int] = 0, has
     """Drop-in for ``jax.value_and_grad``, differentiating Network calls by the solve
     (``remat``, ``checkpoints``, ``schedule``, ``param_products`` and ``engine`` as in
     [`grad_by_solve`][linbackprop.grad_by_solve]).
+
+    Args:
+        fun: the scalar function, as for ``jax.value_and_grad``.
+        argnums: the argument(s) to differentiate.
+        has_aux: ``fun`` returns ``(value, aux)``.
+        remat: keep only the states; re-linearise in the back substitution.
+        checkpoints: keep about this many states, recomputing the segments between them.
+        schedule: ``"even"`` or ``"nested"`` checkpoints.
+        param_products: where ℳΛ is formed: ``"after"``, ``"in_loop"`` or ``"auto"``.
+        engine: ``"loop"``, ``"unrolled"`` or ``"auto"``.
+        layers: the classes or ``@lbp.layer`` functions whose calls are the layers of a model
+            written as it is (see [`grad_by_solve`][linbackprop.grad_by_solve]).
+        **grad_kwargs: passed to ``jax.value_and_grad``.
+
+    Returns:
+        A function of ``fun``'s arguments returning ``(value, gradient)`` (``((value, aux),
+        gradient)`` with ``has_aux``).
+
+    Raises:
+        ValueError: as [`grad_by_solve`][linbackprop.grad_by_solve].
 
     Examples:
         >>> import jax.numpy as jnp, linbackprop as lbp
@@ -162,6 +208,19 @@ def jvp_by_solve(fun: Callable, primals: Sequence[Any], tangents: Sequence[Any],
     loop (one JVP per layer, nothing stored). Reverse mode of the result (``jax.grad`` of it)
     differentiates that loop with JAX's rules; for gradients use [`grad_by_solve`][linbackprop.grad_by_solve], whose
     forward rule stays a transposable linear solve.
+
+    Args:
+        fun: the function, as for ``jax.jvp``.
+        primals: its arguments.
+        tangents: one tangent per argument, shaped like it.
+        has_aux: ``fun`` returns ``(out, aux)``; ``aux`` comes back third.
+        engine: ``"loop"``, ``"unrolled"`` or ``"auto"``.
+        layers: the classes or ``@lbp.layer`` functions whose calls are the layers of a model
+            written as it is.
+
+    Returns:
+        ``(fun(*primals), the tangent of the output)``, as ``jax.jvp`` (and ``aux`` with
+        ``has_aux``).
 
     Examples:
         >>> import jax.numpy as jnp, linbackprop as lbp

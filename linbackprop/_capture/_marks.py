@@ -36,6 +36,12 @@ def layer(fn: Callable) -> Callable:
     names it (or any transform's ``layers=`` naming it), each call ``fn(...)`` is one layer of the
     network found; elsewhere it is ``fn`` itself.
 
+    Args:
+        fn: a pure function of parameters and states, ``fn(params, *states)``.
+
+    Returns:
+        ``fn`` marked (``functools.wraps``): the same function outside a capture.
+
     Examples:
         >>> import jax.numpy as jnp, linbackprop as lbp
         >>> @lbp.layer

@@ -229,6 +229,21 @@ def capture(fun: Callable, *args: Any, layers: Any, argnums: int | Sequence[int]
     *cap.inputs)``, ``lbp.plot_network(cap.net)``); ``cap.params`` its blocks (the leaves of the
     arguments ``argnums`` names, by path) and ``cap.inputs`` its inputs at ``args``.
 
+    Args:
+        fun: the model and its loss, as a transform would differentiate it.
+        *args: ``fun``'s arguments (arrays, modules, pytrees).
+        layers: the classes (whose instances' calls are layers) and ``@lbp.layer`` functions
+            whose calls are the layers; one or a sequence.
+        argnums: the argument(s) whose leaves are the parameter blocks.
+
+    Returns:
+        A [`Capture`][linbackprop.Capture]: ``net``, ``params`` and ``inputs``.
+
+    Raises:
+        ValueError: ``layers`` whose calls ``fun`` never makes, or a model the capture cannot
+            take as it is (the message names the call and the fix).
+        TypeError: ``layers`` that is neither a class nor an ``@lbp.layer`` function.
+
     Examples:
         >>> import jax, jax.numpy as jnp, linbackprop as lbp
         >>> @lbp.layer

@@ -64,6 +64,15 @@ def clipped_grad(losses: Callable, clip: float | jax.Array, argnums: int | Seque
         engine: as in [`grad_by_solve`][linbackprop.grad_by_solve].
         layers: find the network in a model as it is (see `capture`).
 
+    Returns:
+        A function of ``losses``' arguments returning ``(clipped, norms)``: the clipped sum
+        shaped like the differentiated arguments, and the (B,) per-example gradient norms.
+
+    Raises:
+        ValueError: ``clip`` not a positive norm, ``losses`` returning a scalar, layers that
+            mix examples, or network calls with different batches (an example is then
+            ambiguous: the message names the calls).
+
     Examples:
         >>> import jax.numpy as jnp, linbackprop as lbp
         >>> net = lbp.Network([lbp.Layer("y", lambda th, x: x @ th[0], ("x",), ("w",))], ["x"], "y")

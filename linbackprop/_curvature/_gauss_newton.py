@@ -28,6 +28,13 @@ class GaussNewton(LinearOperator):
     ``G.T`` is ``G``. A pytree (its leaves are the stored residuals), so it can cross ``jax.jit``.
     Made by [`gauss_newton`][linbackprop.gauss_newton].
 
+    Attributes:
+        T: G itself (G is symmetric).
+        size: the number of parameters, P.
+        outputs: the number of output coordinates C (every network output's entries): H is
+            C × C and the rank of G is at most C.
+        pattern: a 1 × 1 bool array: G is one dense block.
+
     Examples:
         >>> import jax.numpy as jnp, linbackprop as lbp
         >>> net = lbp.Network([lbp.Layer("y", lambda th, x: 2.0 * x @ th[0], ("x",), ("w",))], ["x"], "y")
@@ -218,6 +225,29 @@ def gauss_newton(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool 
     the same rule for ``param_products="auto"``: ℳ* h and ℳΛ batched after the loops where steps
     are latency-bound, formed in the loops (from the same linearisation of each layer as the
     substitutions) where they are compute-bound or with remat.
+
+    Args:
+        fun: the scalar loss of the arguments; its Network calls are the model, the rest the
+            loss ℓ of their outputs.
+        argnums: the argument(s) G is over.
+        has_aux: ``fun`` returns ``(value, aux)``; the first element comes back as that pair.
+        remat: keep only the states; re-linearise in the substitutions.
+        checkpoints: keep about this many states (where that saves memory with the products
+            counted).
+        schedule: ``"even"`` or ``"nested"`` checkpoints.
+        param_products: where ℳ* h and ℳΛ are formed: ``"after"``, ``"in_loop"`` or ``"auto"``.
+        engine: ``"loop"``, ``"unrolled"`` or ``"auto"``.
+        layers: the classes or ``@lbp.layer`` functions whose calls are the layers of a model
+            written as it is: G is the GGN of those calls' outputs (what follows the last call
+            is the loss).
+
+    Returns:
+        A function of ``fun``'s arguments returning ``(value, grad, G)``: ``G`` a
+        [`GaussNewton`][linbackprop.GaussNewton] (``mv``, ``gram``, ``todense()``,
+        ``factor()``), a pytree that a jitted function may return.
+
+    Raises:
+        ValueError: a loss that calls no network (name the layers with ``layers=``).
 
     Examples:
         >>> import jax.numpy as jnp, linbackprop as lbp

@@ -43,6 +43,22 @@ def diag_ggn(fun: Callable, argnums: int | Sequence[int] = 0, *, engine: Engine 
     semi-definite surrogate above it): diag G ≈ (1/M) Σ_m Σ_b (J_b* s_bm)². Cheaper than the exact
     diagonal when the outputs have many coordinates (a language model's vocabulary).
 
+    Args:
+        fun: the scalar loss, a sum or mean over examples, of the arguments.
+        argnums: the argument(s) whose diagonal is formed.
+        engine: ``"loop"``, ``"unrolled"`` or ``"auto"``.
+        samples: None (the exact diagonal) or M, the sampled columns per example.
+        key: the PRNG key of the samples (needed with ``samples``).
+        layers: the classes or ``@lbp.layer`` functions whose calls are the layers of a model
+            written as it is.
+
+    Returns:
+        A function of ``fun``'s arguments returning diag G shaped like the arguments.
+
+    Raises:
+        ValueError: layers that mix examples, a state without the batch first, a loss that
+            calls no network, or ``samples`` without ``key``.
+
     Examples:
         >>> import jax.numpy as jnp, linbackprop as lbp
         >>> net = lbp.Network([lbp.Layer("y", lambda th, x: x @ th[0], ("x",), ("W",))], ["x"], "y")
@@ -84,6 +100,23 @@ def ggn_factor(fun: Callable, argnums: int | Sequence[int] = 0, *, rank: int | N
     Woodbury solve (g − Kᵀ(λI + KKᵀ)⁻¹K g)/λ: [`scale_by_gauss_newton`][linbackprop.scale_by_gauss_newton] takes the
     rows as ``update(..., rows=K)`` (exact energy natural gradient, ENGD). About r + 1 gradients.
     Layers that mix examples raise a ``ValueError``.
+
+    Args:
+        fun: the scalar loss, a sum or mean over examples, of the arguments.
+        argnums: the argument(s) the rows are over.
+        rank: None (a row per output coordinate the loss reads) or r, each example's r
+            largest eigenvalues of H_b.
+        engine: ``"loop"``, ``"unrolled"`` or ``"auto"``.
+        layers: the classes or ``@lbp.layer`` functions whose calls are the layers of a model
+            written as it is.
+
+    Returns:
+        A function of ``fun``'s arguments returning K: the arguments' pytree with a leading
+        axis of r·B rows on every leaf.
+
+    Raises:
+        ValueError: layers that mix examples, a state without the batch first, or a loss that
+            calls no network.
 
     Examples:
         >>> import jax.numpy as jnp, linbackprop as lbp

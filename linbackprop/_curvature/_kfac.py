@@ -27,6 +27,10 @@ class Kronecker(NamedTuple):
     [W; b] is the matrix. For symmetric factors
     (left ⊗ right)⁻¹ vec(X) = vec(left⁻¹ X right⁻¹): K-FAC's preconditioned gradient.
 
+    Attributes:
+        left: the input-side factor, [..., n, n] (a leading axis per ``Row``).
+        right: the output-side factor, [..., m, m].
+
     Examples:
         >>> import jax.numpy as jnp, linbackprop as lbp
         >>> f = lbp.Kronecker(left=jnp.diag(jnp.array([1.0, 2.0])), right=jnp.array([[4.0]]))
@@ -99,6 +103,28 @@ def kfac_factors(fun: Callable, argnums: int | Sequence[int] = 0, *, engine: Eng
     operator), as "expand" is for one term per use. ``fun`` returns a scalar loss that is a sum (or mean) over examples;
     each argument leaf must be one parameter block as it is (not transformed before the network
     uses it). Layers that mix examples raise a ``ValueError``.
+
+    Args:
+        fun: the scalar loss, a sum or mean over examples, of the arguments; a loss of several
+            terms calling the network separately gets a pair per term.
+        argnums: the argument(s) whose factors are formed.
+        engine: ``"loop"``, ``"unrolled"`` or ``"auto"``.
+        samples: None (exact columns of H) or M sampled columns per example.
+        key: the PRNG key of the samples (needed with ``samples``).
+        layers: the classes or ``@lbp.layer`` functions whose calls are the layers of a model
+            written as it is.
+        approximation: ``"expand"`` (each use a term) or ``"reduce"`` (each example's uses
+            summed first).
+
+    Returns:
+        A function of ``fun``'s arguments returning, shaped like them, per leaf a
+        [`Kronecker`][linbackprop.Kronecker] pair (a tuple of pairs, one per term of a loss with
+        several calls), a [`BiasOf`][linbackprop.BiasOf] for a bias in its weight's block, or
+        the leaf's GGN diagonal.
+
+    Raises:
+        ValueError: layers that mix examples, a state without the batch first, a loss that
+            calls no network, or an unknown ``approximation``.
 
     Examples:
         >>> import jax.numpy as jnp, linbackprop as lbp

@@ -328,6 +328,22 @@ def per_example_grads(fun: Callable, argnums: int | Sequence[int] = 0, *, engine
     statistics, attention across the batch) raise a ``ValueError``; networks whose inputs depend
     on the differentiated arguments raise ``NotImplementedError``.
 
+    Args:
+        fun: the per-example losses, shape (B,), of the arguments.
+        argnums: the argument(s) to differentiate.
+        engine: ``"loop"``, ``"unrolled"`` or ``"auto"``.
+        layers: the classes or ``@lbp.layer`` functions whose calls are the layers of a model
+            written as it is; the gradients come back in the argument's own type.
+
+    Returns:
+        A function of ``fun``'s arguments returning, per differentiated argument, its per-example
+        gradients: each leaf with a leading axis of B.
+
+    Raises:
+        ValueError: layers that mix examples, a state without the batch on its leading axis,
+            or ``fun`` returning a number of losses other than the calls' examples.
+        NotImplementedError: a network input that depends on the differentiated arguments.
+
     Examples:
         >>> import jax.numpy as jnp, linbackprop as lbp
         >>> net = lbp.Network([lbp.Layer("y", lambda th, x: x @ th[0], ("x",), ("w",))], ["x"], "y")
@@ -366,6 +382,20 @@ def per_example_grad_norms(fun: Callable, argnums: int | Sequence[int] = 0, *, e
     arguments outside its networks too, or an argument leaf is more than one block, the
     per-example gradients are formed ``chunk`` examples at a time (``lax.map``), keeping only
     their norms. For DP-SGD clipping: [`clipped_grad`][linbackprop.clipped_grad].
+
+    Args:
+        fun: the per-example losses, shape (B,), of the arguments.
+        argnums: the argument(s) whose gradients the norms are over (together).
+        engine: ``"loop"``, ``"unrolled"`` or ``"auto"``.
+        chunk: the examples per chunk where per-example gradients are formed.
+        layers: the classes or ``@lbp.layer`` functions whose calls are the layers of a model
+            written as it is.
+
+    Returns:
+        A function of ``fun``'s arguments returning the (B,) norms.
+
+    Raises:
+        ValueError: as [`per_example_grads`][linbackprop.per_example_grads].
 
     Examples:
         >>> import jax.numpy as jnp, linbackprop as lbp

@@ -64,6 +64,26 @@ def scale_by_gauss_newton(damping: float = 1e-3, maxiter: int = 50, *, tol: floa
     Chain it with ``optax.scale(-1.0)`` (a step θ − d) or a line search; optax's line searches hand
     every extra argument on to ``value_fn``, so give it a ``curvature=None`` parameter.
 
+    Args:
+        damping: λ of the first step (for good without ``adapt``).
+        maxiter: the most conjugate-gradient products per step (``"cg"``).
+        tol: the conjugate gradients' relative tolerance.
+        solver: ``"cg"``, ``"woodbury"``, ``"dense"`` or ``"auto"``.
+        adapt: adapt λ by Levenberg–Marquardt where ``value_fn`` is given.
+        min_damping: λ's floor.
+        max_damping: λ's ceiling.
+        reject: zero a step that does not lower the loss.
+        warm_start: start the conjugate gradients from the last direction.
+
+    Returns:
+        An ``optax.GradientTransformationExtraArgs`` whose ``update(grad, state, params, *,
+        curvature=None, rows=None, value=None, value_fn=None, **extra)`` returns the direction d
+        (not −d).
+
+    Raises:
+        ValueError: an argument out of range, or a solver the given curvature cannot serve.
+        TypeError: neither ``curvature=`` nor ``rows=`` given to ``update``.
+
     Examples:
         >>> import jax, jax.numpy as jnp, optax, linbackprop as lbp
         >>> net = lbp.Network([lbp.Layer("y", lambda th, x: x @ th[0], ("x",), ("W",))], ["x"], "y")

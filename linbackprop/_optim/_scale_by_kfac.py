@@ -46,6 +46,20 @@ def scale_by_kfac(damping: float = 1e-3, decay: float = 0.95, update_every: int 
     Kronecker factors): a jitted step compiles twice, once for the first state and once for the
     rest. Returns a direction: chain with ``optax.scale(-learning_rate)``.
 
+    Args:
+        damping: λ, fixed.
+        decay: the factors' moving-average decay.
+        update_every: how many steps a factorisation of the damped factors is held.
+
+    Returns:
+        An ``optax.GradientTransformationExtraArgs`` whose ``update(grad, state, params, *,
+        factors, diagonal=None)`` returns the preconditioned gradient.
+
+    Raises:
+        ValueError: an argument out of range, factors that do not match the gradient, a leaf
+            with neither factors nor a diagonal.
+        TypeError: ``factors`` missing.
+
     Examples:
         >>> import jax.numpy as jnp, optax, linbackprop as lbp
         >>> net = lbp.Network([lbp.Layer("y", lambda th, x: x @ th[0] + th[1], ("x",), ("W", "b"))], ["x"], "y")
