@@ -53,14 +53,16 @@ class Row(NamedTuple):
     Examples:
         >>> import jax.numpy as jnp, linbackprop as lbp
         >>> step = lambda th, u: u + jnp.tanh(u @ th[0])
-        >>> net = lbp.Network([lbp.Layer(i, step, (i - 1,), (lbp.Row("W", i - 1),)) for i in (1, 2, 3)],
-        ...                   inputs=[0], outputs=3)
+        >>> layers = [lbp.Layer(i, step, (i - 1,), (lbp.Row("W", i - 1),)) for i in (1, 2, 3)]
+        >>> net = lbp.Network(layers, inputs=[0], outputs=3)
         >>> net.param_names
         ('W',)
         >>> net({"W": jnp.zeros((3, 2, 2))}, jnp.ones((4, 2))).shape
         (4, 2)
-        >>> rnn = lbp.Network([lbp.Layer(t, lambda th, h, x: jnp.tanh(h @ th[0] + x), (t - 1, lbp.Row("xs", t - 1)),
-        ...                              ("A",)) for t in (1, 2, 3)], inputs=[0, "xs"], outputs=3)
+        >>> cell = lambda th, h, x: jnp.tanh(h @ th[0] + x)
+        >>> reads = lambda t: (t - 1, lbp.Row("xs", t - 1))
+        >>> steps = [lbp.Layer(t, cell, reads(t), ("A",)) for t in (1, 2, 3)]
+        >>> rnn = lbp.Network(steps, inputs=[0, "xs"], outputs=3)
         >>> rnn({"A": jnp.eye(2)}, jnp.zeros(2), jnp.ones((3, 2))).shape
         (2,)
     """
@@ -80,8 +82,9 @@ class Stack:
 
     Examples:
         >>> import jax.numpy as jnp, linbackprop as lbp
-        >>> net = lbp.Network([lbp.Layer(t, lambda th, h: jnp.tanh(h * th[0]), (t - 1,), ("a",)) for t in (1, 2, 3)],
-        ...                   inputs=[0], outputs=[lbp.Stack([1, 2, 3]), 3])
+        >>> step = lambda th, h: jnp.tanh(h * th[0])
+        >>> layers = [lbp.Layer(t, step, (t - 1,), ("a",)) for t in (1, 2, 3)]
+        >>> net = lbp.Network(layers, inputs=[0], outputs=[lbp.Stack([1, 2, 3]), 3])
         >>> hs, last = net({"a": 2.0}, jnp.ones(4))
         >>> hs.shape, last.shape
         ((3, 4), (4,))

@@ -54,9 +54,10 @@ def forward_laplacian(net: Network, coordinates: Hashable | None = None) -> Netw
 
     Examples:
         >>> import jax.numpy as jnp, linbackprop as lbp
-        >>> net = lbp.Network([lbp.Layer("u", lambda th, x: jnp.sum(x ** 2, -1, keepdims=True) * th[0], ("x",),
-        ...                              ("a",))], ["x"], "u")
-        >>> u, grad, lap = lbp.forward_laplacian(net)({"a": jnp.array(3.0)}, jnp.array([[1.0, 2.0]]))
+        >>> squares = lambda th, x: jnp.sum(x ** 2, -1, keepdims=True) * th[0]
+        >>> net = lbp.Network([lbp.Layer("u", squares, ("x",), ("a",))], ["x"], "u")
+        >>> lifted = lbp.forward_laplacian(net)
+        >>> u, grad, lap = lifted({"a": jnp.array(3.0)}, jnp.array([[1.0, 2.0]]))
         >>> u.tolist(), grad.tolist(), lap.tolist()        # 3|x|²: 6x, and Δ = 3 · 2 · 2
         ([[15.0]], [[[6.0, 12.0]]], [[12.0]])
     """

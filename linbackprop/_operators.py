@@ -42,9 +42,11 @@ class LinearOperator(abc.ABC):
     Examples:
         >>> import jax.numpy as jnp, linbackprop as lbp
         >>> net = lbp.Network([lbp.Layer(1, lambda th, x: x @ th[0], (0,), ("W",)),
-        ...                    lbp.Layer(2, lambda th, u: 2.0 * u, (1,))], inputs=[0], outputs=2)
+        ...                    lbp.Layer(2, lambda th, u: 2.0 * u, (1,))],
+        ...                   inputs=[0], outputs=2)
         >>> lin = lbp.linearize(net, {"W": jnp.eye(2)}, jnp.ones((1, 2)))
-        >>> all(isinstance(op, lbp.LinearOperator) for op in (lin.L, lin.M.T, lin.L.block(2, 1)))
+        >>> ops = (lin.L, lin.M.T, lin.L.block(2, 1))
+        >>> all(isinstance(op, lbp.LinearOperator) for op in ops)
         True
         >>> lin.L.block(2, 1).todense().tolist()             # −∂Φ₂/∂U₁ = −2 I
         [[-2.0, -0.0], [-0.0, -2.0]]
@@ -98,7 +100,8 @@ class Block(LinearOperator):
     Examples:
         >>> import jax.numpy as jnp, linbackprop as lbp
         >>> net = lbp.Network([lbp.Layer(1, lambda th, x: x @ th[0], (0,), ("W",)),
-        ...                    lbp.Layer(2, lambda th, u: 2.0 * u, (1,))], inputs=[0], outputs=2)
+        ...                    lbp.Layer(2, lambda th, u: 2.0 * u, (1,))],
+        ...                   inputs=[0], outputs=2)
         >>> lin = lbp.linearize(net, {"W": jnp.eye(2)}, jnp.ones((1, 2)))
         >>> lin.L.block(2, 1).mv(jnp.ones((1, 2))).tolist()   # −∂Φ₂/∂U₁ = −2 I
         [[-2.0, -2.0]]
@@ -213,8 +216,10 @@ class StateOperator(_Operator):
     Examples:
         >>> import jax.numpy as jnp, linbackprop as lbp
         >>> step = lambda th, u: jnp.tanh(u @ th[0])
-        >>> net = lbp.Network([lbp.Layer(i, step, (i - 1,), (("W", i),)) for i in (1, 2, 3)], [0], 3)
-        >>> lin = lbp.linearize(net, {("W", i): jnp.eye(2) for i in (1, 2, 3)}, jnp.ones((1, 2)))
+        >>> net = lbp.Network([lbp.Layer(i, step, (i - 1,), (("W", i),)) for i in (1, 2, 3)],
+        ...                   [0], 3)
+        >>> params = {("W", i): jnp.eye(2) for i in (1, 2, 3)}
+        >>> lin = lbp.linearize(net, params, jnp.ones((1, 2)))
         >>> g = {i: jnp.ones((1, 2)) for i in (1, 2, 3)}
         >>> lam = lin.L.T.solve(g)                         # back substitution: ℒ* Λ = g
         >>> bool(jnp.allclose(lin.L.T.mv(lam)[1], g[1]))
@@ -291,11 +296,12 @@ class ParamOperator(_Operator):
     Examples:
         >>> import jax.numpy as jnp, linbackprop as lbp
         >>> scale = lambda th, u: u * th[0]
-        >>> net = lbp.Network([lbp.Layer(1, scale, (0,), ("a",)), lbp.Layer(2, scale, (1,), ("a",))], [0], 2)
+        >>> net = lbp.Network([lbp.Layer(1, scale, (0,), ("a",)),
+        ...                    lbp.Layer(2, scale, (1,), ("a",))], [0], 2)
         >>> lin = lbp.linearize(net, {"a": 3.0}, 2.0)          # U₁ = 6, U₂ = 18
         >>> float(lin.M.mv({1: 1.0, 2: 1.0})["a"])            # ∂Φ₁/∂a + ∂Φ₂/∂a = U₀ + U₁
         8.0
-        >>> lin.M.pattern.tolist()                            # block "a" is shared by both layers
+        >>> lin.M.pattern.tolist()  # block "a" is shared by both layers
         [[True, True]]
     """
 
@@ -400,7 +406,8 @@ class Linearization:
     Examples:
         >>> import jax, jax.numpy as jnp, linbackprop as lbp
         >>> scale = lambda th, u: jnp.sin(u * th[0])
-        >>> net = lbp.Network([lbp.Layer(1, scale, (0,), ("a",)), lbp.Layer(2, scale, (1,), ("b",))], [0], 2)
+        >>> net = lbp.Network([lbp.Layer(1, scale, (0,), ("a",)),
+        ...                    lbp.Layer(2, scale, (1,), ("b",))], [0], 2)
         >>> p, x = {"a": 0.5, "b": 2.0}, 1.0
         >>> lin = lbp.linearize(net, p, x)
         >>> lam = lin.L.T.solve({1: 0.0, 2: 1.0})             # ∇_Uℓ for ℓ = U₂
@@ -471,8 +478,8 @@ def linearize(net: Network, params: Mapping, *inputs: Any) -> Linearization:
     Examples:
         >>> import jax.numpy as jnp, linbackprop as lbp
         >>> dense = lambda th, x: jnp.tanh(x @ th[0])
-        >>> net = lbp.Network([lbp.Layer(1, dense, (0,), ("W1",)), lbp.Layer(2, dense, (1,), ("W2",))],
-        ...                   inputs=[0], outputs=2)
+        >>> net = lbp.Network([lbp.Layer(1, dense, (0,), ("W1",)),
+        ...                    lbp.Layer(2, dense, (1,), ("W2",))], inputs=[0], outputs=2)
         >>> lin = lbp.linearize(net, {"W1": jnp.eye(2), "W2": jnp.eye(2)}, jnp.ones((3, 2)))
         >>> lin.L.pattern.astype(int).tolist()
         [[1, 0], [1, 1]]

@@ -54,8 +54,10 @@ def spy(op: Any, ax: Any = None, dense: bool = True, title: str | None = None) -
 
     Examples:
         >>> import jax.numpy as jnp, linbackprop as lbp
-        >>> net = lbp.Network([lbp.Layer(1, lambda th, x: jnp.tanh(x @ th[0]), (0,), ("W",))], [0], 1)
-        >>> ax = lbp.spy(lbp.linearize(net, {"W": jnp.eye(2)}, jnp.ones((3, 2))).L)  # doctest: +SKIP
+        >>> layer = lbp.Layer(1, lambda th, x: jnp.tanh(x @ th[0]), (0,), ("W",))
+        >>> net = lbp.Network([layer], [0], 1)
+        >>> lin = lbp.linearize(net, {"W": jnp.eye(2)}, jnp.ones((3, 2)))
+        >>> ax = lbp.spy(lin.L)  # doctest: +SKIP
     """
     from ._operators import ParamOperator, StateOperator
 

@@ -111,8 +111,8 @@ def grad_by_solve(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool
 
     Examples:
         >>> import jax, jax.numpy as jnp, linbackprop as lbp
-        >>> net = lbp.Network([lbp.Layer("y", lambda th, x: jnp.tanh(x @ th[0]), ("x",), ("W",))],
-        ...                   inputs=["x"], outputs="y")
+        >>> layer = lbp.Layer("y", lambda th, x: jnp.tanh(x @ th[0]), ("x",), ("W",))
+        >>> net = lbp.Network([layer], inputs=["x"], outputs="y")
         >>> loss = lambda p, x: jnp.sum(net(p, x) ** 2)
         >>> p, x = {"W": jnp.ones((3, 2))}, jnp.ones((4, 3))
         >>> g = lbp.grad_by_solve(loss)(p, x)
@@ -156,7 +156,8 @@ def value_and_grad_by_solve(fun: Callable, argnums: int | Sequence[int] = 0, has
 
     Examples:
         >>> import jax.numpy as jnp, linbackprop as lbp
-        >>> net = lbp.Network([lbp.Layer("y", lambda th, x: x * th[0], ("x",), ("a",))], ["x"], "y")
+        >>> layer = lbp.Layer("y", lambda th, x: x * th[0], ("x",), ("a",))
+        >>> net = lbp.Network([layer], ["x"], "y")
         >>> value, grads = lbp.value_and_grad_by_solve(lambda p: net(p, 2.0))({"a": 3.0})
         >>> float(value), float(grads["a"])
         (6.0, 2.0)
@@ -224,7 +225,8 @@ def jvp_by_solve(fun: Callable, primals: Sequence[Any], tangents: Sequence[Any],
 
     Examples:
         >>> import jax.numpy as jnp, linbackprop as lbp
-        >>> net = lbp.Network([lbp.Layer("y", lambda th, x: x * th[0], ("x",), ("a",))], ["x"], "y")
+        >>> layer = lbp.Layer("y", lambda th, x: x * th[0], ("x",), ("a",))
+        >>> net = lbp.Network([layer], ["x"], "y")
         >>> y, dy = lbp.jvp_by_solve(lambda p: net(p, 2.0), ({"a": 3.0},), ({"a": 1.0},))
         >>> float(y), float(dy)
         (6.0, 2.0)

@@ -160,6 +160,17 @@ def test_public_names_document_their_parameters(name):
     assert "Returns:" in doc, name
 
 
+def test_docstring_examples_fit_the_column():
+    """The API pages show the examples as code blocks: 88 columns, as the guides."""
+    wide = []
+    for path in sorted((ROOT / "linbackprop").rglob("*.py")):
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            code = line.strip()
+            if code.startswith((">>>", "...")) and len(code) > 88:
+                wide.append(f"{path.relative_to(ROOT)}:{number}: {len(code)} characters")
+    assert not wide, "\n".join(wide)
+
+
 def test_docstring_examples_are_an_examples_section():
     """Google style's section is "Examples:"; mkdocstrings renders "Example:" or "Example (...):"
     as prose, the doctest lines run together."""

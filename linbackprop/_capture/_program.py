@@ -33,7 +33,8 @@ class Capture:
     Examples:
         >>> import jax.numpy as jnp, linbackprop as lbp
         >>> dense = lbp.layer(lambda W, x: jnp.tanh(x @ W))
-        >>> cap = lbp.capture(lambda p, x: jnp.sum(dense(p, x)), jnp.eye(2), jnp.ones((1, 2)), layers=dense)
+        >>> loss = lambda p, x: jnp.sum(dense(p, x))
+        >>> cap = lbp.capture(loss, jnp.eye(2), jnp.ones((1, 2)), layers=dense)
         >>> bool(jnp.allclose(cap.net(cap.params, *cap.inputs)[0], jnp.tanh(1.0)))
         True
     """

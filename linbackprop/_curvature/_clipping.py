@@ -75,7 +75,8 @@ def clipped_grad(losses: Callable, clip: float | jax.Array, argnums: int | Seque
 
     Examples:
         >>> import jax.numpy as jnp, linbackprop as lbp
-        >>> net = lbp.Network([lbp.Layer("y", lambda th, x: x @ th[0], ("x",), ("w",))], ["x"], "y")
+        >>> layer = lbp.Layer("y", lambda th, x: x @ th[0], ("x",), ("w",))
+        >>> net = lbp.Network([layer], ["x"], "y")
         >>> losses = lambda p, x: net(p, x)[:, 0] ** 2 / 2
         >>> x = jnp.array([[1.0, 0.0], [0.0, 2.0]])      # g_0 = (1, 0), g_1 = (0, 4)
         >>> clipped, norms = lbp.clipped_grad(losses, 2.0)({"w": jnp.ones((2, 1))}, x)

@@ -37,8 +37,10 @@ class GaussNewton(LinearOperator):
 
     Examples:
         >>> import jax.numpy as jnp, linbackprop as lbp
-        >>> net = lbp.Network([lbp.Layer("y", lambda th, x: 2.0 * x @ th[0], ("x",), ("w",))], ["x"], "y")
-        >>> _, _, G = lbp.gauss_newton(lambda p, x: 0.5 * jnp.sum(net(p, x) ** 2))({"w": jnp.ones(2)}, jnp.eye(2))
+        >>> layer = lbp.Layer("y", lambda th, x: 2.0 * x @ th[0], ("x",), ("w",))
+        >>> net = lbp.Network([layer], ["x"], "y")
+        >>> loss = lambda p, x: 0.5 * jnp.sum(net(p, x) ** 2)
+        >>> _, _, G = lbp.gauss_newton(loss)({"w": jnp.ones(2)}, jnp.eye(2))
         >>> G.mv({"w": jnp.array([1.0, 0.0])})["w"].tolist(), G.T is G      # J*J = 4 I
         ([4.0, 0.0], True)
     """
@@ -83,9 +85,12 @@ class GaussNewton(LinearOperator):
 
         Examples:
             >>> import jax.numpy as jnp, linbackprop as lbp
-            >>> net = lbp.Network([lbp.Layer("y", lambda th, x: x @ th[0], ("x",), ("w",))], ["x"], "y")
-            >>> _, _, G = lbp.gauss_newton(lambda p, x: 0.5 * jnp.sum(net(p, x) ** 2))({"w": jnp.ones(2)}, jnp.eye(2))
-            >>> G.gram([{"w": jnp.array([1.0, 0.0])}, {"w": jnp.array([1.0, 2.0])}]).tolist()   # G = I
+            >>> layer = lbp.Layer("y", lambda th, x: x @ th[0], ("x",), ("w",))
+            >>> net = lbp.Network([layer], ["x"], "y")
+            >>> loss = lambda p, x: 0.5 * jnp.sum(net(p, x) ** 2)
+            >>> _, _, G = lbp.gauss_newton(loss)({"w": jnp.ones(2)}, jnp.eye(2))
+            >>> u, v = {"w": jnp.array([1.0, 0.0])}, {"w": jnp.array([1.0, 2.0])}
+            >>> G.gram([u, v]).tolist()  # G = I
             [[1.0, 1.0], [1.0, 5.0]]
         """
         return _gram(self, tuple(vectors))
@@ -117,10 +122,12 @@ class GaussNewton(LinearOperator):
 
         Examples:
             >>> import jax.numpy as jnp, linbackprop as lbp
-            >>> net = lbp.Network([lbp.Layer("y", lambda th, x: x @ th[0], ("x",), ("W",))], ["x"], "y")
-            >>> _, _, G = lbp.gauss_newton(lambda p, x: 0.5 * jnp.sum(net(p, x) ** 2))({"W": jnp.ones((2, 1))},
-            ...                                                                         jnp.array([[1.0, 2.0]]))
-            >>> K = G.factor()["W"]; K.shape, (K.reshape(1, 2).T @ K.reshape(1, 2)).tolist()   # x xᵀ
+            >>> layer = lbp.Layer("y", lambda th, x: x @ th[0], ("x",), ("W",))
+            >>> net = lbp.Network([layer], ["x"], "y")
+            >>> loss = lambda p, x: 0.5 * jnp.sum(net(p, x) ** 2)
+            >>> _, _, G = lbp.gauss_newton(loss)({"W": jnp.ones((2, 1))}, jnp.array([[1.0, 2.0]]))
+            >>> K = G.factor()["W"]
+            >>> K.shape, (K.reshape(1, 2).T @ K.reshape(1, 2)).tolist()  # x xᵀ
             ((1, 2, 1), [[1.0, 2.0], [2.0, 4.0]])
         """
         return _factor(self)
@@ -251,7 +258,8 @@ def gauss_newton(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool 
 
     Examples:
         >>> import jax.numpy as jnp, linbackprop as lbp
-        >>> net = lbp.Network([lbp.Layer("y", lambda th, x: x @ th[0], ("x",), ("W",))], ["x"], "y")
+        >>> layer = lbp.Layer("y", lambda th, x: x @ th[0], ("x",), ("W",))
+        >>> net = lbp.Network([layer], ["x"], "y")
         >>> loss = lambda p, x: 0.5 * jnp.sum(net(p, x) ** 2)
         >>> value, grad, G = lbp.gauss_newton(loss)({"W": jnp.ones((2, 1))}, jnp.eye(2))
         >>> G.todense().tolist()          # J* J for the linear model: x*x = I

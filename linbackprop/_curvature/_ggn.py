@@ -61,9 +61,11 @@ def diag_ggn(fun: Callable, argnums: int | Sequence[int] = 0, *, engine: Engine 
 
     Examples:
         >>> import jax.numpy as jnp, linbackprop as lbp
-        >>> net = lbp.Network([lbp.Layer("y", lambda th, x: x @ th[0], ("x",), ("W",))], ["x"], "y")
+        >>> layer = lbp.Layer("y", lambda th, x: x @ th[0], ("x",), ("W",))
+        >>> net = lbp.Network([layer], ["x"], "y")
         >>> loss = lambda p, x: 0.5 * jnp.sum(net(p, x) ** 2)
-        >>> lbp.diag_ggn(loss)({"W": jnp.ones((2, 1))}, jnp.array([[1.0, 0.0], [0.0, 2.0]]))["W"].tolist()
+        >>> x = jnp.array([[1.0, 0.0], [0.0, 2.0]])
+        >>> lbp.diag_ggn(loss)({"W": jnp.ones((2, 1))}, x)["W"].tolist()
         [[1.0], [4.0]]
     """
     if layers is not None:
@@ -120,10 +122,12 @@ def ggn_factor(fun: Callable, argnums: int | Sequence[int] = 0, *, rank: int | N
 
     Examples:
         >>> import jax.numpy as jnp, linbackprop as lbp
-        >>> net = lbp.Network([lbp.Layer("y", lambda th, x: x @ th[0], ("x",), ("W",))], ["x"], "y")
+        >>> layer = lbp.Layer("y", lambda th, x: x @ th[0], ("x",), ("W",))
+        >>> net = lbp.Network([layer], ["x"], "y")
         >>> loss = lambda p, x: 0.5 * jnp.sum(net(p, x) ** 2)
-        >>> K = lbp.ggn_factor(loss, rank=1)({"W": jnp.ones((2, 1))}, jnp.array([[1.0, 0.0], [0.0, 2.0]]))["W"]
-        >>> K.shape, K[:, :, 0].tolist()                          # the examples' Jacobian rows: x_b
+        >>> x = jnp.array([[1.0, 0.0], [0.0, 2.0]])
+        >>> K = lbp.ggn_factor(loss, rank=1)({"W": jnp.ones((2, 1))}, x)["W"]
+        >>> K.shape, K[:, :, 0].tolist()  # the examples' Jacobian rows: x_b
         ((2, 2, 1), [[1.0, 0.0], [0.0, 2.0]])
     """
     if layers is not None:

@@ -34,7 +34,8 @@ class Kronecker(NamedTuple):
     Examples:
         >>> import jax.numpy as jnp, linbackprop as lbp
         >>> f = lbp.Kronecker(left=jnp.diag(jnp.array([1.0, 2.0])), right=jnp.array([[4.0]]))
-        >>> (jnp.linalg.solve(f.left, jnp.ones((2, 1))) @ jnp.linalg.inv(f.right)).ravel().tolist()
+        >>> step = jnp.linalg.solve(f.left, jnp.ones((2, 1))) @ jnp.linalg.inv(f.right)
+        >>> step.ravel().tolist()
         [0.25, 0.125]
     """
 
@@ -62,7 +63,8 @@ class BiasOf:
         >>> dense = lambda th, x: jnp.tanh(x @ th[0] + th[1])
         >>> net = lbp.Network([lbp.Layer("y", dense, ("x",), ("W", "b"))], ["x"], "y")
         >>> loss = lambda p, x: 0.5 * jnp.sum(net(p, x) ** 2)
-        >>> f = lbp.kfac_factors(loss)({"W": jnp.zeros((2, 1)), "b": jnp.zeros(1)}, jnp.array([[1.0, 2.0]]))
+        >>> params = {"W": jnp.zeros((2, 1)), "b": jnp.zeros(1)}
+        >>> f = lbp.kfac_factors(loss)(params, jnp.array([[1.0, 2.0]]))
         >>> f["b"], f["W"].left.tolist()             # [x, 1]ᵀ[x, 1] for x = (1, 2)
         (BiasOf(weight="['W']", side='left'), [[1.0, 2.0, 1.0], [2.0, 4.0, 2.0], [1.0, 2.0, 1.0]])
     """
@@ -128,7 +130,8 @@ def kfac_factors(fun: Callable, argnums: int | Sequence[int] = 0, *, engine: Eng
 
     Examples:
         >>> import jax.numpy as jnp, linbackprop as lbp
-        >>> net = lbp.Network([lbp.Layer("y", lambda th, x: x @ th[0], ("x",), ("W",))], ["x"], "y")
+        >>> layer = lbp.Layer("y", lambda th, x: x @ th[0], ("x",), ("W",))
+        >>> net = lbp.Network([layer], ["x"], "y")
         >>> loss = lambda p, x: 0.5 * jnp.sum(net(p, x) ** 2)
         >>> f = lbp.kfac_factors(loss)({"W": jnp.ones((2, 1))}, jnp.array([[1.0, 2.0]]))["W"]
         >>> f.left.tolist(), f.right.tolist()                   # one example: exact, x xᵀ ⊗ 1

@@ -346,9 +346,11 @@ def per_example_grads(fun: Callable, argnums: int | Sequence[int] = 0, *, engine
 
     Examples:
         >>> import jax.numpy as jnp, linbackprop as lbp
-        >>> net = lbp.Network([lbp.Layer("y", lambda th, x: x @ th[0], ("x",), ("w",))], ["x"], "y")
+        >>> layer = lbp.Layer("y", lambda th, x: x @ th[0], ("x",), ("w",))
+        >>> net = lbp.Network([layer], ["x"], "y")
         >>> losses = lambda p, x: net(p, x)[:, 0] ** 2 / 2
-        >>> g = lbp.per_example_grads(losses)({"w": jnp.ones((2, 1))}, jnp.array([[1.0, 0.0], [0.0, 2.0]]))
+        >>> x = jnp.array([[1.0, 0.0], [0.0, 2.0]])
+        >>> g = lbp.per_example_grads(losses)({"w": jnp.ones((2, 1))}, x)
         >>> g["w"].squeeze(-1).tolist()    # example b: (x_b·w) x_b
         [[1.0, 0.0], [0.0, 4.0]]
     """
@@ -399,9 +401,11 @@ def per_example_grad_norms(fun: Callable, argnums: int | Sequence[int] = 0, *, e
 
     Examples:
         >>> import jax.numpy as jnp, linbackprop as lbp
-        >>> net = lbp.Network([lbp.Layer("y", lambda th, x: x @ th[0], ("x",), ("w",))], ["x"], "y")
+        >>> layer = lbp.Layer("y", lambda th, x: x @ th[0], ("x",), ("w",))
+        >>> net = lbp.Network([layer], ["x"], "y")
         >>> losses = lambda p, x: net(p, x)[:, 0] ** 2 / 2
-        >>> lbp.per_example_grad_norms(losses)({"w": jnp.ones((2, 1))}, jnp.array([[1.0, 0.0], [0.0, 2.0]])).tolist()
+        >>> x = jnp.array([[1.0, 0.0], [0.0, 2.0]])
+        >>> lbp.per_example_grad_norms(losses)({"w": jnp.ones((2, 1))}, x).tolist()
         [1.0, 4.0]
     """
     if layers is not None:

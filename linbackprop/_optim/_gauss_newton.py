@@ -86,14 +86,18 @@ def scale_by_gauss_newton(damping: float = 1e-3, maxiter: int = 50, *, tol: floa
 
     Examples:
         >>> import jax, jax.numpy as jnp, optax, linbackprop as lbp
-        >>> net = lbp.Network([lbp.Layer("y", lambda th, x: x @ th[0], ("x",), ("W",))], ["x"], "y")
-        >>> x, y = jnp.array([[1.0, 0.0], [0.0, 2.0], [1.0, 1.0]]), jnp.array([[1.0], [2.0], [0.0]])
+        >>> layer = lbp.Layer("y", lambda th, x: x @ th[0], ("x",), ("W",))
+        >>> net = lbp.Network([layer], ["x"], "y")
+        >>> x = jnp.array([[1.0, 0.0], [0.0, 2.0], [1.0, 1.0]])
+        >>> y = jnp.array([[1.0], [2.0], [0.0]])
         >>> loss = lambda p: 0.5 * jnp.sum((net(p, x) - y) ** 2)
-        >>> tx = optax.chain(lbp.scale_by_gauss_newton(damping=1e-8, solver="dense"), optax.scale(-1.0))
+        >>> direction = lbp.scale_by_gauss_newton(damping=1e-8, solver="dense")
+        >>> tx = optax.chain(direction, optax.scale(-1.0))
         >>> params = {"W": jnp.zeros((2, 1))}
         >>> value, grad, G = lbp.gauss_newton(loss)(params)
         >>> updates, _ = tx.update(grad, tx.init(params), params, curvature=G)
-        >>> [round(float(w), 4) for w in optax.apply_updates(params, updates)["W"].ravel()]  # least squares: one step
+        >>> fitted = optax.apply_updates(params, updates)["W"]  # least squares: one step
+        >>> [round(float(w), 4) for w in fitted.ravel()]
         [0.1111, 0.7778]
     """
     if solver not in ("auto", "cg", "woodbury", "dense"):

@@ -125,7 +125,8 @@ def kfac(damping: float = 1e-3, decay: float = 0.95, update_every: int = 5, *, l
 
     Examples:
         >>> import jax, jax.numpy as jnp, optax, linbackprop as lbp
-        >>> net = lbp.Network([lbp.Layer("y", lambda th, x: jnp.tanh(x @ th[0]), ("x",), ("W",))], ["x"], "y")
+        >>> layer = lbp.Layer("y", lambda th, x: jnp.tanh(x @ th[0]), ("x",), ("W",))
+        >>> net = lbp.Network([layer], ["x"], "y")
         >>> x = jax.random.normal(jax.random.key(0), (16, 3))
         >>> y = jnp.tanh(x @ jnp.array([[0.5], [-1.0], [0.25]]))
         >>> loss = lambda p: 0.5 * jnp.mean((net(p, x) - y) ** 2)

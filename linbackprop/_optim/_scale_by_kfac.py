@@ -62,14 +62,16 @@ def scale_by_kfac(damping: float = 1e-3, decay: float = 0.95, update_every: int 
 
     Examples:
         >>> import jax.numpy as jnp, optax, linbackprop as lbp
-        >>> net = lbp.Network([lbp.Layer("y", lambda th, x: x @ th[0] + th[1], ("x",), ("W", "b"))], ["x"], "y")
+        >>> layer = lbp.Layer("y", lambda th, x: x @ th[0] + th[1], ("x",), ("W", "b"))
+        >>> net = lbp.Network([layer], ["x"], "y")
         >>> x, y = jnp.array([[1.0, 0.0], [0.0, 2.0]]), jnp.array([[1.0], [2.0]])
         >>> loss = lambda p: 0.5 * jnp.sum((net(p, x) - y) ** 2)
         >>> params = {"W": jnp.zeros((2, 1)), "b": jnp.zeros(1)}
         >>> tx = optax.chain(lbp.scale_by_kfac(damping=1e-8), optax.scale(-1.0))
-        >>> updates, state = tx.update(lbp.grad_by_solve(loss)(params), tx.init(params), params,
-        ...                            factors=lbp.kfac_factors(loss)(params))   # b: in W's block
-        >>> fitted = optax.apply_updates(params, updates)   # G of [W; b] is A ⊗ Γ here: one exact step
+        >>> factors = lbp.kfac_factors(loss)(params)  # b: in W's block
+        >>> grad = lbp.grad_by_solve(loss)(params)
+        >>> updates, state = tx.update(grad, tx.init(params), params, factors=factors)
+        >>> fitted = optax.apply_updates(params, updates)  # G = A ⊗ Γ: one exact step
         >>> jnp.round(net(fitted, x).ravel(), 3).tolist()
         [1.0, 2.0]
     """
