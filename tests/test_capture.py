@@ -540,3 +540,27 @@ def losses_states(p, xs):
     """The hidden states of the scan in the rows test (the GGN's outputs: H = 2 I for Σ h²)."""
     _, hs = jax.lax.scan(lambda h, x: (gated_cell(p, h, x),) * 2, jnp.zeros((xs.shape[1], 4)), xs)
     return hs
+
+
+def test_per_example_transforms_of_a_head_after_a_frozen_backbone():
+    """Every differentiated parameter used after the last layer call (a frozen backbone named
+    in ``layers=``, a trainable head in the loss): the networks contribute nothing, the
+    per-example gradients, norms and clipped sum are the head's, as jax.jacrev gives them."""
+    rng = np.random.default_rng(9)
+    backbone = jnp.asarray(rng.standard_normal((3, 4)))
+
+    @lbp.layer
+    def body(W, x):
+        return jnp.tanh(x @ W)
+
+    def losses(head, x):
+        return jnp.sum((body(jax.lax.stop_gradient(backbone), x) @ head) ** 2, axis=1)
+
+    head, x = jnp.asarray(rng.standard_normal((4, 2))), jnp.asarray(rng.standard_normal((5, 3)))
+    ref = jax.jit(jax.jacrev(losses))(head, x)
+    norms = jnp.linalg.norm(ref.reshape(5, -1), axis=1)
+    close(jax.jit(lbp.per_example_grads(losses, layers=body))(head, x), ref)
+    close(jax.jit(lbp.per_example_grad_norms(losses, layers=body))(head, x), norms)
+    clipped, found = jax.jit(lbp.clipped_grad(losses, 1.0, layers=body))(head, x)
+    close(found, norms)
+    close(clipped, jnp.tensordot(jnp.minimum(1, 1 / norms), ref, 1))

@@ -296,6 +296,8 @@ def weighted_by_example(lam: list[Any], weights: jax.Array) -> list[Any]:
     [rows, batch, ...]; a RowList holds rows of [batch, ...]."""
 
     def scale(x: jax.Array, axis: int) -> jax.Array:
+        if x.ndim <= axis or x.shape[axis] != weights.shape[0]:
+            return x  # the cotangent of an input without the batch (a constant the layers read): no example's
         shape = [1] * x.ndim
         shape[axis] = weights.shape[0]
         return x * weights.reshape(shape).astype(x.dtype)

@@ -114,8 +114,9 @@ class Calls:
                 continue
             unpack = self._unpack(plan, theta)
             bufs = param_adjoint_per_example(plan, prim, lam, batch, examples)
-            theta_cts.append(jax.vmap(lambda b, unpack=unpack: unpack(b)[0])(bufs))
-        if not theta_cts:  # no network uses a parameter
+            theta_cts.append(jax.vmap(lambda b, unpack=unpack: unpack(b)[0])(bufs) if jax.tree.leaves(bufs) else
+                             jax.tree.map(lambda x: jnp.zeros((n, *np.shape(x)), jnp.result_type(x)), theta))
+        if not jax.tree.leaves(theta_cts):  # no network uses a differentiated parameter
             return tuple(jax.tree.map(lambda x: jnp.zeros((n, *np.shape(x)), jnp.result_type(x)), d)
                          for d in self.diff)
         return jax.vmap(lambda cts: self.vjp(cts))(theta_cts)
@@ -163,7 +164,7 @@ class Calls:
     def arguments(self, buffers: list) -> tuple:
         """Per differentiated argument, its cotangent from each call's parameter-layout buffers."""
         theta_cts = [self._unpack(plan, theta)(bufs)[0] for plan, theta, bufs in zip(self.plans, self.thetas, buffers)]
-        if not theta_cts:  # no network uses a parameter
+        if not jax.tree.leaves(theta_cts):  # no network uses a differentiated parameter
             return tuple(jax.tree.map(lambda x: jnp.zeros(np.shape(x), jnp.result_type(x)), d) for d in self.diff)
         return self.vjp(theta_cts)
 
