@@ -263,6 +263,25 @@ def test_layers_that_mix_examples_raise():
         lbp.diag_ggn(lambda p, x: jnp.sum(losses(p, x)))(p, x)
 
 
+def test_losses_that_mix_examples_raise():
+    """Each loss reads the batch mean of the outputs: loss b's gradient is not ℳ of Λ's row b.
+    Refused (with or without jit, for every per-example transform) where jax.jacrev differs;
+    a loss of each example's own outputs plus a batch-wide constant passes."""
+    net = lbp.Network([lbp.Layer("y", lambda th, x: jnp.tanh(x @ th[0]), ("x",), ("W",))], ["x"], "y")
+    rng = np.random.default_rng(3)
+    p, x = {"W": jnp.asarray(rng.standard_normal((3, 2)))}, jnp.asarray(rng.standard_normal((5, 3)))
+    centred = lambda p, x: jnp.sum((net(p, x) - jnp.mean(net(p, x), axis=0)) ** 2, axis=1)
+    ref = jax.jacrev(centred)(p, x)["W"]
+    assert float(jnp.abs(ref).max()) > 0
+    for transform in (lbp.per_example_grads(centred), lbp.per_example_grad_norms(centred),
+                      lbp.clipped_grad(centred, 1.0)):
+        for wrap in (lambda f: f, jax.jit):
+            with pytest.raises(ValueError, match=r"losses mix examples: changing example 0's outputs"):
+                wrap(transform)(p, x)
+    shifted = lambda p, x: jnp.sum(net(p, x) ** 2, axis=1) + jnp.mean(x)
+    close(jax.jit(lbp.per_example_grads(shifted))(p, x), jax.jacrev(shifted)(p, x))
+
+
 def test_batch_not_leading_raises():
     case = REGISTRY["seed"]()  # states are (features, examples)
     losses = lambda p, u: jnp.sum(case.net(p, u) ** 2, axis=0)

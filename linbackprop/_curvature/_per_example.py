@@ -87,6 +87,12 @@ class Calls:
             out.append(sizes[0] if sizes else 0)
         return out
 
+    def batch_axes(self) -> list[list[int]]:
+        """Per call, each output leaf's batch axis (1 in a Stack, 0 elsewhere), in leaf order."""
+        return [[1 if isinstance(item, Stack) else 0
+                 for item, value in zip(net.output_spec, (outs,) if net.single_output else outs)
+                 for _ in jax.tree.leaves(value)] for net, outs in zip(self.nets, self.outs)]
+
     def call_names(self) -> list[str]:
         return [f"call {c}: a Network of {len(net.layers)} layers reading {list(net.inputs)}, batch {b}"
                 for c, (net, b) in enumerate(zip(self.nets, self.batches()))]
@@ -293,7 +299,9 @@ def per_example_setup(fun: Callable, args: tuple, nums: tuple[int, ...], engine:
     g_outs = jax.grad(lambda o: jnp.sum(losses(o, *split.diff)))(calls.outs)
     sizes = calls.batches()
     if len(set(sizes)) <= 1:  # one batch: row b of every call is example b
-        return split, calls, losses, batch, calls.adjoints(g_outs, batch)
+        lams = calls.adjoints(g_outs, batch)  # checks the layers first
+        _check_losses_keep_examples_apart(losses, calls, split.diff, [0] * len(sizes))
+        return split, calls, losses, batch, lams
     if sum(sizes) != batch:
         raise ValueError(f"Per-example quantities of network calls with different batches take each call's "
                          f"examples as examples, in call order: fun must return {sum(sizes)} losses "
@@ -301,7 +309,54 @@ def per_example_setup(fun: Callable, args: tuple, nums: tuple[int, ...], engine:
                          f"{'; '.join(calls.call_names())}.")
     starts = np.cumsum([0, *sizes])[:-1]
     calls.spans = [(c, int(start), size) for c, (start, size) in enumerate(zip(starts, sizes))]
-    return split, calls, losses, batch, calls.adjoints(g_outs, sizes)
+    lams = calls.adjoints(g_outs, sizes)  # checks the layers first
+    _check_losses_keep_examples_apart(losses, calls, split.diff, [int(start) for start in starts])
+    return split, calls, losses, batch, lams
+
+
+def _check_losses_keep_examples_apart(losses: Callable, calls: Calls, diff: tuple, firsts: list[int]) -> None:
+    """Raise where loss b reads another example's outputs (a batch mean of the outputs, a
+    contrast between examples): the per-example transforms take Λ's row b as example b's
+    adjoint, which holds only where loss b sees row b alone.
+
+    Checked on values drawn at random for the outputs, the arguments and everything the losses
+    close over (labels under ``jax.jit`` are tracers: only their shapes are known here): call c's
+    first example perturbed, no loss but that example's (``firsts[c]``, in call order) may
+    change."""
+    rng = np.random.default_rng(0)
+
+    def draw(aval: Any) -> Any:
+        if jax.dtypes.issubdtype(aval.dtype, jax.dtypes.prng_key):
+            return jax.random.split(jax.random.key(0), max(1, aval.size))[: aval.size].reshape(aval.shape)
+        if not differentiable_dtype(aval.dtype):
+            return jnp.asarray(rng.integers(0, 2, aval.shape), aval.dtype)
+        return jnp.asarray(rng.standard_normal(aval.shape), aval.dtype)
+
+    closed = jax.make_jaxpr(losses)(calls.outs, *diff)
+    axes = calls.batch_axes()
+    with jax.ensure_compile_time_eval():
+        consts = [draw(c.aval) if isinstance(c, jax.core.Tracer) else c for c in closed.consts]
+        args = [draw(v.aval) for v in closed.jaxpr.invars]
+        run = lambda a: np.asarray(jax.core.eval_jaxpr(closed.jaxpr, consts, *a)[0], np.float64)
+        base = run(args)
+        start = 0
+        for call, (leaf_axes, first) in enumerate(zip(axes, firsts)):
+            moved = list(args)
+            for n, axis in zip(range(start, start + len(leaf_axes)), leaf_axes):
+                x = np.asarray(args[n])
+                if x.ndim > axis and np.issubdtype(x.dtype, np.inexact):  # example 0 moved
+                    moved[n] = jnp.asarray(x).at[(slice(None),) * axis + (0,)].add(1.0)
+            start += len(leaf_axes)
+            changed = np.abs(run(moved) - base) > 1e-6 * (1 + np.abs(base))
+            changed[first] = False
+            if np.any(changed & np.isfinite(base)):
+                raise ValueError(
+                    f"Per-example gradients, their norms and clipping need loss b to read example b's "
+                    f"outputs alone; these losses mix examples: changing example {first}'s outputs "
+                    f"of call {call} changes loss(es) {np.flatnonzero(changed)[:5].tolist()} too (a batch mean or "
+                    f"normalisation of the outputs, a contrast between examples, or a loss that is not one per "
+                    f"example). Write each loss from its own "
+                    f"example's outputs, or use jax.jacrev(losses) / jax.vmap(jax.grad) of a per-example loss.")
 
 
 def per_example_losses(split: Split, outs: tuple, diff: tuple) -> jax.Array:
