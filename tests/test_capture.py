@@ -564,3 +564,29 @@ def test_per_example_transforms_of_a_head_after_a_frozen_backbone():
     clipped, found = jax.jit(lbp.clipped_grad(losses, 1.0, layers=body))(head, x)
     close(found, norms)
     close(clipped, jnp.tensordot(jnp.minimum(1, 1 / norms), ref, 1))
+
+
+def test_one_example_retrace_keeps_a_raw_key_and_names_a_fixed_batch():
+    """The per-example transforms trace fun again on one example. A raw PRNG key (uint32 [2])
+    at batch 2 is kept whole there (slicing it made an invalid key), so the per-example
+    gradients are jax.jacrev's; a model with the batch size written into it raises an error
+    that names the slicing and the fix, not JAX's reshape error."""
+    rng = np.random.default_rng(10)
+
+    @lbp.layer
+    def body(W, x):
+        return jnp.tanh(x @ W)
+
+    W = jnp.asarray(rng.standard_normal((3, 4)))
+
+    def noisy(W, x, key):
+        return jnp.sum(body(W, x + 0.01 * jax.random.normal(key, (x.shape[1],))) ** 2, axis=1)
+
+    x, key = jnp.asarray(rng.standard_normal((2, 3))), jax.random.PRNGKey(0)
+    close(lbp.per_example_grads(noisy, layers=body)(W, x, key), jax.jacrev(noisy)(W, x, key))
+
+    def fixed(W, x):
+        return jnp.sum(body(W, x).reshape(5, -1) ** 2, axis=1)
+
+    with pytest.raises(ValueError, match=r"trace fun again on one example.*h\.reshape\(h\.shape\[0\], -1\)"):
+        lbp.per_example_grads(fixed, layers=body)(W, jnp.asarray(rng.standard_normal((5, 3))))

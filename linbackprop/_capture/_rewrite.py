@@ -159,9 +159,28 @@ def _at_one_example(program: Program, flat: Callable, diff: list, rest: list, en
         return program  # no batch axis (the transform says so), or one example already
     batch = first[0]
     first_other = len(rest) - n_other  # the nnx modules' other state comes first: not data
-    one = [jax.ShapeDtypeStruct((1, *np.shape(x)[1:]), x.dtype)
-           if n >= first_other and np.ndim(x) and np.shape(x)[0] == batch else x for n, x in enumerate(rest)]
-    one_program, _ = _program(flat, diff, one, entries, names, rest_names)
+    sliced = [n >= first_other and bool(np.ndim(x)) and np.shape(x)[0] == batch for n, x in enumerate(rest)]
+    # a raw PRNG key (uint32 [2], threefry; [4], rbg) whose length happens to be the batch: sliced
+    # first (it may be data), kept whole if the trace on one example fails
+    raw_key = [np.ndim(x) == 1 and np.dtype(x.dtype) == np.uint32 and np.shape(x)[0] in (2, 4) for x in rest]
+    attempts = [sliced] + ([[s and not k for s, k in zip(sliced, raw_key)]] if any(map(all, zip(sliced, raw_key)))
+                           else [])
+    for n, chosen in enumerate(attempts):
+        one = [jax.ShapeDtypeStruct((1, *np.shape(x)[1:]), x.dtype) if s else x for x, s in zip(rest, chosen)]
+        try:
+            one_program, _ = _program(flat, diff, one, entries, names, rest_names)
+            break
+        except (TypeError, ValueError, IndexError) as error:
+            if n + 1 < len(attempts):
+                continue
+            cut = [name for name, s in zip(rest_names, chosen) if s][:6]
+            raise ValueError(
+                f"layers=: the per-example transforms trace fun again on one example, each argument whose "
+                f"leading axis is the batch ({batch}: {cut}) sliced to its first row, and fun fails there "
+                f"({type(error).__name__}: {str(error).splitlines()[0][:200]}). A model that writes the batch "
+                f"size into its program (h.reshape({batch}, -1)) or indexes the batch needs it from the "
+                "operand (h.reshape(h.shape[0], -1)); or use jax.jacrev / jax.vmap(jax.grad) of a per-example "
+                "loss.") from error
     key = ("at any batch", program, one_program)
     return shared_value(key, lambda: at_any_batch(program, one_program), NETWORKS)
 
