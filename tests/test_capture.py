@@ -590,3 +590,21 @@ def test_one_example_retrace_keeps_a_raw_key_and_names_a_fixed_batch():
 
     with pytest.raises(ValueError, match=r"trace fun again on one example.*h\.reshape\(h\.shape\[0\], -1\)"):
         lbp.per_example_grads(fixed, layers=body)(W, jnp.asarray(rng.standard_normal((5, 3))))
+
+
+@pytest.mark.parametrize("batch", [4, 5])
+def test_a_constant_whose_leading_axis_is_the_batch_size_stays_whole(batch):
+    """An array the layers close over is part of the layers, not per-example data, whatever its
+    leading axis: at batch 5, as at 4, the per-example gradients of a layer reading a (5, 3)
+    constant are jax.jacrev's (it was sliced to one row and refused)."""
+    rng = np.random.default_rng(12)
+    C = jnp.asarray(rng.standard_normal((5, 3)))
+
+    @lbp.layer
+    def mixed(W, x):
+        return jnp.tanh(x @ (W + C.T @ C / 5))
+
+    W, x = jnp.asarray(rng.standard_normal((3, 3))), jnp.asarray(rng.standard_normal((batch, 3)))
+    losses = lambda W, x: jnp.sum(mixed(W, mixed(W, x)) ** 2, axis=1)
+    close(jax.jit(lbp.per_example_grads(losses, layers=mixed))(W, x), jax.jacrev(losses)(W, x))
+    assert lbp.capture(losses, W, x, layers=mixed).net.inputs == ("x",)

@@ -148,7 +148,19 @@ class FromInput:
         return states[self.r]
 
 
-Operand = FromParam | FromRead | FromInput
+@dataclasses.dataclass(frozen=True)
+class FromConstant:
+    """A layer's operand: an array ``fun`` closes over (a concrete constant, no tracer): part of
+    the layer, not a network input, since a constant has no batch axis (its leading axis may
+    equal the batch size by chance)."""
+
+    constant: Constant
+
+    def value(self, theta: tuple, states: tuple) -> Any:
+        return self.constant.value
+
+
+Operand = FromParam | FromRead | FromInput | FromConstant
 
 
 def _layer_fn(eqns: tuple, operands: tuple, outs: tuple, specs: tuple[Operand, ...], name: str = "layer") -> Callable:
@@ -317,6 +329,8 @@ def build(closed: ClosedJaxpr, n_diff: int, block_names: Sequence[Hashable], cal
     data_rows = {row: (source, t) for row, (source, t) in found.rows.items()
                  if source not in block_of_var and source not in moving}
     inputs: dict = {}  # atom -> input name
+    constants = {v: Constant(c) for v, c in zip(constvars, consts)
+                 if np.ndim(c) and not isinstance(c, jax.core.Tracer)}  # arrays fun closes over
     layers = []
     output_vars: dict[Hashable, list] = {}
     for n, (name, node_eqns) in enumerate(nodes):
@@ -336,7 +350,9 @@ def build(closed: ClosedJaxpr, n_diff: int, block_names: Sequence[Hashable], cal
                     if src not in reads:
                         reads.append(src)
                     specs.append(FromRead(reads.index(src), j))
-                else:  # data: a value computed before the network, an argument, a constant
+                elif a in constants:
+                    specs.append(FromConstant(constants[a]))
+                else:  # data: a value computed before the network, an argument, a traced constant
                     # row t of an array a scan iterates over (a sequence's step): a Row of that
                     # array, one input for all the steps, as a hand-built network reads it
                     stacked, t = data_rows.get(a, (a, None))
