@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.flatten_util import ravel_pytree
 from networks import equations
 
 import linbackprop as lbp
@@ -201,7 +202,6 @@ def test_curvature_transforms_take_layers():
     close(norms, jnp.sqrt(sum(jnp.sum(g.reshape(4, -1) ** 2, axis=1) for g in jax.tree.leaves(ref))))
     value, grad, G = jax.jit(lbp.gauss_newton(loss, layers=block))(params, x, y)
     close((value, grad), jax.value_and_grad(loss)(params, x, y))
-    from jax.flatten_util import ravel_pytree
 
     flat, unravel = ravel_pytree(params)
     outs = lambda f: jnp.ravel(_forward(unravel(f), x))
@@ -481,7 +481,6 @@ def test_a_marked_function_not_named_in_layers_is_not_a_layer():
     loss = lambda p, x: 0.5 * jnp.sum(head(p, body(p, x)) ** 2)
     value, grad, G = jax.jit(lbp.gauss_newton(loss, layers=body))(params, x)
     close((value, grad), jax.value_and_grad(loss)(params, x))
-    from jax.flatten_util import ravel_pytree
 
     flat, unravel = ravel_pytree(params)
     jac = jax.jacfwd(lambda f: body(unravel(f), x).ravel())(flat)
@@ -608,3 +607,51 @@ def test_a_constant_whose_leading_axis_is_the_batch_size_stays_whole(batch):
     losses = lambda W, x: jnp.sum(mixed(W, mixed(W, x)) ** 2, axis=1)
     close(jax.jit(lbp.per_example_grads(losses, layers=mixed))(W, x), jax.jacrev(losses)(W, x))
     assert lbp.capture(losses, W, x, layers=mixed).net.inputs == ("x",)
+
+
+class _DropoutBlock(nnx.Module):
+    def __init__(self, rngs):
+        self.linear = nnx.Linear(4, 4, rngs=rngs)
+        self.dropout = nnx.Dropout(0.3, rngs=rngs)
+
+    def __call__(self, x):
+        return self.dropout(jnp.tanh(self.linear(x)))
+
+
+class _DropoutModel(nnx.Module):
+    def __init__(self, rngs):
+        self.blocks = nnx.List([_DropoutBlock(rngs) for _ in range(2)])
+
+    def __call__(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def test_dropout_in_a_layer_gauss_newton_takes_the_masks_and_per_example_transforms_refuse():
+    """nnx.Dropout in training mode inside the layers: gauss_newton's value and gradient are
+    nnx.value_and_grad's (the same masks, from the same RNG state, and the RNG count advanced as
+    nnx.grad advances it), and G is J* H J with those masks (jax.jvp and jax.vjp of the model at
+    that state); the per-example transforms refuse, naming the random numbers and the fix."""
+    with jax.enable_x64(False):
+        model = _DropoutModel(nnx.Rngs(0, dropout=1))
+        x = jnp.asarray(np.random.default_rng(13).standard_normal((6, 4)), jnp.float32)
+        loss = lambda m, x: 0.5 * jnp.mean(m(x) ** 2)
+        counts = lambda m: [int(c) for c in jax.tree.leaves(nnx.state(m, nnx.RngCount))]
+        reference, ours = nnx.clone(model), nnx.clone(model)
+        reference_value, reference_grad = nnx.value_and_grad(loss)(reference, x)
+        value, grad, G = lbp.gauss_newton(loss, layers=_DropoutBlock)(ours, x)
+        close(value, reference_value, tol=1e-6)
+        close(ravel_pytree(grad)[0], ravel_pytree(reference_grad)[0], tol=1e-5)
+        assert counts(ours) == counts(reference) != counts(model)
+        graphdef, params, rest = nnx.split(nnx.clone(model), nnx.Param, ...)
+        at = lambda p: nnx.merge(graphdef, p, nnx.clone(rest))(x)  # the RNG state of the step: its masks
+        v = jax.tree.map(lambda a: jnp.cos(jnp.arange(a.size, dtype=a.dtype)).reshape(a.shape), params)
+        jv = jax.jvp(at, (params,), (v,))[1]
+        expected = jax.vjp(at, params)[1](jv / jv.size)[0]  # J* H J v, H = I / (entries) for this mean
+        close(ravel_pytree(G.mv(v))[0], ravel_pytree(expected)[0], tol=1e-5)
+        losses = lambda m, x: 0.5 * jnp.mean(m(x) ** 2, axis=1)
+        for transform in (lbp.per_example_grads(losses, layers=_DropoutBlock),
+                          lbp.diag_ggn(loss, layers=_DropoutBlock), lbp.kfac_factors(loss, layers=_DropoutBlock)):
+            with pytest.raises(ValueError, match=r"draws random numbers \(nnx\.Dropout.*model\.eval\(\)"):
+                transform(nnx.clone(model), x)

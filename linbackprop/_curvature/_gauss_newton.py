@@ -274,14 +274,39 @@ def gauss_newton(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool 
             split, found = Split(fun, args, nums, has_aux), None
         else:  # the model as it is: its network found, G on the arguments' own types
             found = rewrite(fun, args, nums, layers)
-            split = Split(lambda *parts: found.fun(*parts)[0], found.args, tuple(range(len(nums))), has_aux)
-        outs, jvp = jax.linearize(solve_mode(split.model, **settings, products=True), *split.diff)
+
+            def with_states(*parts: Any) -> tuple:  # an nnx module's other state after fun, as aux
+                result, states = found.fun(*parts)
+                value, aux = result if has_aux else (result, None)
+                return value, (aux, states)
+
+            split = Split(with_states, found.args, tuple(range(len(nums))), True)
+        model = solve_mode(split.model, **settings, products=True)
+        layout: dict = {}
+
+        def differentiable(*diff: Any) -> tuple[list, list]:
+            # integer outputs (an RNG count a dropout layer advances) have no tangent and no
+            # curvature: J and H are over the floating ones, the others held as they are
+            leaves, layout["tree"] = jax.tree.flatten(model(*diff))
+            layout["floating"] = [jnp.issubdtype(jnp.result_type(x), jnp.inexact) for x in leaves]
+            return ([x for x, f in zip(leaves, layout["floating"]) if f],
+                    [x for x, f in zip(leaves, layout["floating"]) if not f])
+
+        outs, jvp, held = jax.linearize(differentiable, *split.diff, has_aux=True)
+
+        def loss(floating: list, *diff: Any) -> Any:
+            rest, parts = iter(held), iter(floating)
+            leaves = [next(parts) if f else next(rest) for f in layout["floating"]]
+            return split.loss(jax.tree.unflatten(layout["tree"], leaves), *diff)
+
         loss_args = tuple(range(1 + len(nums)))
-        (value, aux), grads = jax.value_and_grad(split.loss, loss_args, has_aux=True)(outs, *split.diff)
+        (value, aux), grads = jax.value_and_grad(loss, loss_args, has_aux=True)(outs, *split.diff)
         vjp = jax.linear_transpose(jvp, *split.diff)
         grad = tuple(add_trees(g, m) for g, m in zip(grads[1:], vjp(grads[0])))
-        _, hvp = jax.linearize(jax.grad(lambda o: split.loss(o, *split.diff)[0]), outs)
+        _, hvp = jax.linearize(jax.grad(lambda o: loss(o, *split.diff)[0]), outs)
         if found is not None:
+            aux, states = aux
+            found.write_back(states)  # RNG counts advanced as nnx.grad advances them
             grad = found.gradient(grad, False)
             on = OnArguments(found.arguments)
             jvp, vjp = jax.tree_util.Partial(on.jvp, jvp), jax.tree_util.Partial(on.vjp, vjp)

@@ -76,6 +76,17 @@ class Calls:
         # (call, first example, examples) per call where the calls' batches differ (examples in call order)
         self.spans: list[tuple[int, int, int]] | None = None
         _check_inputs_independent(split)
+        for call, out in enumerate(self.outs):
+            kinds = {str(jnp.result_type(x)) for x in jax.tree.leaves(out)
+                     if not jnp.issubdtype(jnp.result_type(x), jnp.inexact)}
+            if kinds:
+                raise ValueError(
+                    f"Network call {call} returns integer outputs ({', '.join(sorted(kinds))}) besides its states: "
+                    "a layer that draws random numbers (nnx.Dropout in training mode, its RNG count advanced "
+                    "by each call). Per-example gradients, their norms, clipping, the GGN diagonal, K-FAC "
+                    "factors and ggn_factor take each example's curvature from one deterministic pass: "
+                    "call model.eval() (or build the dropout with deterministic=True) for them; gauss_newton "
+                    "and the gradients take dropout as it is.")
 
     def batches(self) -> list[int]:
         """Each call's batch: the leading axis of its first output leaf (axis 1 of a Stack)."""
