@@ -200,7 +200,7 @@ def _with_layers(fun: Callable, argnums: int | Sequence[int], has_aux: bool, lay
 
 
 def jvp_by_solve(fun: Callable, primals: Sequence[Any], tangents: Sequence[Any], has_aux: bool = False, *,
-                 engine: Engine = "auto", layers: Any = None):
+                 engine: Engine = "auto", layers: Any = None) -> tuple:
     """Drop-in for ``jax.jvp``: Network calls are differentiated by forward substitution
     ℒ Z = ℳ* h (+ the input tangents), first layer to last (``engine`` as in
     [`grad_by_solve`][linbackprop.grad_by_solve]).
