@@ -111,6 +111,14 @@ def test_docs_site_builds_strictly(tmp_path):
     signature = re.sub(r"<[^>]+>", "", page[page.index("doc-signature"):][:4000])
     assert "\n    fun: Callable,\n" in signature, signature[:400]
     assert page.count("<h1") == 1
+    # each function's page a parameter table, each class's its attributes (or its arguments)
+    for name in lbp.__all__:
+        obj = getattr(lbp, name)
+        if issubclass(obj, Exception) if inspect.isclass(obj) else not inspect.signature(obj).parameters:
+            continue
+        html = (tmp_path / api_page(name).removesuffix(".md") / "index.html").read_text()
+        titles = re.findall(r'doc-section-title">(\w+):<', html)
+        assert {"Parameters", "Attributes"} & set(titles), (name, titles)
     # every docstring example renders as code (an "Example:" header made one prose)
     for html in (tmp_path / "api").rglob("index.html"):
         text = re.sub(r"<pre.*?</pre>", "", html.read_text(), flags=re.S)
