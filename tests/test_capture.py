@@ -655,3 +655,23 @@ def test_dropout_in_a_layer_gauss_newton_takes_the_masks_and_per_example_transfo
                           lbp.diag_ggn(loss, layers=_DropoutBlock), lbp.kfac_factors(loss, layers=_DropoutBlock)):
             with pytest.raises(ValueError, match=r"draws random numbers \(nnx\.Dropout.*model\.eval\(\)"):
                 transform(nnx.clone(model), x)
+
+
+def test_a_fori_loop_over_stacked_blocks_is_refused_with_advice_that_applies():
+    """``lax.fori_loop`` slicing a stacked block (``Ws[i]``) makes the slices glue computed from
+    the parameters: the gradient is right, and the per-example transforms refuse, saying the
+    glue reads no per-example state and to loop with lax.scan or Python (not "put the batch
+    first", which it is)."""
+
+    @lbp.layer
+    def block(W, h):
+        return jnp.tanh(h @ W)
+
+    def losses(Ws, x):
+        return jnp.sum(jax.lax.fori_loop(0, Ws.shape[0], lambda i, h: block(Ws[i], h), x) ** 2, axis=1)
+
+    Ws, x = 0.5 * jnp.asarray(np.random.default_rng(14).standard_normal((3, 4, 4))), jnp.ones((5, 4))
+    total = lambda Ws, x: jnp.sum(losses(Ws, x))
+    close(lbp.grad_by_solve(total, layers=block)(Ws, x), jax.grad(total)(Ws, x))
+    with pytest.raises(ValueError, match=r"read no per-example state.*lax\.fori_loop.*lax\.scan or a Python loop"):
+        lbp.per_example_grads(losses, layers=block)(Ws, x)

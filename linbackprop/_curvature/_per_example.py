@@ -261,6 +261,22 @@ def check_per_example(plan: Plan, batch: int) -> None:
             leaves, tree = jax.tree.flatten(jax.tree.map(sample, input_avals))
             batched = [bool(np.ndim(x)) and np.shape(x)[0] == batch for x in leaves]
             outs = jax.tree.leaves(kind.out_aval)
+            anywhere = any(batch in np.shape(x) for x in leaves) or any(batch in o.shape for o in outs)
+            if not any(batched) and leaves and not anywhere:  # no batch on any axis: computed from parameters
+                names = [layer.name for layer in kind.layers][:4]
+                captured = getattr(kind.layers[0].fn, "__linbackprop_captured__", False)
+                raise ValueError(
+                    f"Layer(s) {names!r} read no per-example state (their operands "
+                    f"{[tuple(np.shape(x)) for x in leaves]}, none with the batch of {batch} first) and return "
+                    f"{[tuple(o.shape) for o in outs]}: they compute "
+                    "from the parameters or constants alone"
+                    + (" (a slice Ws[i] of a stacked block taken inside lax.fori_loop, a jitted loop or other glue "
+                       "between the layers)" if captured else "")
+                    + ". Per-example gradients, their norms and the GGN diagonal need every layer to read the "
+                    "examples and the parameter blocks as they are: "
+                    + ("loop over stacked blocks with lax.scan or a Python loop (their rows become Row blocks), "
+                       if captured else "make the computation part of the layer that uses it, ")
+                    + "or use jax.jacrev / jax.vmap(jax.grad) of a per-example loss.")
             if not any(batched) or not all(len(o.shape) and o.shape[0] == batch for o in outs):
                 names = [layer.name for layer in kind.layers][:4]
                 raise ValueError(
