@@ -675,3 +675,24 @@ def test_a_fori_loop_over_stacked_blocks_is_refused_with_advice_that_applies():
     close(lbp.grad_by_solve(total, layers=block)(Ws, x), jax.grad(total)(Ws, x))
     with pytest.raises(ValueError, match=r"read no per-example state.*lax\.fori_loop.*lax\.scan or a Python loop"):
         lbp.per_example_grads(losses, layers=block)(Ws, x)
+
+
+def test_a_jit_of_yours_around_a_scan_over_stacked_blocks_keeps_row_blocks():
+    """A ``jax.jit`` around a ``lax.scan`` over stacked blocks: the scan's rows are rows of the
+    jit's operand, so the layers read Row blocks as without the jit, and the per-example
+    gradients are jax.jacrev's (the slices were glue layers, refused)."""
+
+    @lbp.layer
+    def block(W, h):
+        return jnp.tanh(h @ W)
+
+    @jax.jit
+    def body(Ws, x):
+        return jax.lax.scan(lambda h, W: (block(W, h), None), x, Ws)[0]
+
+    losses = lambda Ws, x: jnp.sum(body(Ws, x) ** 2, axis=1)
+    rng = np.random.default_rng(15)
+    Ws, x = 0.5 * jnp.asarray(rng.standard_normal((3, 4, 4))), jnp.asarray(rng.standard_normal((5, 4)))
+    net = lbp.capture(lambda Ws, x: jnp.sum(losses(Ws, x)), Ws, x, layers=block).net
+    assert [layer.params for layer in net.layers] == [(lbp.Row("", t),) for t in range(3)]
+    close(jax.jit(lbp.per_example_grads(losses, layers=block))(Ws, x), jax.jacrev(losses)(Ws, x))

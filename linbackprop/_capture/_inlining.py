@@ -70,6 +70,9 @@ def inline_calls(jaxpr: Any, consts: Sequence[Any], rows: ScanRows) -> tuple[lis
             bind = lambda atoms: [a if isinstance(a, Literal) else bound.get(a, a) for a in atoms]
             eqns += [e.replace(invars=bind(e.invars)) for e in sub]
             rename.update(zip(eqn.outvars, bind(sub_outvars)))
+            # rows a scan inside the jit reads are rows of the jit's operands (a stack of blocks)
+            rows.rows.update({r: (bound.get(x, x), t) for r, (x, t) in rows.rows.items()})
+            rows.chains.update({v: bound.get(x, x) for v, x in rows.chains.items()})
             continue
         for sub in jax.extend.core.jaxprs_in_params(eqn.params):
             if _contains_marks(sub):
