@@ -125,6 +125,8 @@ def test_docs_site_builds_strictly(tmp_path):
         assert "&gt;&gt;&gt;" not in text, f"{html.parent.name}: an example rendered outside a code block"
     # Offline: no stylesheet, script or font from another host.
     index = (tmp_path / "index.html").read_text()
+    # math left for KaTeX by arithmatex, KaTeX shipped with the site
+    assert 'class="arithmatex"' in index and (tmp_path / "javascripts" / "katex" / "katex.min.js").exists()
     assert "fonts.googleapis" not in index and "cdn." not in index
 
 
@@ -166,6 +168,19 @@ def test_public_names_document_their_parameters(name):
             label = {p.VAR_POSITIONAL: f"*{p.name}", p.VAR_KEYWORD: f"**{p.name}"}.get(p.kind, p.name)
             assert re.search(rf"^    {re.escape(label)}:", args, flags=re.M), f"{name}: Args lacks {label}"
     assert "Returns:" in doc, name
+
+
+def test_math_renders_offline_with_the_katex_shipped():
+    """pymdownx.arithmatex (generic) keeps the math for KaTeX, whose script, stylesheet and fonts
+    are files of the site (no CDN); the home page writes its equations as TeX."""
+    config = (ROOT / "mkdocs.yml").read_text()
+    assert "pymdownx.arithmatex" in config and "generic: true" in config
+    scripts = re.findall(r"^  - (javascripts/\S+\.js)", config, flags=re.M)
+    assert scripts and all((ROOT / "docs" / s).exists() for s in scripts), scripts
+    css = (ROOT / "docs" / "javascripts" / "katex" / "katex.min.css").read_text()
+    fonts = set(re.findall(r"url\((fonts/[^)]+)\)", css))
+    assert fonts and all((ROOT / "docs" / "javascripts" / "katex" / f).exists() for f in fonts), fonts
+    assert "$$" in (ROOT / "docs" / "index.md").read_text()
 
 
 def test_docstring_examples_fit_the_column():
