@@ -231,8 +231,7 @@ def test_guides_are_sections_with_headings(page):
     assert not re.search(r"^\*\*[^*\n]+\.\*\* ", text, flags=re.M), f"{page}: a bold lead where a heading belongs"
 
 
-@pytest.mark.parametrize("page", ["README.md", "docs/getting-started.md", "docs/examples.md", "docs/index.md",
-                                  "docs/architecture.md", "docs/performance.md", *GUIDES_ONLY])
+@pytest.mark.parametrize("page", ["README.md", *PAGES])
 def test_code_lines_fit_the_column(page):
     """The docs' column shows about 95 characters of code at 1280 px: longer lines scroll
     sideways and hide their ends (88, as black and ruff format)."""
