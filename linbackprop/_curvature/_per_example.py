@@ -1,12 +1,11 @@
 """Per-example quantities: one forward pass and one back substitution serve every example (the
 leading axis of every state is the batch), then ℳ is applied to each example's rows alone —
 per-example gradients, their norms (ghost norms where the shapes allow), and the checks that
-the layers keep examples apart and the inputs are data.
+the inputs are data (the layers' and losses' checks: `_separation`).
 """
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -19,10 +18,11 @@ from .._call import output_tangents, outputs_of, prepare
 from .._engine import ParamSquares, back_substitution, param_adjoint, param_adjoint_per_example
 from .._graph import Network, Stack
 from .._outer import depending
-from .._plan import Plan, current_plan, differentiable_dtype
+from .._plan import Plan, current_plan
 from .._settings import Engine, current
 from .._transforms import solve_mode
 from ._ghost import ParamNorms, ghost_squares, weighted_by_example
+from ._separation import check_losses_keep_examples_apart, check_per_example
 from ._split import Split, add_trees, normalise_argnums, on_model
 
 
@@ -233,89 +233,6 @@ def reaches_outputs(jaxpr: Any) -> bool:
     return any(not isinstance(v, Literal) and v in live for v in jaxpr.outvars)
 
 
-_checked: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def check_per_example(plan: Plan, batch: int) -> None:
-    """Raise where a kind of layer mixes examples: its output for one example is not the output
-    for that example alone (batch statistics, attention across the batch). Checked once per plan
-    and batch size on random data, at trace time."""
-    done = _checked.setdefault(plan, set())
-    if batch in done:
-        return
-    rng = np.random.default_rng(0)
-
-    def sample(aval):
-        if jax.dtypes.issubdtype(aval.dtype, jax.dtypes.prng_key):  # keys: a dropout mask must not mix either
-            keys = jax.random.split(jax.random.key(0, impl=jax.random.key_impl(jax.random.key(0))), max(1, aval.size))
-            return keys[: aval.size].reshape(aval.shape)
-        if not differentiable_dtype(aval.dtype):
-            return jnp.asarray(rng.integers(0, 2, aval.shape), aval.dtype)
-        return jnp.asarray(rng.standard_normal(aval.shape), aval.dtype)
-
-    with jax.ensure_compile_time_eval():
-        for kind in plan.kinds:
-            theta_avals = tuple(plan.param_groups[g].row_avals() for g in kind.param_groups)
-            input_avals = tuple(plan.state_groups[g].row_avals() for g in kind.read_groups)
-            theta = jax.tree.map(sample, theta_avals)
-            leaves, tree = jax.tree.flatten(jax.tree.map(sample, input_avals))
-            batched = [bool(np.ndim(x)) and np.shape(x)[0] == batch for x in leaves]
-            outs = jax.tree.leaves(kind.out_aval)
-            anywhere = any(batch in np.shape(x) for x in leaves) or any(batch in o.shape for o in outs)
-            if not any(batched) and leaves and not anywhere:  # no batch on any axis: computed from parameters
-                names = [layer.name for layer in kind.layers][:4]
-                captured = getattr(kind.layers[0].fn, "__linbackprop_captured__", False)
-                raise ValueError(
-                    f"Layer(s) {names!r} read no per-example state (their operands "
-                    f"{[tuple(np.shape(x)) for x in leaves]}, none with the batch of {batch} first) and return "
-                    f"{[tuple(o.shape) for o in outs]}: they compute "
-                    "from the parameters or constants alone"
-                    + (" (a slice Ws[i] of a stacked block taken inside lax.fori_loop, a jitted loop or other glue "
-                       "between the layers)" if captured else "")
-                    + ". Per-example gradients, their norms and the GGN diagonal need every layer to read the "
-                    "examples and the parameter blocks as they are: "
-                    + ("loop over stacked blocks with lax.scan or a Python loop (their rows become Row blocks), "
-                       if captured else "make the computation part of the layer that uses it, ")
-                    + "or use jax.jacrev / jax.vmap(jax.grad) of a per-example loss.")
-            if not any(batched) or not all(len(o.shape) and o.shape[0] == batch for o in outs):
-                names = [layer.name for layer in kind.layers][:4]
-                raise ValueError(
-                    f"Layer(s) {names!r}: per-example gradients, their norms and the GGN diagonal need the batch "
-                    f"({batch} examples) on the leading axis of every state; these layers read "
-                    f"{[tuple(np.shape(x)) for x in leaves]} and return {[tuple(o.shape) for o in outs]}. Put the "
-                    "batch first, or use jax.jacrev / jax.vmap(jax.grad) of a per-example loss.")
-            whole = kind.fn(theta, *tree.unflatten(leaves))
-
-            def alone_fn(ls, kind=kind, theta=theta, tree=tree, batched=batched):
-                one = tree.unflatten([x[None] if b else x for x, b in zip(ls, batched)])
-                return jax.tree.map(lambda o: o[0], kind.fn(theta, *one))
-
-            try:
-                alone = jax.vmap(alone_fn, in_axes=([0 if b else None for b in batched],))(leaves)
-            except Exception as error:  # any failure on one example: say which layer and why
-                names = [layer.name for layer in kind.layers][:4]
-                captured = getattr(kind.layers[0].fn, "__linbackprop_captured__", False)
-                why = ("they were found by layers= and traced on one example too (fun with its batched data "
-                       "sliced), and that program fails on this example's operands; use jax.vmap(jax.grad) of a "
-                       "per-example loss" if captured else
-                       "a layer function must run on a batch of one as on the whole batch")
-                raise ValueError(f"Layer(s) {names!r}: per-example gradients, their norms, clipping, the GGN "
-                                 f"diagonal and K-FAC evaluate each layer on one example (a batch of 1), and "
-                                 f"these fail there ({type(error).__name__}: {str(error).splitlines()[0][:200]}): "
-                                 f"{why}.") from error
-            for a, b in zip(jax.tree.leaves(whole), jax.tree.leaves(alone)):
-                a64, b64 = np.asarray(a, np.float64), np.asarray(b, np.float64)
-                if a64.shape != b64.shape or not np.allclose(a64, b64, rtol=1e-3, atol=1e-3 * (1 + np.abs(a64).max())):
-                    names = [layer.name for layer in kind.layers][:4]
-                    raise ValueError(
-                        f"Layer(s) {names!r} mix examples: their output for one example is not what they give for "
-                        "that example alone (batch statistics, attention or normalisation across the batch, or a "
-                        "leading axis that is not the batch). Per-example gradients, their norms and the GGN "
-                        "diagonal assume the leading axis of every state is the batch; compute those with "
-                        "jax.jacrev or jax.vmap(jax.grad) of a per-example loss instead.")
-    done.add(batch)
-
-
 def per_example_setup(fun: Callable, args: tuple, nums: tuple[int, ...], engine: str) -> tuple:
     """For per-example losses ``fun``: the split, the calls' forward pass, the losses as a function
     of (outputs, *arguments), the batch size and the calls' adjoints Λ (one back substitution each)."""
@@ -327,7 +244,7 @@ def per_example_setup(fun: Callable, args: tuple, nums: tuple[int, ...], engine:
     sizes = calls.batches()
     if len(set(sizes)) <= 1:  # one batch: row b of every call is example b
         lams = calls.adjoints(g_outs, batch)  # checks the layers first
-        _check_losses_keep_examples_apart(losses, calls, split.diff, [0] * len(sizes))
+        check_losses_keep_examples_apart(losses, calls.outs, calls.batch_axes(), split.diff, [0] * len(sizes))
         return split, calls, losses, batch, lams
     if sum(sizes) != batch:
         raise ValueError(f"Per-example quantities of network calls with different batches take each call's "
@@ -337,53 +254,9 @@ def per_example_setup(fun: Callable, args: tuple, nums: tuple[int, ...], engine:
     starts = np.cumsum([0, *sizes])[:-1]
     calls.spans = [(c, int(start), size) for c, (start, size) in enumerate(zip(starts, sizes))]
     lams = calls.adjoints(g_outs, sizes)  # checks the layers first
-    _check_losses_keep_examples_apart(losses, calls, split.diff, [int(start) for start in starts])
+    check_losses_keep_examples_apart(losses, calls.outs, calls.batch_axes(), split.diff,
+                                     [int(start) for start in starts])
     return split, calls, losses, batch, lams
-
-
-def _check_losses_keep_examples_apart(losses: Callable, calls: Calls, diff: tuple, firsts: list[int]) -> None:
-    """Raise where loss b reads another example's outputs (a batch mean of the outputs, a
-    contrast between examples): the per-example transforms take Λ's row b as example b's
-    adjoint, which holds only where loss b sees row b alone.
-
-    Checked on values drawn at random for the outputs, the arguments and everything the losses
-    close over (labels under ``jax.jit`` are tracers: only their shapes are known here): call c's
-    first example perturbed, no loss but that example's (``firsts[c]``, in call order) may
-    change."""
-    rng = np.random.default_rng(0)
-
-    def draw(aval: Any) -> Any:
-        if jax.dtypes.issubdtype(aval.dtype, jax.dtypes.prng_key):
-            return jax.random.split(jax.random.key(0), max(1, aval.size))[: aval.size].reshape(aval.shape)
-        if not differentiable_dtype(aval.dtype):
-            return jnp.asarray(rng.integers(0, 2, aval.shape), aval.dtype)
-        return jnp.asarray(rng.standard_normal(aval.shape), aval.dtype)
-
-    closed = jax.make_jaxpr(losses)(calls.outs, *diff)
-    axes = calls.batch_axes()
-    with jax.ensure_compile_time_eval():
-        consts = [draw(c.aval) if isinstance(c, jax.core.Tracer) else c for c in closed.consts]
-        args = [draw(v.aval) for v in closed.jaxpr.invars]
-        run = lambda a: np.asarray(jax.core.eval_jaxpr(closed.jaxpr, consts, *a)[0], np.float64)
-        base = run(args)
-        start = 0
-        for call, (leaf_axes, first) in enumerate(zip(axes, firsts)):
-            moved = list(args)
-            for n, axis in zip(range(start, start + len(leaf_axes)), leaf_axes):
-                x = np.asarray(args[n])
-                if x.ndim > axis and np.issubdtype(x.dtype, np.inexact):  # example 0 moved
-                    moved[n] = jnp.asarray(x).at[(slice(None),) * axis + (0,)].add(1.0)
-            start += len(leaf_axes)
-            changed = np.abs(run(moved) - base) > 1e-6 * (1 + np.abs(base))
-            changed[first] = False
-            if np.any(changed & np.isfinite(base)):
-                raise ValueError(
-                    f"Per-example gradients, their norms and clipping need loss b to read example b's "
-                    f"outputs alone; these losses mix examples: changing example {first}'s outputs "
-                    f"of call {call} changes loss(es) {np.flatnonzero(changed)[:5].tolist()} too (a batch mean or "
-                    f"normalisation of the outputs, a contrast between examples, or a loss that is not one per "
-                    f"example). Write each loss from its own "
-                    f"example's outputs, or use jax.jacrev(losses) / jax.vmap(jax.grad) of a per-example loss.")
 
 
 def per_example_losses(split: Split, outs: tuple, diff: tuple) -> jax.Array:

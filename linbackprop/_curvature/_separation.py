@@ -1,0 +1,144 @@
+"""The checks that per-example quantities rest on: each layer keeps the examples apart (its output
+for one example is what it gives for that example alone), and so does each per-example loss.
+Both run once per trace, at trace time, on values drawn at random for what they read.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .._plan import Plan, differentiable_dtype
+
+
+def _sampler() -> Callable[[Any], Any]:
+    """Random values for avals, the same on every call of the checks: PRNG keys (a dropout mask
+    must not mix examples either), 0/1 for integers and booleans, normal draws for the rest."""
+    rng = np.random.default_rng(0)
+
+    def sample(aval: Any) -> Any:
+        if jax.dtypes.issubdtype(aval.dtype, jax.dtypes.prng_key):
+            keys = jax.random.split(jax.random.key(0, impl=jax.random.key_impl(jax.random.key(0))), max(1, aval.size))
+            return keys[: aval.size].reshape(aval.shape)
+        if not differentiable_dtype(aval.dtype):
+            return jnp.asarray(rng.integers(0, 2, aval.shape), aval.dtype)
+        return jnp.asarray(rng.standard_normal(aval.shape), aval.dtype)
+
+    return sample
+
+
+_checked: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def check_per_example(plan: Plan, batch: int) -> None:
+    """Raise where a kind of layer mixes examples: its output for one example is not the output
+    for that example alone (batch statistics, attention across the batch). Checked once per plan
+    and batch size on random data, at trace time."""
+    done = _checked.setdefault(plan, set())
+    if batch in done:
+        return
+    sample = _sampler()
+
+    with jax.ensure_compile_time_eval():
+        for kind in plan.kinds:
+            theta_avals = tuple(plan.param_groups[g].row_avals() for g in kind.param_groups)
+            input_avals = tuple(plan.state_groups[g].row_avals() for g in kind.read_groups)
+            theta = jax.tree.map(sample, theta_avals)
+            leaves, tree = jax.tree.flatten(jax.tree.map(sample, input_avals))
+            batched = [bool(np.ndim(x)) and np.shape(x)[0] == batch for x in leaves]
+            outs = jax.tree.leaves(kind.out_aval)
+            anywhere = any(batch in np.shape(x) for x in leaves) or any(batch in o.shape for o in outs)
+            if not any(batched) and leaves and not anywhere:  # no batch on any axis: computed from parameters
+                names = [layer.name for layer in kind.layers][:4]
+                captured = getattr(kind.layers[0].fn, "__linbackprop_captured__", False)
+                raise ValueError(
+                    f"Layer(s) {names!r} read no per-example state (their operands "
+                    f"{[tuple(np.shape(x)) for x in leaves]}, none with the batch of {batch} first) and return "
+                    f"{[tuple(o.shape) for o in outs]}: they compute "
+                    "from the parameters or constants alone"
+                    + (" (a slice Ws[i] of a stacked block taken inside lax.fori_loop, a jitted loop or other glue "
+                       "between the layers)" if captured else "")
+                    + ". Per-example gradients, their norms and the GGN diagonal need every layer to read the "
+                    "examples and the parameter blocks as they are: "
+                    + ("loop over stacked blocks with lax.scan or a Python loop (their rows become Row blocks), "
+                       if captured else "make the computation part of the layer that uses it, ")
+                    + "or use jax.jacrev / jax.vmap(jax.grad) of a per-example loss.")
+            if not any(batched) or not all(len(o.shape) and o.shape[0] == batch for o in outs):
+                names = [layer.name for layer in kind.layers][:4]
+                raise ValueError(
+                    f"Layer(s) {names!r}: per-example gradients, their norms and the GGN diagonal need the batch "
+                    f"({batch} examples) on the leading axis of every state; these layers read "
+                    f"{[tuple(np.shape(x)) for x in leaves]} and return {[tuple(o.shape) for o in outs]}. Put the "
+                    "batch first, or use jax.jacrev / jax.vmap(jax.grad) of a per-example loss.")
+            whole = kind.fn(theta, *tree.unflatten(leaves))
+
+            def alone_fn(ls, kind=kind, theta=theta, tree=tree, batched=batched):
+                one = tree.unflatten([x[None] if b else x for x, b in zip(ls, batched)])
+                return jax.tree.map(lambda o: o[0], kind.fn(theta, *one))
+
+            try:
+                alone = jax.vmap(alone_fn, in_axes=([0 if b else None for b in batched],))(leaves)
+            except Exception as error:  # any failure on one example: say which layer and why
+                names = [layer.name for layer in kind.layers][:4]
+                captured = getattr(kind.layers[0].fn, "__linbackprop_captured__", False)
+                why = ("they were found by layers= and traced on one example too (fun with its batched data "
+                       "sliced), and that program fails on this example's operands; use jax.vmap(jax.grad) of a "
+                       "per-example loss" if captured else
+                       "a layer function must run on a batch of one as on the whole batch")
+                raise ValueError(f"Layer(s) {names!r}: per-example gradients, their norms, clipping, the GGN "
+                                 f"diagonal and K-FAC evaluate each layer on one example (a batch of 1), and "
+                                 f"these fail there ({type(error).__name__}: {str(error).splitlines()[0][:200]}): "
+                                 f"{why}.") from error
+            for a, b in zip(jax.tree.leaves(whole), jax.tree.leaves(alone)):
+                a64, b64 = np.asarray(a, np.float64), np.asarray(b, np.float64)
+                if a64.shape != b64.shape or not np.allclose(a64, b64, rtol=1e-3, atol=1e-3 * (1 + np.abs(a64).max())):
+                    names = [layer.name for layer in kind.layers][:4]
+                    raise ValueError(
+                        f"Layer(s) {names!r} mix examples: their output for one example is not what they give for "
+                        "that example alone (batch statistics, attention or normalisation across the batch, or a "
+                        "leading axis that is not the batch). Per-example gradients, their norms and the GGN "
+                        "diagonal assume the leading axis of every state is the batch; compute those with "
+                        "jax.jacrev or jax.vmap(jax.grad) of a per-example loss instead.")
+    done.add(batch)
+
+
+def check_losses_keep_examples_apart(losses: Callable, outs: tuple, axes: list[list[int]], diff: tuple,
+                                     firsts: list[int]) -> None:
+    """Raise where loss b reads another example's outputs (a batch mean of the outputs, a
+    contrast between examples): the per-example transforms take Λ's row b as example b's
+    adjoint, which holds only where loss b sees row b alone.
+
+    Checked on values drawn at random for the outputs, the arguments and everything the losses
+    close over (labels under ``jax.jit`` are tracers: only their shapes are known here): call c's
+    first example perturbed along each output leaf's batch axis (``axes[c]``), no loss but that
+    example's (``firsts[c]``, in call order) may change."""
+    draw = _sampler()
+    closed = jax.make_jaxpr(losses)(outs, *diff)
+    with jax.ensure_compile_time_eval():
+        consts = [draw(c.aval) if isinstance(c, jax.core.Tracer) else c for c in closed.consts]
+        args = [draw(v.aval) for v in closed.jaxpr.invars]
+        run = lambda a: np.asarray(jax.core.eval_jaxpr(closed.jaxpr, consts, *a)[0], np.float64)
+        base = run(args)
+        start = 0
+        for call, (leaf_axes, first) in enumerate(zip(axes, firsts)):
+            moved = list(args)
+            for n, axis in zip(range(start, start + len(leaf_axes)), leaf_axes):
+                x = np.asarray(args[n])
+                if x.ndim > axis and np.issubdtype(x.dtype, np.inexact):  # example 0 moved
+                    moved[n] = jnp.asarray(x).at[(slice(None),) * axis + (0,)].add(1.0)
+            start += len(leaf_axes)
+            changed = np.abs(run(moved) - base) > 1e-6 * (1 + np.abs(base))
+            changed[first] = False
+            if np.any(changed & np.isfinite(base)):
+                raise ValueError(
+                    f"Per-example gradients, their norms and clipping need loss b to read example b's "
+                    f"outputs alone; these losses mix examples: changing example {first}'s outputs "
+                    f"of call {call} changes loss(es) {np.flatnonzero(changed)[:5].tolist()} too (a batch mean or "
+                    f"normalisation of the outputs, a contrast between examples, or a loss that is not one per "
+                    f"example). Write each loss from its own "
+                    f"example's outputs, or use jax.jacrev(losses) / jax.vmap(jax.grad) of a per-example loss.")
