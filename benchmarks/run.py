@@ -1,7 +1,7 @@
 """Benchmarks: grad_by_solve against jax.grad, side by side in one process.
 
     python benchmarks/run.py [--repeats 15] [--write-docs] [--quick]
-        [--rows {all,gradients,curvature,headline,eager,capture,private,pinn,kfac}]
+        [--rows {all,gradients,curvature,headline,eager,capture,private,pinn,kfac,lm}]
         [--pinn-network {2-64-1,2-64-64-48-48-1}] [--pinn-seconds S]
 
 Every timing row runs jit(grad_by_solve) and its reference jit(jax.grad) interleaved (medians of
@@ -18,7 +18,9 @@ device, and leaves the CPU tables as they are. ``--rows pinn`` (not in ``all``: 
 examples/pinn_poisson.py with each method on the same budget (kfac-pinns' 300 s on 2-64-1,
 1000 s on the deep-wide 2-64-64-48-48-1) and writes that network's table into
 docs/guides/training.md. ``--rows kfac`` (not in ``all``, a few minutes) trains scikit-learn's
-digits with ``lbp.kfac`` and Adam (benchmarks/kfac_rows.py) and writes its table there too.
+digits with ``lbp.kfac`` and Adam (benchmarks/kfac_rows.py) and writes its table there too;
+``--rows lm`` (not in ``all``, under a minute) runs Levenberg–Marquardt against optimistix's
+(benchmarks/lm_rows.py; optimistix installed by hand) and writes its table there.
 """
 
 from __future__ import annotations
@@ -821,7 +823,7 @@ def main() -> None:
     parser.add_argument("--pinn-seconds", type=float, help="--rows pinn: seconds of steps per method "
                                                            "(default: kfac-pinns' budget for the network)")
     parser.add_argument("--rows", choices=["all", "gradients", "curvature", "headline", "eager", "capture", "private",
-                                           "pinn", "kfac"],
+                                           "pinn", "kfac", "lm"],
                         default="all",
                         help="which tables to measure (and write); headline: README's rows and where ℳ after the "
                              "loop stops paying, the short list for an accelerator")
@@ -851,6 +853,14 @@ def main() -> None:
         print(text)
         if args.write_docs and on_cpu:
             _write_between(ROOT / "docs" / "guides" / "training.md", "kfac table", text, args.rows)
+        return
+    if args.rows == "lm":
+        from lm_rows import lm_rows
+
+        text = small_table("Levenberg–Marquardt against optimistix", lm_rows(min(r, 5)))
+        print(text)
+        if args.write_docs and on_cpu:
+            _write_between(ROOT / "docs" / "guides" / "training.md", "lm table", text, args.rows)
         return
     if args.rows in ("all", "private"):
         text = small_table("DP-SGD's clipped sum", private_rows(r))

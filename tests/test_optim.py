@@ -162,12 +162,40 @@ def test_damping_stays_within_its_floor_and_ceiling():
         _, state = tx.update(grad, state, params, curvature=G, value=value, value_fn=loss)
         floor.append(float(state.damping))
     close(floor, [1 / 3, 1 / 9, 1 / 27, 1 / 81, 1e-2, 1e-2], rtol=1e-9)
+    tx = lbp.scale_by_gauss_newton(damping=1.0, min_damping=1e-2, max_damping=100.0, solver="dense")
     state = tx.init(params)
-    for _ in range(5):
+    for _ in range(4):
         direction, state = tx.update(grad, state, params, curvature=G, value=value, value_fn=lambda q: value + 1.0)
         ceiling.append(float(state.damping))
         assert all(float(jnp.abs(d).max()) == 0.0 for d in jax.tree.leaves(direction))
-    assert ceiling == [2.0, 4.0, 8.0, 8.0, 8.0]
+    assert ceiling == [2.0, 8.0, 64.0, 100.0]  # Nielsen: ×ν with ν = 2, 4, 8, … doubling per failure
+    # a step that lowers the loss again: λ by the gain ratio's rule, ν back to 2
+    _, state = tx.update(grad, state, params, curvature=G, value=value, value_fn=loss)
+    assert float(state.damping) < 100.0 and float(state.nu) == 2.0
+    _, state = tx.update(grad, state, params, curvature=G, value=value, value_fn=lambda q: value + 1.0)
+    assert float(state.nu) == 4.0
+
+
+@pytest.mark.parametrize("given", ["rows", "operator"])
+def test_first_damping_is_marquardts_scale_of_g(given):
+    """damping=None: λ₀ = τ · max_i G_ii, exactly from the rows; from the operator G's largest
+    eigenvalue by power iteration (between max_i G_ii and λ_max(G))."""
+    params, x, y = problem(batch=6)
+    _, grad, G = jax.jit(lbp.gauss_newton(squared))(params, x, y)
+    dense = G.todense()
+    tx = lbp.scale_by_gauss_newton(damping_scale=1e-3, solver="dense", min_damping=1e-12)
+    kwargs = {"rows": lbp.ggn_factor(squared)(params, x, y)} if given == "rows" else {"curvature": G}
+    direction, state = tx.update(grad, tx.init(params), params, **kwargs)
+    lam = float(state.damping)
+    if given == "rows":
+        close(lam, 1e-3 * float(jnp.max(jnp.diag(dense))), rtol=1e-10)
+    else:
+        largest = float(jnp.linalg.eigvalsh(dense)[-1])
+        assert 1e-3 * float(jnp.max(jnp.diag(dense))) <= lam <= 1e-3 * largest * (1 + 1e-9)
+    close(ravel_pytree(direction)[0], jnp.linalg.solve(dense + lam * jnp.eye(dense.shape[0]), ravel_pytree(grad)[0]),
+          rtol=1e-7)
+    _, later = tx.update(grad, state, params, **kwargs)
+    assert float(later.damping) == lam  # measured at the first step only (no value_fn: λ held)
 
 
 @pytest.mark.parametrize("search", ["backtracking", "zoom"])

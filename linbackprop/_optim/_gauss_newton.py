@@ -19,17 +19,26 @@ Solver = Literal["auto", "cg", "woodbury", "dense"]
 
 
 class ScaleByGaussNewtonState(NamedTuple):
-    """λ (the damping of the next step), the last direction (CG's warm start) and the step count."""
+    """The state of [`scale_by_gauss_newton`][linbackprop.scale_by_gauss_newton].
+
+    Attributes:
+        damping: λ of the next step (NaN before the first where λ₀ comes from G's scale).
+        direction: the last direction (the conjugate gradients' warm start).
+        count: the steps taken.
+        nu: ν, λ's factor at the next step that fails to lower the loss (2, doubled by each
+            failure in a row: Nielsen's rule).
+    """
 
     damping: jax.Array
     direction: Any
     count: jax.Array
+    nu: jax.Array
 
 
-def scale_by_gauss_newton(damping: float = 1e-3, maxiter: int = 50, *, tol: float = 1e-5,
+def scale_by_gauss_newton(damping: float | None = None, maxiter: int = 50, *, tol: float = 1e-5,
                           solver: Solver = "auto", adapt: bool = True, min_damping: float = 1e-8,
-                          max_damping: float = 1e8, reject: bool = True,
-                          warm_start: bool = True) -> optax.GradientTransformationExtraArgs:
+                          max_damping: float = 1e8, reject: bool = True, warm_start: bool = True,
+                          damping_scale: float = 1e-3) -> optax.GradientTransformationExtraArgs:
     """The damped Gauss–Newton direction d = (G + λI)⁻¹ g, with G from ``update(...,
     curvature=G)`` ([`gauss_newton`][linbackprop.gauss_newton]) or from its rows, ``update(..., rows=K)`` with
     G = KᵀK ([`ggn_factor`][linbackprop.ggn_factor]: the examples' Jacobian rows), and g the incoming updates
@@ -49,23 +58,31 @@ def scale_by_gauss_newton(damping: float = 1e-3, maxiter: int = 50, *, tol: floa
     - ``"auto"`` (default): ``"woodbury"`` where the rows are fewer than the parameters, else
       ``"dense"`` from rows and ``"cg"`` from the operator (chosen from the shapes at trace time).
 
+    The first λ (``damping=None``, the default) comes from G's scale, as Marquardt's
+    λ₀ = τ · max_i G_ii with τ = ``damping_scale``: from ``rows=`` the largest diagonal entry
+    exactly (the largest column norm² of K); from the operator its largest eigenvalue (≥ max_i
+    G_ii, the same scale), estimated from below by 5 power iterations from g (5 products with
+    G, at the first step only). A float ``damping`` is λ₀ as given.
+
     Levenberg–Marquardt (``adapt``, where ``update`` is given ``value_fn``, called as
     ``value_fn(params, **extra)`` with the extra arguments it accepts): the gain ratio
 
         ρ = (f(θ) − f(θ − d)) / (gᵀd − ½ dᵀG d)
 
-    of the actual to the decrease the quadratic model predicts sets the next λ: λ·max(1/3,
-    1 − (2ρ − 1)³) where ρ > 0 (Nielsen's rule), λ·2 where the loss did not decrease, always kept
-    within [``min_damping``, ``max_damping``] (without a floor λ can fall to 1e-26 and the steps
-    blow up in float64 round-off). With ``reject``, a step that does not lower the loss comes out
-    as zeros (the parameters stay; the next step is more damped). ``value=`` saves one call of
-    ``value_fn`` at θ. Without ``value_fn`` λ stays fixed.
+    of the actual to the decrease the quadratic model predicts sets the next λ (Nielsen's rule,
+    as Madsen, Nielsen and Tingleff's): where the loss decreased, λ·max(1/3, 1 − (2ρ − 1)³) and
+    ν = 2; where it did not, λ·ν and ν doubles — λ rises geometrically faster with each failure
+    in a row (×2, ×4, ×8, …). λ is always kept within [``min_damping``, ``max_damping``]
+    (without a floor λ can fall to 1e-26 and the steps blow up in float64 round-off). With
+    ``reject``, a step that does not lower the loss comes out as zeros (the parameters stay; the
+    next step is more damped). ``value=`` saves one call of ``value_fn`` at θ. Without
+    ``value_fn`` λ stays fixed.
 
     Chain it with ``optax.scale(-1.0)`` (a step θ − d) or a line search; optax's line searches hand
     every extra argument on to ``value_fn``, so give it a ``curvature=None`` parameter.
 
     Args:
-        damping: λ of the first step (for good without ``adapt``).
+        damping: λ of the first step (for good without ``adapt``); None: τ · G's scale.
         maxiter: the most conjugate-gradient products per step (``"cg"``).
         tol: the conjugate gradients' relative tolerance.
         solver: ``"cg"``, ``"woodbury"``, ``"dense"`` or ``"auto"``.
@@ -74,6 +91,8 @@ def scale_by_gauss_newton(damping: float = 1e-3, maxiter: int = 50, *, tol: floa
         max_damping: λ's ceiling.
         reject: zero a step that does not lower the loss.
         warm_start: start the conjugate gradients from the last direction.
+        damping_scale: τ of λ₀ = τ · max_i G_ii where ``damping`` is None (Marquardt's; 1e-3
+            where the start is far from a minimum, 1e-6 near one).
 
     Returns:
         An ``optax.GradientTransformationExtraArgs`` whose ``update(grad, state, params, *,
@@ -102,13 +121,19 @@ def scale_by_gauss_newton(damping: float = 1e-3, maxiter: int = 50, *, tol: floa
     """
     if solver not in ("auto", "cg", "woodbury", "dense"):
         raise ValueError(f"scale_by_gauss_newton(solver={solver!r}): use 'auto', 'cg', 'woodbury' or 'dense'.")
-    if not 0 < min_damping <= damping <= max_damping:
+    if not 0 < min_damping <= max_damping or (damping is not None and not min_damping <= damping <= max_damping):
         raise ValueError(f"scale_by_gauss_newton: needs 0 < min_damping ({min_damping}) ≤ damping ({damping}) "
                          f"≤ max_damping ({max_damping}).")
+    if not damping_scale > 0:
+        raise ValueError(f"scale_by_gauss_newton(damping_scale={damping_scale}): τ of λ₀ = τ · max diag G must "
+                         "be positive.")
 
     def init(params: Any) -> ScaleByGaussNewtonState:
         zeros = optax.tree.zeros_like(params)
-        return ScaleByGaussNewtonState(jnp.asarray(damping, params_dtype(params)), zeros, jnp.zeros((), jnp.int32))
+        dtype = params_dtype(params)
+        first = jnp.nan if damping is None else damping
+        return ScaleByGaussNewtonState(jnp.asarray(first, dtype), zeros, jnp.zeros((), jnp.int32),
+                                       jnp.asarray(2, dtype))
 
     def update(updates: Any, state: ScaleByGaussNewtonState, params: Any = None, *,
                curvature: GaussNewton | None = None, rows: Any = None, value: Any = None,
@@ -120,10 +145,15 @@ def scale_by_gauss_newton(damping: float = 1e-3, maxiter: int = 50, *, tol: floa
                             + ("" if curvature is None else f" (got curvature of type {type(curvature).__name__})."))
         matrix = _Curvature(curvature, rows, updates)
         lam = state.damping
+        if damping is None:  # λ₀ = τ · G's scale, measured at the first step only
+            lam = jax.lax.cond(state.count == 0,
+                               lambda: jnp.clip(damping_scale * matrix.scale(updates), min_damping,
+                                                max_damping).astype(lam.dtype),
+                               lambda: lam)
         start = state.direction if warm_start else None
         direction = matrix.solve(_chosen(solver, matrix), updates, lam, start, maxiter, tol)
         if value_fn is None or not adapt:
-            return direction, ScaleByGaussNewtonState(lam, direction, state.count + 1)
+            return direction, ScaleByGaussNewtonState(lam, direction, state.count + 1, state.nu)
         if params is None:
             raise ValueError("scale_by_gauss_newton with value_fn needs params: tx.update(grad, state, params, ...).")
         kwargs = accepted(value_fn, extra)
@@ -132,11 +162,13 @@ def scale_by_gauss_newton(damping: float = 1e-3, maxiter: int = 50, *, tol: floa
         predicted = optax.tree.vdot(updates, direction) - 0.5 * matrix.quadratic(direction)
         decreased = jnp.isfinite(after) & (after < before)
         rho = jnp.where(decreased, (before - after) / jnp.maximum(predicted, jnp.finfo(lam.dtype).tiny), -1.0)
-        factor = jnp.where(rho > 0, jnp.maximum(1 / 3, 1 - (2 * rho - 1) ** 3), 2.0)
+        factor = jnp.where(decreased, jnp.maximum(1 / 3, 1 - (2 * rho - 1) ** 3), state.nu)
         lam = jnp.clip(lam * factor.astype(lam.dtype), min_damping, max_damping)
+        # ν doubles with each failure in a row (kept finite: λ is clipped anyway)
+        nu = jnp.where(decreased, 2, jnp.minimum(2 * state.nu, 2.0 ** 60)).astype(state.nu.dtype)
         if reject:
             direction = jax.tree.map(lambda d: jnp.where(decreased, d, jnp.zeros_like(d)), direction)
-        return direction, ScaleByGaussNewtonState(lam, direction, state.count + 1)
+        return direction, ScaleByGaussNewtonState(lam, direction, state.count + 1, nu)
 
     return optax.GradientTransformationExtraArgs(init, update)
 
@@ -159,6 +191,18 @@ class _Curvature:
             return self.G.mv(v)
         flat, unravel = ravel_pytree(v)
         return unravel(self.flat.T @ (self.flat @ flat))
+
+    def scale(self, g: Any, iterations: int = 5) -> jax.Array:
+        """G's scale for λ₀: max_i G_ii from the rows; from the operator the Rayleigh quotient
+        after ``iterations`` power iterations started at g (G's largest eigenvalue, from below)."""
+        if self.flat is not None:
+            return jnp.max(jnp.sum(self.flat ** 2, axis=0))
+        flat, unravel = ravel_pytree(g)
+        tiny = jnp.finfo(flat.dtype).tiny
+        unit = lambda v: v / jnp.maximum(jnp.linalg.norm(v), tiny)
+        step = lambda _, v: unit(ravel_pytree(self.mv(unravel(v)))[0])
+        v = jax.lax.fori_loop(0, iterations - 1, step, unit(flat))
+        return jnp.maximum(jnp.vdot(v, ravel_pytree(self.mv(unravel(v)))[0]), 0)
 
     def quadratic(self, v: Any) -> jax.Array:
         """vᵀ G v."""
