@@ -4,6 +4,7 @@ forward pass — one forward substitution, one product with H, one back substitu
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -47,16 +48,54 @@ class GaussNewton(LinearOperator):
 
     symbol = "G"
 
-    def __init__(self, jvp: Callable, vjp: Callable, hvp: Callable, single: bool, example: Any, outputs: Any):
-        self._jvp, self._vjp, self._hvp = jvp, vjp, hvp
+    def __init__(self, jvp: Callable, vjp: Callable, hvp: Callable, single: bool, example: Any, outputs: Any,
+                 value: Callable | None = None):
+        self._jvp, self._vjp, self._hvp, self._value = jvp, vjp, hvp, value
         self._single, self._example, self._outputs = single, example, outputs
 
     def tree_flatten(self) -> tuple[tuple, tuple]:
-        return (self._jvp, self._vjp, self._hvp), (self._single, self._example, self._outputs)
+        return (self._jvp, self._vjp, self._hvp, self._value), (self._single, self._example, self._outputs)
+
+    def value_at(self, params: Any) -> jax.Array:
+        """The loss G was made from, on the same batch, at other values of the differentiated
+        arguments: what an optimizer's Levenberg–Marquardt step measures, f(θ + u).
+
+        [`kfac`][linbackprop.kfac] and [`scale_by_gauss_newton`][linbackprop.scale_by_gauss_newton]
+        call it where no ``value_fn`` is given, so a model made by ``layers=`` (an
+        ``nnx.Optimizer`` hands the transform a pure ``nnx.State``) needs no split and merge.
+
+        Args:
+            params: the new values, shaped as the gradient (any pytree with the same leaves in
+                the same order: an ``nnx.State`` with or without its Variables, an equinox
+                module filtered to its arrays, a dict; for several ``argnums`` a tuple).
+
+        Returns:
+            The scalar loss (its aux left out where ``has_aux``).
+
+        Raises:
+            ValueError: ``params`` whose leaves are not the arguments' (count or shapes).
+
+        Examples:
+            >>> import jax.numpy as jnp, linbackprop as lbp
+            >>> layer = lbp.Layer("y", lambda th, x: x @ th[0], ("x",), ("w",))
+            >>> net = lbp.Network([layer], ["x"], "y")
+            >>> loss = lambda p, x: 0.5 * jnp.sum(net(p, x) ** 2)
+            >>> _, _, G = lbp.gauss_newton(loss)({"w": jnp.ones(2)}, jnp.eye(2))
+            >>> float(G.value_at({"w": jnp.array([3.0, 4.0])}))  # ½ ‖(3, 4)‖²
+            12.5
+        """
+        shapes = self._example[1]
+        leaves = jax.tree.leaves(params)
+        if [jnp.shape(x) for x in leaves] != [tuple(s) for s, _ in shapes]:
+            raise ValueError(f"GaussNewton.value_at: params has leaves of shapes {[jnp.shape(x) for x in leaves]}, "
+                             f"the differentiated arguments {[tuple(s) for s, _ in shapes]}; pass values shaped as "
+                             "the gradient (for an equinox module, eqx.filter(model, eqx.is_inexact_array)).")
+        return self._value([jnp.asarray(x, d) for x, (_, d) in zip(leaves, shapes)])
 
     @classmethod
     def tree_unflatten(cls, aux: tuple, children: tuple) -> GaussNewton:
-        return cls(*children, *aux)
+        jvp, vjp, hvp, value = children
+        return cls(jvp, vjp, hvp, *aux, value)
 
     def mv(self, v: Any) -> Any:
         """G v."""
@@ -192,6 +231,25 @@ def _gram(G: GaussNewton, vectors: tuple) -> jax.Array:
     return (gram + gram.T) / 2
 
 
+def _value_function(split: Split) -> jax.tree_util.Partial:
+    """The loss on the same batch as a function of the differentiated arguments' leaves, with
+    whatever it closes over (the batch, integer labels, tracers under ``jax.jit``) made explicit
+    operands — its jaxpr's constants — so that G stays a pytree that can cross ``jax.jit``
+    (``jax.closure_convert`` hoists only floating values: integer labels would leak)."""
+    diff_def = jax.tree.structure(split.diff)
+
+    def value(leaves: list) -> jax.Array:
+        result = split.fun(*split.args_with(jax.tree.unflatten(diff_def, leaves)))
+        return result[0] if split.has_aux else result
+
+    closed = jax.make_jaxpr(value)(jax.tree.leaves(split.diff))
+    return jax.tree_util.Partial(functools.partial(_evaluated, closed.jaxpr), tuple(closed.consts))
+
+
+def _evaluated(jaxpr: Any, consts: tuple, leaves: list) -> jax.Array:
+    return jax.core.eval_jaxpr(jaxpr, list(consts), *leaves)[0]
+
+
 def _structure(tree: Any) -> tuple:
     """(treedef, ((shape, dtype) per leaf)): a pytree's structure, static (an operator's aux data)."""
     leaves, treedef = jax.tree.flatten(tree)
@@ -310,7 +368,8 @@ def gauss_newton(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool 
             grad = found.gradient(grad, False)
             on = OnArguments(found.arguments)
             jvp, vjp = jax.tree_util.Partial(on.jvp, jvp), jax.tree_util.Partial(on.vjp, vjp)
-        G = GaussNewton(jvp, vjp, hvp, single, _structure(grad[0] if single else grad), _structure(outs))
+        G = GaussNewton(jvp, vjp, hvp, single, _structure(grad[0] if single else grad), _structure(outs),
+                        _value_function(split))
         value = (value, aux) if has_aux else value
         return value, grad[0] if single else grad, G
 

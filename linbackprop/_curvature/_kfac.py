@@ -141,8 +141,9 @@ def kfac_factors(fun: Callable, argnums: int | Sequence[int] = 0, *, engine: Eng
         raise ValueError(f"kfac_factors(approximation={approximation!r}): use 'expand' (every use of a weight a "
                          "term) or 'reduce' (each example's uses summed first).")
     if layers is not None:
-        return on_model(lambda f, a: kfac_factors(f, a, engine=engine, samples=samples, key=key,
-                                                  approximation=approximation), fun, argnums, layers)
+        found = on_model(lambda f, a: kfac_factors(f, a, engine=engine, samples=samples, key=key,
+                                                   approximation=approximation), fun, argnums, layers)
+        return lambda *args: _biases_named_in(found(*args), normalise_argnums(argnums)[1])
     nums, single = normalise_argnums(argnums)
 
     def run(*args: Any) -> Any:
@@ -190,6 +191,27 @@ def kfac_factors(fun: Callable, argnums: int | Sequence[int] = 0, *, engine: Eng
         return out[0] if single else out
 
     return run
+
+
+def _is_entry(x: Any) -> bool:
+    """A leaf of ``kfac_factors``' result: a pair, a tuple of pairs, a bias marker, None."""
+    return x is None or isinstance(x, (Kronecker, BiasOf)) or (
+        isinstance(x, tuple) and len(x) > 0 and all(isinstance(t, Kronecker) for t in x))
+
+
+def _biases_named_in(result: Any, single: bool) -> Any:
+    """``layers=``: the factors were found for the captured network's arguments (a list of
+    leaves per argument, so a bias names its weight "[a][i]"); name the weight by its path in
+    the result, the model's own tree (an ``nnx.State``, a module), as the gradient's paths read."""
+    paths, treedef = jax.tree_util.tree_flatten_with_path(result, is_leaf=_is_entry)
+    inner, counts = {}, {}
+    for path, _ in paths:
+        argument = 0 if single else path[0].idx
+        leaf = counts[argument] = counts.get(argument, -1) + 1
+        inner[jax.tree_util.keystr((jax.tree_util.SequenceKey(argument), jax.tree_util.SequenceKey(leaf)))] = (
+            jax.tree_util.keystr(path))
+    renamed = [BiasOf(inner[x.weight], x.side) if isinstance(x, BiasOf) else x for _, x in paths]
+    return jax.tree.unflatten(treedef, renamed)
 
 
 def _agreed(maps: list, where: list, placement: list) -> tuple[set[int], dict[int, tuple[int, str]]]:

@@ -1,5 +1,6 @@
-"""What the optimizers share: which extra arguments of ``update`` go on to ``value_fn``, and the
-parameters' floating dtype."""
+"""What the optimizers share: which extra arguments of ``update`` go on to ``value_fn``, the
+parameters' floating dtype, and a state's parameter-shaped tree read in the gradient's
+structure."""
 
 from __future__ import annotations
 
@@ -30,3 +31,13 @@ def accepted(fn: Callable, extra: dict[str, Any]) -> dict[str, Any]:
 def params_dtype(params: Any) -> Any:
     leaves = jax.tree.leaves(params)
     return jnp.result_type(*leaves) if leaves else jnp.float32
+
+
+def shaped_as(tree: Any, like: Any) -> Any:
+    """``tree``'s leaves in ``like``'s structure. A parameter-shaped tree the state made at
+    ``init`` may hold wrappers the gradient does not: ``nnx.Optimizer`` calls ``init`` with
+    ``nnx.Param`` Variables and ``update`` with pure arrays; the leaves are the same, in order."""
+    structure = jax.tree.structure(like)
+    if jax.tree.structure(tree) == structure:
+        return tree
+    return jax.tree.unflatten(structure, jax.tree.leaves(tree))

@@ -11,6 +11,7 @@ in + 1]) where the ones column is in the right factor.
 from __future__ import annotations
 
 import math
+import re
 from typing import Any, NamedTuple
 
 import jax
@@ -49,13 +50,15 @@ def blocks_of(grad: Any, factors: Any, diagonal: Any, name: str) -> list[Block]:
     if len(flat_diag) != len(paths):
         raise ValueError(f"{name}: diagonal has {len(flat_diag)} leaves, the gradient {len(paths)}; pass "
                          "diagonal=lbp.diag_ggn(loss)(params, *batch).")
+    weight_at = _weight_index(keys, factors)
     bias_of = {}
     for n, f in enumerate(flat_factors):
         if isinstance(f, BiasOf):
-            if f.weight not in keys or not isinstance(flat_factors[keys.index(f.weight)], (Kronecker, tuple)):
+            at = weight_at(f.weight)
+            if at is None or not isinstance(flat_factors[at], (Kronecker, tuple)):
                 raise ValueError(f"{name}: {keys[n]} is the bias of {f.weight}, which has no Kronecker factors here; "
                                  "pass factors=lbp.kfac_factors(loss)(params, *batch) for the same parameters.")
-            bias_of[keys.index(f.weight)] = (n, f.side)
+            bias_of[at] = (n, f.side)
     out = []
     for n, ((_, g), f, d) in enumerate(zip(paths, flat_factors, flat_diag)):
         if isinstance(f, BiasOf):
@@ -81,6 +84,21 @@ def blocks_of(grad: Any, factors: Any, diagonal: Any, name: str) -> list[Block]:
                                  f"match its shape {jnp.shape(g)}{with_bias}.")
         out.append(Block(n, bias, side, terms))
     return out
+
+
+def _weight_index(keys: list[str], factors: Any):
+    """A [`BiasOf`][linbackprop.BiasOf]'s weight path → the leaf's index. The path is the
+    weight's in the tree ``kfac_factors`` returned; the gradient's tree may spell it otherwise
+    (nnx.Optimizer hands the transform a pure ``nnx.State``, without the Variables' ``.value``
+    the factors' tree has): the factors' own paths first, then the gradient's, then either
+    without the Variables' ``.value``."""
+    own = [jax.tree_util.keystr(path)
+           for path, _ in jax.tree_util.tree_flatten_with_path(factors, is_leaf=is_factor)[0]]
+    bare = lambda key: re.sub(r"\.value(?=[.\[]|$)", "", key)
+    tables = [{k: n for n, k in enumerate(own)}, {k: n for n, k in enumerate(keys)},
+              {bare(k): n for n, k in enumerate(own)}, {bare(k): n for n, k in enumerate(keys)}]
+    return lambda weight: next((t[key] for t, key in zip(tables, (weight, weight, bare(weight), bare(weight)))
+                                if key in t), None)
 
 
 def block_matrix(block: Block, leaves: list[jax.Array]) -> jax.Array:

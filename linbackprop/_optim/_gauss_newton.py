@@ -13,7 +13,7 @@ import optax
 from jax.flatten_util import ravel_pytree
 
 from .._curvature import GaussNewton
-from ._arguments import accepted, params_dtype
+from ._arguments import accepted, params_dtype, shaped_as
 
 Solver = Literal["auto", "cg", "woodbury", "dense"]
 
@@ -65,7 +65,9 @@ def scale_by_gauss_newton(damping: float | None = None, maxiter: int = 50, *, to
     G, at the first step only). A float ``damping`` is λ₀ as given.
 
     Levenberg–Marquardt (``adapt``, where ``update`` is given ``value_fn``, called as
-    ``value_fn(params, **extra)`` with the extra arguments it accepts): the gain ratio
+    ``value_fn(params, **extra)`` with the extra arguments it accepts; ``value_fn=G.value_at``
+    ([`GaussNewton.value_at`][linbackprop.GaussNewton.value_at]) is the loss G was made from, on
+    its batch, with no split and merge of a ``layers=`` model): the gain ratio
 
         ρ = (f(θ) − f(θ − d)) / (gᵀd − ½ dᵀG d)
 
@@ -150,7 +152,7 @@ def scale_by_gauss_newton(damping: float | None = None, maxiter: int = 50, *, to
                                lambda: jnp.clip(damping_scale * matrix.scale(updates), min_damping,
                                                 max_damping).astype(lam.dtype),
                                lambda: lam)
-        start = state.direction if warm_start else None
+        start = shaped_as(state.direction, updates) if warm_start else None
         direction = matrix.solve(_chosen(solver, matrix), updates, lam, start, maxiter, tol)
         if value_fn is None or not adapt:
             return direction, ScaleByGaussNewtonState(lam, direction, state.count + 1, state.nu)
@@ -187,8 +189,8 @@ class _Curvature:
         self.rows_count = self.G.outputs if self.flat is None else self.flat.shape[0]
 
     def mv(self, v: Any) -> Any:
-        if self.flat is None:
-            return self.G.mv(v)
+        if self.flat is None:  # G gives the gradient's type (nnx Variables); v may be pure arrays
+            return shaped_as(self.G.mv(v), v)
         flat, unravel = ravel_pytree(v)
         return unravel(self.flat.T @ (self.flat @ flat))
 

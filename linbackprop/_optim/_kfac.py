@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import optax
 
 from .._curvature import GaussNewton
-from ._arguments import accepted, params_dtype
+from ._arguments import accepted, params_dtype, shaped_as
 from ._blocks import block_matrix, blocks_of, blockwise
 from ._kronecker import apply, decompose
 
@@ -58,7 +58,7 @@ class KfacState(NamedTuple):
 def kfac(damping: float = 1e-3, decay: float = 0.95, update_every: int = 5, *, learning_rate: float | None = None,
          momentum: float | None = None, adapt_damping: bool = True, damping_interval: int = 5,
          damping_decay: float = 0.95, min_damping: float = 1e-8, max_damping: float = 1e8,
-         reject: bool = False) -> optax.GradientTransformationExtraArgs:
+         reject: bool = False, factors: Any = None) -> optax.GradientTransformationExtraArgs:
     """K-FAC, the whole optimizer: its updates go to ``optax.apply_updates`` (as ``optax.adam``'s
     do; [`scale_by_kfac`][linbackprop.scale_by_kfac] is the bare direction).
 
@@ -93,9 +93,17 @@ def kfac(damping: float = 1e-3, decay: float = 0.95, update_every: int = 5, *, l
        ``max_damping``]. With ``reject``, f(θ + u) is measured every step and a step that does
        not lower the loss comes out as zeros (and λ grows).
 
-    Under one ``jax.jit`` (the factors, G and the loss inside the step): the state's averages
-    are made at the first update (``init`` cannot know the factors' shapes), so a jitted step
-    compiles twice, for the first state and for the rest.
+    Under one ``jax.jit`` (the factors, G and the loss inside the step): without ``factors=``
+    the state's averages are made at the first update (``init`` cannot know the factors'
+    shapes), so a jitted step compiles twice, for the first state and for the rest. Given
+    ``factors=`` (the factors at any parameters, or their ``jax.eval_shape``), ``init`` makes
+    them, and the state keeps one structure from the start — what ``nnx.Optimizer`` needs (it
+    writes the new state into the old one's structure).
+
+    The loss after the step, f(θ + u), is ``value_fn(θ + u)``; ``value_fn=G.value_at``
+    ([`GaussNewton.value_at`][linbackprop.GaussNewton.value_at]: the loss G was made from, on
+    its batch, at parameters shaped as the gradient) needs no split and merge of a ``layers=``
+    model.
 
     Args:
         damping: λ of the first step (and for good, without ``adapt_damping``).
@@ -109,14 +117,16 @@ def kfac(damping: float = 1e-3, decay: float = 0.95, update_every: int = 5, *, l
         min_damping: λ's floor.
         max_damping: λ's ceiling.
         reject: measure every step and zero the ones that do not lower the loss.
+        factors: an example of ``kfac_factors``' result (any parameters, the same model; or its
+            ``jax.eval_shape``) for ``init`` to make the averages with (``nnx.Optimizer``).
 
     Returns:
         An ``optax.GradientTransformationExtraArgs``. Its ``update(grad, state, params, *,
         factors, curvature=None, value=None, value_fn=None, diagonal=None, **extra)`` needs
         ``curvature=G`` ([`gauss_newton`][linbackprop.gauss_newton]) unless both coefficients
         are fixed and λ is not adapted, and ``value_fn(params, **extra)`` (the loss on the same
-        batch, called with the extra arguments it accepts) with ``adapt_damping`` or
-        ``reject``; ``value`` (the loss at ``params``) saves one call of it.
+        batch, called with the extra arguments it accepts; ``G.value_at`` is one) with
+        ``adapt_damping`` or ``reject``; ``value`` (the loss at ``params``) saves one call of it.
 
     Raises:
         ValueError: an argument out of range, factors that do not match the gradient, a leaf
@@ -161,8 +171,16 @@ def kfac(damping: float = 1e-3, decay: float = 0.95, update_every: int = 5, *, l
     def init(params: Any) -> KfacState:
         dtype = params_dtype(params)
         nan = jnp.asarray(jnp.nan, dtype)
-        return KfacState(jnp.zeros((), jnp.int32), jnp.asarray(damping, dtype), None, jnp.zeros((), dtype), None,
-                         optax.tree.zeros_like(params), nan, nan, nan)
+        sums = inverses = None
+        if factors is not None:  # the averages' structure now, from the example factors' shapes
+            example = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), factors)
+            fresh = [b.curvature for b in blocks_of(params, example, optax.tree.zeros_like(params), "kfac")]
+            sums = jax.tree.map(jnp.zeros_like, fresh)
+            inverses = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype),
+                                    jax.eval_shape(lambda c: [decompose(x, jnp.asarray(damping, dtype)) for x in c],
+                                                   fresh))
+        return KfacState(jnp.zeros((), jnp.int32), jnp.asarray(damping, dtype), sums, jnp.zeros((), dtype),
+                         inverses, optax.tree.zeros_like(params), nan, nan, nan)
 
     def update(updates: Any, state: KfacState, params: Any = None, *, factors: Any = None,
                curvature: GaussNewton | None = None, value: Any = None, value_fn: Callable | None = None,
@@ -180,7 +198,8 @@ def kfac(damping: float = 1e-3, decay: float = 0.95, update_every: int = 5, *, l
         measures = adapt_damping or reject
         if measures and value_fn is None:
             raise TypeError("kfac with adapt_damping or reject needs value_fn, the loss on the same batch: "
-                            "opt.update(..., value_fn=lambda p, **_: loss(p, *batch)) (or adapt_damping=False).")
+                            "opt.update(..., value_fn=G.value_at) (the loss G was made from), or "
+                            "value_fn=lambda p, **_: loss(p, *batch) (or adapt_damping=False).")
         if measures and params is None:
             raise ValueError("kfac with value_fn needs params: opt.update(grad, state, params, ...).")
 
@@ -206,7 +225,7 @@ def kfac(damping: float = 1e-3, decay: float = 0.95, update_every: int = 5, *, l
 
         direction = treedef.unflatten(blockwise(blocks, leaves, [-apply(inv, block_matrix(block, leaves), lam)
                                                                  for inv, block in zip(inverses, blocks)]))
-        previous = state.previous
+        previous = shaped_as(state.previous, grad)
         vdot = optax.tree.vdot
         b = jnp.stack([vdot(grad, direction), vdot(grad, previous)]).astype(dtype)
         if not needs_g:
