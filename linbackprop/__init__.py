@@ -23,7 +23,8 @@ from ._curvature import (
 from ._graph import GraphError, Layer, Network, Row, Stack
 from ._interop import Functional, functional
 from ._laplacian import forward_laplacian
-from ._operators import Block, Linearization, LinearOperator, ParamOperator, StateOperator, linearize
+from ._linearization import Linearization, linearize
+from ._operators import Block, LinearOperator, ParamOperator, StateOperator
 from ._optim import KfacState, kfac, scale_by_gauss_newton, scale_by_kfac
 from ._pictures import plot_network, spy
 from ._settings import solving

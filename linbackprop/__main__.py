@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> dict:
     except ImportError:
         print("matplotlib is not installed: no PNG (pip install 'linbackprop[examples]')")
         return {**checks, **run}
-    from ._operators import linearize
+    from ._linearization import linearize
     from ._seed import seed_problem
 
     out = Path(args.out).resolve()

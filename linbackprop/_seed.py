@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._graph import Layer, Network
-from ._operators import linearize
+from ._linearization import linearize
 from ._transforms import grad_by_solve
 
 D = [5, 4, 4, 4, 4, 3, 1]  # feature sizes of U₀, …, U₆

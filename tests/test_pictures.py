@@ -98,7 +98,7 @@ def test_every_node_of_a_small_network_is_its_labels_own_box():
 
 def test_the_demo_figure_fills_its_dag_panel_and_explains_the_columns_of_m_star():
     from linbackprop._demo import demo_figure
-    from linbackprop._operators import linearize
+    from linbackprop._linearization import linearize
     from linbackprop._seed import seed_problem
 
     net, theta, u0, _ = seed_problem()
