@@ -20,9 +20,10 @@ from ._curvature import (
                          per_example_grad_norms,
                          per_example_grads,
 )
-from ._graph import GraphError, Layer, Network, Row, Stack
+from ._graph import Network
 from ._interop import Functional, functional
 from ._laplacian import forward_laplacian
+from ._layer import GraphError, Layer, Row, Stack
 from ._linearization import Linearization, linearize
 from ._operators import Block, LinearOperator, ParamOperator, StateOperator
 from ._optim import KfacState, kfac, scale_by_gauss_newton, scale_by_kfac

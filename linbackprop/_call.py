@@ -37,7 +37,8 @@ from ._engine import (
     read_row,
     read_rows,
 )
-from ._graph import Network, Stack
+from ._graph import Network
+from ._layer import Stack
 from ._memory import checkpoint_levels, params_in_loop
 from ._plan import Plan, RowList, current_plan, differentiable_dtype, leaf_aval, plan_for, plans_generation
 from ._settings import Settings, current, settings_changed, solving

@@ -36,7 +36,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ._graph import Layer, Network, Row, Stack, stack_states
+from ._graph import Network, stack_states
+from ._layer import Layer, Row, Stack
 from ._policy import POLICY
 from ._stacking import under_vmap
 

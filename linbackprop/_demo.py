@@ -20,7 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from ._graph import Layer, Network
+from ._graph import Network
+from ._layer import Layer
 from ._transforms import value_and_grad_by_solve
 
 

@@ -13,7 +13,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from ._graph import Layer, Network, Row, label
+from ._graph import Network
+from ._layer import Layer, Row, label
 from ._plan import function_key
 
 

@@ -7,7 +7,7 @@ from collections.abc import Hashable, Sequence
 
 import numpy as np
 
-from ._graph import label
+from ._layer import label
 
 
 def block_matrix_text(pattern: np.ndarray, rows: Sequence[Hashable], cols: Sequence[Hashable],

@@ -15,7 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._graph import Layer, Network
+from ._graph import Network
+from ._layer import Layer
 from ._linearization import linearize
 from ._transforms import grad_by_solve
 

@@ -150,6 +150,14 @@ def solving_with(settings: Settings) -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def plain() -> Iterator[None]:
+    """Network calls as plain JAX code inside (a loss's value at other parameters, where nothing
+    is differentiated: no plan, no solve), whatever transform is around."""
+    with _SOLVING(False):
+        yield
+
+
+@contextlib.contextmanager
 def using(settings: Settings) -> Iterator[None]:
     """``settings`` for what is traced inside, solving or not as around it."""
     with _SETTINGS(settings):

@@ -16,7 +16,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from ._graph import Layer, call_layer
+from ._layer import Layer, call_layer
 
 
 class Constant:

@@ -5,7 +5,7 @@ import pytest
 
 import linbackprop as lbp
 from linbackprop._demo import digits_network
-from linbackprop._graph import label
+from linbackprop._layer import label
 from linbackprop._pictures import layout
 
 matplotlib.use("Agg")

@@ -14,7 +14,8 @@ import jax
 import numpy as np
 from jax.extend.core import ClosedJaxpr, Literal
 
-from .._graph import Layer, Network, Row
+from .._graph import Network
+from .._layer import Layer, Row
 from .._traced import Constant
 from ._inlining import NoInput, ScanRows, evaluate_equations, inline_calls, marked_index
 

@@ -15,7 +15,7 @@ from jax.flatten_util import ravel_pytree
 
 from .._capture import rewrite
 from .._operators import LinearOperator
-from .._settings import Engine, ParamProducts, Schedule
+from .._settings import Engine, ParamProducts, Schedule, plain
 from .._transforms import solve_mode
 from ._split import OnArguments, Split, add_trees, normalise_argnums
 
@@ -242,7 +242,8 @@ def _value_function(split: Split) -> jax.tree_util.Partial:
         result = split.fun(*split.args_with(jax.tree.unflatten(diff_def, leaves)))
         return result[0] if split.has_aux else result
 
-    closed = jax.make_jaxpr(value)(jax.tree.leaves(split.diff))
+    with plain():  # only the value: the network calls as plain JAX code, no plan, no solve
+        closed = jax.make_jaxpr(value)(jax.tree.leaves(split.diff))
     return jax.tree_util.Partial(functools.partial(_evaluated, closed.jaxpr), tuple(closed.consts))
 
 

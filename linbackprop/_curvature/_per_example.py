@@ -16,7 +16,8 @@ from jax.extend.core import Literal
 
 from .._call import output_tangents, outputs_of, prepare
 from .._engine import ParamSquares, back_substitution, param_adjoint, param_adjoint_per_example
-from .._graph import Network, Stack
+from .._graph import Network
+from .._layer import Stack
 from .._outer import depending
 from .._plan import Plan, current_plan
 from .._settings import Engine, current

@@ -12,7 +12,8 @@ from typing import Any
 
 import numpy as np
 
-from .._graph import Layer, Network
+from .._graph import Network
+from .._layer import Layer
 from .._policy import POLICY
 from .._stacking import take
 from ._groups import Aval, Group, RowList

@@ -12,7 +12,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from .._graph import Layer, Network, Row, Stack
+from .._graph import Network
+from .._layer import Layer, Row, Stack
 from .._policy import POLICY, Policy
 from .._stacking import explicit_sharding, mesh_of
 from .._traced import computation_of
