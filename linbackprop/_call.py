@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.custom_derivatives import SymbolicZero
 
-from ._checkpoint import checkpointed_call, row_spans
+from ._checkpoint import checkpointed_call
 from ._engine import (
     Primal,
     forward,
@@ -41,6 +41,7 @@ from ._graph import Network
 from ._layer import Stack
 from ._memory import checkpoint_levels, params_in_loop
 from ._plan import Plan, RowList, current_plan, differentiable_dtype, leaf_aval, plan_for, plans_generation
+from ._segments import row_spans
 from ._settings import Settings, current, settings_changed, solving
 from ._solve import solve
 from ._stacking import explicit_sharding, mesh_of, take, zeros_of

@@ -11,8 +11,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from ._checkpoint import rows_cut, segment_length, split
 from ._plan import Plan
+from ._segments import rows_cut, segment_length, split
 from ._settings import Settings
 from ._stacking import under_vmap
 

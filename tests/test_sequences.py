@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 import linbackprop as lbp
-from linbackprop._checkpoint import _units, split
 from linbackprop._policy import POLICY, Policy
+from linbackprop._segments import split, units
 from linbackprop._settings import Settings, current, using
 
 pytestmark = pytest.mark.usefixtures("always_checkpoint")  # the segments are under test
@@ -173,7 +173,7 @@ def test_checkpoints_with_unevenly_spaced_rows():
     x = jax.random.normal(k[2], (B, W))
     loss = lambda p, x: jnp.sum(jnp.sin(net(p, x)))
     close(lbp.grad_by_solve(loss, checkpoints=3)(p, x), jax.grad(loss)(p, x))
-    assert [len(unit) for unit in _units(split(net, 3))] == [4]
+    assert [len(unit) for unit in units(split(net, 3))] == [4]
 
 
 def _periodic_dag(depth: int) -> lbp.Network:
@@ -199,7 +199,7 @@ def test_program_does_not_grow_with_checkpoints_when_the_period_does_not_divide_
     net, loss, p, x = _periodic_problem(60, seed=3)
     sizes = []
     for checkpoints in (3, 5, 7, 11, 19):
-        assert len(_units(split(net, checkpoints))) <= 3, checkpoints
+        assert len(units(split(net, checkpoints))) <= 3, checkpoints
         assert len(split(net, checkpoints)) <= checkpoints + 1  # at most k states kept
         sizes.append(_size(jax.make_jaxpr(lbp.grad_by_solve(loss, checkpoints=checkpoints))(p, x).jaxpr))
     assert max(sizes[1:]) <= sizes[0], sizes
@@ -236,7 +236,7 @@ def test_checkpoints_with_states_a_scan_carries_read_again_later():
         p, h0, xs = data()
         p = {**p, "O": jnp.eye(W) / 2}
         loss = lambda p, h0, xs, net=net: jnp.sum(jnp.sin(net(p, h0, xs)[0])) + jnp.sum(net(p, h0, xs)[1] ** 3)
-        assert [len(unit) for unit in _units(split(net, 3))] == [3, 1]  # one scan of three segments
+        assert [len(unit) for unit in units(split(net, 3))] == [3, 1]  # one scan of three segments
         close(lbp.grad_by_solve(loss, argnums=(0, 1, 2), checkpoints=3)(p, h0, xs),
               jax.grad(loss, argnums=(0, 1, 2))(p, h0, xs))
 
