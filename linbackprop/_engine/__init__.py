@@ -35,8 +35,8 @@ from ._per_example import (
     tangent_leaves,
 )
 from ._products import param_adjoint, param_forward, state_product
-from ._rows import Primal, read_row, read_rows, scatter_add
-from ._sweeps import at_inputs, back_substitution, forward, forward_substitution, take_rows, without_pad
+from ._rows import Primal, at_inputs, read_row, read_rows, scatter_add, take_rows, without_pad
+from ._sweeps import back_substitution, forward, forward_substitution
 
 __all__ = ["LayerMaps", "ParamFactors", "ParamSquares", "Primal", "at_inputs", "back_substitution", "exclusive_groups",
            "forward", "forward_substitution", "layer_maps", "member_vjp", "param_adjoint", "param_adjoint_per_example",

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -14,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from .._plan import RowList, as_dtype
+from .._plan import Plan, RowList, as_dtype
 from .._stacking import index_row, update_row, zeros_of
 
 
@@ -157,3 +158,58 @@ def index_scalar(i: Any, affine: bool = True) -> Any:
         return int(v[0]) if d == 0 else int(v[0]) + d * i.t
     table = lax.optimization_barrier(jnp.asarray(v, np.int32))
     return index_row(table, i.t)
+
+
+# -- between a plan's layout and its compact one ------------------------------------------------
+
+
+def out_rows(plan: Plan) -> np.ndarray:
+    """Per step, the row its output has in ``plan``'s layout (its group: the step's kind's)."""
+    return np.array([plan.kinds[int(k)].by_step.out[t] for t, k in enumerate(plan.step_kind)], np.int32)
+
+
+def rows_not_carried(zplan: Plan, forwarded: Callable) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Per state group, the full layout's rows that no step of a stretch carrying Λ writes
+    (``forwarded``: a stretch's `Forwarding`, None where the loop carries nothing) and that the
+    compact layout keeps — the inputs, the outputs of steps that carry nothing — with their rows
+    there. Every other row is a carried step's or zero."""
+    full = zplan.full
+    carried = [np.zeros(group.rows, bool) for group in full.state_groups]
+    rows = out_rows(full)
+    for start, stop, _ in zplan.segments:
+        fwd = forwarded((start, stop))
+        if fwd is not None:
+            carried[fwd.group][rows[start:stop]] = True
+    out = []
+    for g, group in enumerate(zplan.state_groups):
+        to_compact = np.asarray(zplan.to_compact[g])
+        kept = ~carried[g] & ((to_compact != group.pad_row) if group.pad else True)
+        out.append((np.nonzero(kept)[0].astype(np.int32), to_compact[kept].astype(np.int32)))
+    return out
+
+
+def take_rows(bufs: list[Any], tables: tuple[np.ndarray, ...]) -> list[Any]:
+    """Each group's buffer at the rows its table lists (between a plan's layout and its compact
+    one: ``Plan.to_compact``, ``Plan.to_full``)."""
+    return [None if b is None else jax.tree.map(lambda x, m=m: x[m], b) for b, m in zip(bufs, tables)]
+
+
+def without_pad(plan: Plan, bufs: list[Any]) -> list[Any]:
+    """The buffers with their pad rows zero (a scalar set: it keeps an explicitly sharded buffer's
+    sharding, where a row of zeros made here would carry none)."""
+    return [b if b is None or not group.pad else jax.tree.map(lambda x, r=group.pad_row: x.at[r].set(0), b)
+            for b, group in zip(bufs, plan.state_groups)]
+
+
+def at_inputs(plan: Plan, bufs: list[Any]) -> list[Any]:
+    """The buffers at the rows of the network's inputs, zeros elsewhere."""
+    out = []
+    for g, (b, group) in enumerate(zip(bufs, plan.state_groups)):
+        rows = [plan.state_loc[name][1] for name in plan.net.inputs if plan.state_loc[name][0] == g]
+        if b is None or None in rows:  # a stacked input: the whole group
+            out.append(b)
+            continue
+        mask = np.zeros(group.rows, bool)
+        mask[rows] = True
+        out.append(jax.tree.map(lambda x, m=mask: jnp.where(m.reshape(-1, *[1] * (x.ndim - 1)), x, 0), b))
+    return out

@@ -10,7 +10,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.extend.core import jaxpr_as_fun
 
@@ -21,12 +20,17 @@ from ._maps import layer_maps
 from ._rows import (
     Primal,
     add_row,
+    at_inputs,
     index_at,
     index_scalar,
+    out_rows,
     read_row,
     read_rows,
+    rows_not_carried,
     scatter_add,
     set_row,
+    take_rows,
+    without_pad,
     zeros_like_aval,
 )
 
@@ -342,7 +346,7 @@ def back_substitution(plan: Plan, prim: Primal, rhs: list[Any], grads: list[Any]
         fwd = zplan.forwarding(*segment) if compact and segment else None
         return None if fwd is None or fwd.group in absent else fwd
 
-    out_rows = _out_rows(zplan)  # per step, the row of its output (compact layout)
+    step_rows = out_rows(zplan)  # per step, the row of its output (compact layout)
 
     def body(step, carry):
         lam, acc, ct_next, everywhere = carry
@@ -353,7 +357,7 @@ def back_substitution(plan: Plan, prim: Primal, rhs: list[Any], grads: list[Any]
             if only_carried:  # the next step's cotangent alone (the last's: read on entry)
                 lam_step = ct_next
             else:  # plus what the other readers added to its row
-                lam_step = jax.tree.map(jnp.add, read_row(lam[fwd.group], index_at(out_rows, i), written=True),
+                lam_step = jax.tree.map(jnp.add, read_row(lam[fwd.group], index_at(step_rows, i), written=True),
                                         ct_next)
             if every_row:  # complete: its row of the full layout, which the loop never reads
                 everywhere = list(everywhere)
@@ -414,7 +418,7 @@ def back_substitution(plan: Plan, prim: Primal, rhs: list[Any], grads: list[Any]
     # Zeros in the full layout (the gather behind them is dead code): each carried step sets its row.
     full_rows, everywhere = None, None
     if every_row:
-        full_rows = _out_rows(plan)
+        full_rows = out_rows(plan)
         everywhere = [None if b is None else jax.tree.map(jnp.zeros_like, b) for b in take_rows(rhs, zplan.to_compact)]
     # ℳΛ goes into fresh zeros, added to ``grads`` after the loop: rows can then be set rather
     # than accumulated, and XLA drops the addition where ``grads`` is zeros (a gradient).
@@ -422,61 +426,9 @@ def back_substitution(plan: Plan, prim: Primal, rhs: list[Any], grads: list[Any]
     lam, acc, _, everywhere = run_loop(plan, body, (list(rhs), acc, None, everywhere), reverse=True, enter=enter,
                                        leave=leave)
     if every_row:  # the carried steps' rows from the loop, the other kept rows from the compact buffer
-        for g, (full, kept) in enumerate(_rows_not_carried(zplan, forwarded)):
+        for g, (full, kept) in enumerate(rows_not_carried(zplan, forwarded)):
             if everywhere[g] is not None and len(full):
                 everywhere[g] = scatter_add(everywhere[g], full, read_rows(lam[g], kept))
         return everywhere
     lam = at_inputs(zplan, lam) if compact else lam
     return (lam, [jax.tree.map(jnp.add, g, a) for g, a in zip(grads, acc)]) if in_loop else lam
-
-
-def _out_rows(plan: Plan) -> np.ndarray:
-    """Per step, the row its output has in ``plan``'s layout (its group: the step's kind's)."""
-    return np.array([plan.kinds[int(k)].by_step.out[t] for t, k in enumerate(plan.step_kind)], np.int32)
-
-
-def _rows_not_carried(zplan: Plan, forwarded: Callable) -> list[tuple[np.ndarray, np.ndarray]]:
-    """Per state group, the full layout's rows that no step of a stretch carrying Λ writes
-    (``forwarded``: a stretch's `Forwarding`, None where the loop carries nothing) and that the
-    compact layout keeps — the inputs, the outputs of steps that carry nothing — with their rows
-    there. Every other row is a carried step's or zero."""
-    full = zplan.full
-    carried = [np.zeros(group.rows, bool) for group in full.state_groups]
-    rows = _out_rows(full)
-    for start, stop, _ in zplan.segments:
-        fwd = forwarded((start, stop))
-        if fwd is not None:
-            carried[fwd.group][rows[start:stop]] = True
-    out = []
-    for g, group in enumerate(zplan.state_groups):
-        to_compact = np.asarray(zplan.to_compact[g])
-        kept = ~carried[g] & ((to_compact != group.pad_row) if group.pad else True)
-        out.append((np.nonzero(kept)[0].astype(np.int32), to_compact[kept].astype(np.int32)))
-    return out
-
-
-def take_rows(bufs: list[Any], tables: tuple[np.ndarray, ...]) -> list[Any]:
-    """Each group's buffer at the rows its table lists (between a plan's layout and its compact
-    one: ``Plan.to_compact``, ``Plan.to_full``)."""
-    return [None if b is None else jax.tree.map(lambda x, m=m: x[m], b) for b, m in zip(bufs, tables)]
-
-
-def without_pad(plan: Plan, bufs: list[Any]) -> list[Any]:
-    """The buffers with their pad rows zero (a scalar set: it keeps an explicitly sharded buffer's
-    sharding, where a row of zeros made here would carry none)."""
-    return [b if b is None or not group.pad else jax.tree.map(lambda x, r=group.pad_row: x.at[r].set(0), b)
-            for b, group in zip(bufs, plan.state_groups)]
-
-
-def at_inputs(plan: Plan, bufs: list[Any]) -> list[Any]:
-    """The buffers at the rows of the network's inputs, zeros elsewhere."""
-    out = []
-    for g, (b, group) in enumerate(zip(bufs, plan.state_groups)):
-        rows = [plan.state_loc[name][1] for name in plan.net.inputs if plan.state_loc[name][0] == g]
-        if b is None or None in rows:  # a stacked input: the whole group
-            out.append(b)
-            continue
-        mask = np.zeros(group.rows, bool)
-        mask[rows] = True
-        out.append(jax.tree.map(lambda x, m=mask: jnp.where(m.reshape(-1, *[1] * (x.ndim - 1)), x, 0), b))
-    return out
