@@ -89,3 +89,40 @@ def test_the_check_sees_lazy_imports_and_re_exports():
     assert sum(len(targets) for targets in graph.values()) > 50
     assert "linbackprop._graph" in graph["linbackprop._transforms"]
     assert any(target.startswith("linbackprop._curvature._") for target in graph["linbackprop._optim._kfac"])
+
+
+MAX_LINES = 450
+
+
+def test_every_module_is_short():
+    """One idea per module: none over MAX_LINES lines."""
+    long = {name: n for name, path in MODULES.items() if (n := len(path.read_text().splitlines())) > MAX_LINES}
+    assert not long, f"modules over {MAX_LINES} lines: {long}"
+
+
+def _declared_layers() -> list[set[str]]:
+    """docs/architecture.md's table, top to bottom: each row's top-level modules and packages."""
+    lines = (PACKAGE.parent / "docs" / "architecture.md").read_text().splitlines()
+    start = lines.index("| module | layer | what it holds |") + 2
+    rows = []
+    for line in lines[start:]:
+        if not line.startswith("| `"):
+            break
+        rows.append({name.removesuffix(".py").rstrip("/") for name in line.split("|")[1].split("`")[1::2]})
+    return rows
+
+
+def test_architecture_page_names_every_module_in_import_order():
+    """The page's layer table is the declared layer list: every top-level module and package of
+    linbackprop is in it once, and each imports only from rows above its own (or its own row)."""
+    rows = _declared_layers()
+    row_of = {name: n for n, row in enumerate(rows) for name in row}
+    entries = {path.relative_to(PACKAGE).parts[0].removesuffix(".py") for path in PACKAGE.glob("*")
+               if (path.suffix == ".py" and path.name != "__init__.py") or (path / "__init__.py").exists()}
+    assert entries - row_of.keys() == set(), f"modules the page does not name: {sorted(entries - row_of.keys())}"
+    assert row_of.keys() - entries == set(), f"the page names what is not there: {sorted(row_of.keys() - entries)}"
+    top = lambda module: module.split(".")[1]
+    upward = sorted(f"{source} imports {target}" for source, targets in _graph().items() for target in targets
+                    if source.count(".") and target.count(".") and top(source) != top(target)
+                    and row_of[top(target)] > row_of[top(source)])
+    assert not upward, f"imports from a row below (reorder the page or the code): {upward}"
