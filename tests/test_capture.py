@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from jax.flatten_util import ravel_pytree
 from networks import equations
+from trees import assert_trees_close
 
 import linbackprop as lbp
 
@@ -19,9 +20,7 @@ W = 6
 
 
 def close(a, b, tol=1e-9):
-    assert jax.tree.structure(a) == jax.tree.structure(b), (jax.tree.structure(a), jax.tree.structure(b))
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=tol, atol=tol)
+    assert_trees_close(a, b, rtol=tol, atol=tol)
 
 
 def solved(fun, *args):

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from networks import equations, gated, residual, skip
+from trees import assert_trees_close
 
 import linbackprop as lbp
 from linbackprop._policy import Policy
@@ -86,8 +87,7 @@ def losses(net):
 
 
 def assert_close(actual, expected, rtol=1e-8):
-    for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
-        np.testing.assert_allclose(a, e, rtol=rtol, atol=1e-11)
+    assert_trees_close(actual, expected, rtol=rtol, atol=1e-11)
 
 
 def solves(jaxpr):

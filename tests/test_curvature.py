@@ -11,15 +11,13 @@ import numpy as np
 import pytest
 from jax.flatten_util import ravel_pytree
 from networks import REGISTRY
+from trees import assert_trees_close
 
 import linbackprop as lbp
 
 
 def close(a, b, rtol=1e-9, atol=1e-11):
-    assert jax.tree.structure(a) == jax.tree.structure(b)
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
-        assert np.shape(x) == np.shape(y)
-        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=atol)
+    assert_trees_close(a, b, rtol=rtol, atol=atol)
 
 
 # -- networks whose states have the batch on the leading axis ------------------------------------

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from jax.test_util import check_grads
 from networks import REGISTRY
+from trees import assert_trees_close as shared_trees_close
 
 import linbackprop as lbp
 from linbackprop import _settings
@@ -22,10 +23,7 @@ SETTINGS = [dict(engine="unrolled"), dict(engine="loop"), dict(engine="unrolled"
 
 
 def assert_trees_close(actual, expected, rtol=1e-9, atol=1e-11):
-    assert jax.tree.structure(actual) == jax.tree.structure(expected)
-    for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected)):
-        assert a.dtype == e.dtype, (a.dtype, e.dtype)
-        np.testing.assert_allclose(a, e, rtol=rtol, atol=atol)
+    shared_trees_close(actual, expected, rtol=rtol, atol=atol, dtypes=True)
 
 
 # -- 1. layers merged into one kind because their functions compared equal ---------------------------

@@ -3,9 +3,9 @@ combination must give jax.grad's gradient; remat must really keep fewer bytes.""
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 from networks import REGISTRY
+from trees import assert_trees_close
 
 import linbackprop as lbp
 
@@ -14,8 +14,7 @@ MODES = [dict(param_products="in_loop", engine="loop"), dict(remat=True, engine=
 
 
 def assert_close(actual, expected, rtol=1e-9):
-    for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected)):
-        np.testing.assert_allclose(a, e, rtol=rtol, atol=1e-12)
+    assert_trees_close(actual, expected, rtol=rtol, atol=1e-12)
 
 
 @pytest.mark.parametrize("name", ["seed", "lstm", "stacked"])

@@ -1,12 +1,12 @@
 """grad_by_solve / value_and_grad_by_solve / jvp_by_solve against jax.grad / jax.jvp of the same
 plain-JAX network (outside the transforms a Network call is ordinary JAX code)."""
 
-import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from networks import REGISTRY
+from trees import assert_trees_close as shared_trees_close
 
 import linbackprop as lbp
 
@@ -14,10 +14,7 @@ RTOL = 1e-9
 
 
 def assert_trees_close(actual, expected, rtol=RTOL, atol=1e-12):
-    chex.assert_trees_all_equal_structs(actual, expected)
-    for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected)):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=rtol, atol=atol)
-        assert np.asarray(a).dtype == np.asarray(e).dtype
+    shared_trees_close(actual, expected, rtol=rtol, atol=atol, dtypes=True)
 
 
 @pytest.fixture(params=sorted(REGISTRY))

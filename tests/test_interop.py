@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from trees import assert_trees_close
 
 import linbackprop as lbp
 
@@ -17,9 +18,7 @@ D, DEPTH, B = 6, 4, 3
 
 
 def close(a, b, tol=1e-10):
-    assert jax.tree.structure(a) == jax.tree.structure(b)
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=tol, atol=tol)
+    assert_trees_close(a, b, rtol=tol, atol=tol)
 
 
 def chain(embed, blocks, head, depth=DEPTH):

@@ -15,6 +15,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from trees import assert_trees_close
 
 import linbackprop as lbp
 
@@ -23,10 +24,7 @@ pure = getattr(nnx, "as_pure", None) or nnx.pure  # flax renamed it (0.12.x)
 
 
 def same_trees(actual, expected, rtol=1e-9, atol=1e-12):
-    """Same structure first, then every leaf close."""
-    assert jax.tree.structure(actual) == jax.tree.structure(expected)
-    for a, b in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=rtol, atol=atol)
+    assert_trees_close(actual, expected, rtol=rtol, atol=atol)
 
 
 def data(seed=0):

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
+from trees import assert_trees_close
 
 import linbackprop as lbp
 
@@ -97,9 +98,7 @@ def loss_of(net):
 
 
 def assert_close(actual, expected):
-    assert jax.tree.structure(actual) == jax.tree.structure(expected)
-    for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected)):
-        np.testing.assert_allclose(a, e, rtol=1e-9, atol=1e-12)
+    assert_trees_close(actual, expected, rtol=1e-9, atol=1e-12)
 
 
 @given(dags(), st.sampled_from(["loop", "unrolled"]))

@@ -8,8 +8,8 @@ import typing
 import jax
 import jax.extend
 import jax.numpy as jnp
-import numpy as np
 import pytest
+from trees import assert_trees_close
 
 import linbackprop as lbp
 from linbackprop._policy import POLICY, Policy
@@ -45,8 +45,7 @@ def loss_of(net):
 
 
 def close(a, b, tol=1e-10):
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=tol, atol=tol)
+    assert_trees_close(a, b, rtol=tol, atol=tol)
 
 
 @pytest.mark.parametrize("outputs", ["last", "every", "mixed"])

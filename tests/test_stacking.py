@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from trees import assert_trees_close
 
 import linbackprop as lbp
 from linbackprop._stacking import MANY, place, take
@@ -66,8 +67,7 @@ def chain_case(depth=N):
 
 
 def assert_close(a, b, rtol=1e-9):
-    for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
-        np.testing.assert_allclose(u, v, rtol=rtol, atol=1e-12)
+    assert_trees_close(a, b, rtol=rtol, atol=1e-12)
 
 
 def test_many_blocks_grad_jvp_vmap_and_hvp():

@@ -1,0 +1,22 @@
+"""The one tree comparison of the tests: the structure first (a missing, extra or re-nested leaf
+fails, where a bare ``zip`` of the leaves would pass), then each leaf's shape, dtype where asked,
+and values."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+
+
+def assert_trees_close(actual: Any, expected: Any, rtol: float = 1e-9, atol: float = 1e-12,
+                       dtypes: bool = False) -> None:
+    structures = jax.tree.structure(actual), jax.tree.structure(expected)
+    assert structures[0] == structures[1], f"tree structures differ: {structures[0]} != {structures[1]}"
+    for n, (a, e) in enumerate(zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True)):
+        a, e = np.asarray(a), np.asarray(e)
+        assert a.shape == e.shape, f"leaf {n}: shape {a.shape} != {e.shape}"
+        if dtypes:
+            assert a.dtype == e.dtype, f"leaf {n}: dtype {a.dtype} != {e.dtype}"
+        np.testing.assert_allclose(a, e, rtol=rtol, atol=atol, err_msg=f"leaf {n}")
