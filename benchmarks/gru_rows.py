@@ -35,6 +35,9 @@ def gru_rows(repeats: int, interleaved: Callable, steps: int = 64, batch: int = 
     compiled, seconds = {}, {name: [] for name in makers}
     for _ in range(builds):
         for name, make in makers.items():
+            # JAX's in-memory caches would serve the second build of the same program (equinox's
+            # measured 0.00 s): every build starts cold
+            jax.clear_caches()
             start = time.perf_counter()
             compiled[name] = eqx.filter_jit(make()).lower(cell, xs).compile()
             seconds[name].append(time.perf_counter() - start)
