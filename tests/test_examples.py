@@ -64,6 +64,14 @@ def test_rnn_sequence_learns():
     assert result["final_loss"] < 0.5 * result["initial_loss"]
 
 
+def test_rnn_sequence_learns_with_kfac():
+    """lbp.kfac on the RNN (the readout as layers: a weight shared by every step): in 40 steps
+    below a tenth of the error Adam's 60 steps reach from the same start (0.5 × initial)."""
+    with jax.enable_x64(False):
+        result = load("rnn_sequence").main(steps=40, length=6, hidden=16, optimizer="kfac")
+    assert result["final_loss"] < 0.05 * result["initial_loss"]
+
+
 def test_deep_residual_reports_times_and_agrees():
     with jax.enable_x64(False):
         result = load("deep_residual").main(depth=24, width=8, batch=4, repeats=2)
