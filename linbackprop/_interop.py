@@ -107,7 +107,7 @@ def functional(model: Any, variables: Any = None, *, method: str | None = None,
 
     Returns:
         A [`Functional`][linbackprop.Functional]: ``apply``, ``params``, ``rebuild``, ``layer``,
-        ``keyed_layer``.
+            ``keyed_layer``.
 
     Raises:
         TypeError: a model of none of these kinds, or a linen module without ``variables``.

@@ -46,7 +46,7 @@ def forward_laplacian(net: Network, coordinates: Hashable | None = None) -> Netw
 
     Returns:
         The lifted [`Network`][linbackprop.Network]: the same inputs, ``(u, grad, lap)`` per
-        output.
+            output.
 
     Raises:
         GraphError: ``coordinates`` not an input, a layer reading rows of them or no state that

@@ -95,7 +95,7 @@ def linearize(net: Network, params: Mapping, *inputs: Any) -> Linearization:
 
     Returns:
         A [`Linearization`][linbackprop.Linearization]: the states U and the operators ℒ (``L``)
-        and ℳ (``M``).
+            and ℳ (``M``).
 
     Raises:
         KeyError: a block the network uses missing from ``params``.

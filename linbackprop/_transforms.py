@@ -102,7 +102,7 @@ def grad_by_solve(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool
 
     Returns:
         A function of ``fun``'s arguments returning the gradient (with ``aux`` if ``has_aux``),
-        shaped like the differentiated arguments, as ``jax.grad(fun, argnums, has_aux)`` would.
+            shaped like the differentiated arguments, as ``jax.grad(fun, argnums, has_aux)`` would.
 
     Raises:
         ValueError: ``layers=`` that finds no call, or a model it cannot take as it is (the
@@ -149,7 +149,7 @@ def value_and_grad_by_solve(fun: Callable, argnums: int | Sequence[int] = 0, has
 
     Returns:
         A function of ``fun``'s arguments returning ``(value, gradient)`` (``((value, aux),
-        gradient)`` with ``has_aux``).
+            gradient)`` with ``has_aux``).
 
     Raises:
         ValueError: as [`grad_by_solve`][linbackprop.grad_by_solve].
@@ -221,7 +221,7 @@ def jvp_by_solve(fun: Callable, primals: Sequence[Any], tangents: Sequence[Any],
 
     Returns:
         ``(fun(*primals), the tangent of the output)``, as ``jax.jvp`` (and ``aux`` with
-        ``has_aux``).
+            ``has_aux``).
 
     Examples:
         >>> import jax.numpy as jnp, linbackprop as lbp

@@ -116,6 +116,12 @@ def test_docs_site_builds_strictly(tmp_path):
         html = (tmp_path / api_page(name).removesuffix(".md") / "index.html").read_text()
         titles = re.findall(r'doc-section-title">(\w+):<', html)
         assert {"Parameters", "Attributes"} & set(titles), (name, titles)
+    # one result, one row: a Returns description whose continuation lines were not indented
+    # came out as one row per line, each with the type again
+    for html in (tmp_path / "api").rglob("index.html"):
+        for section in html.read_text().split('doc-section-title">Returns:<')[1:]:
+            body = section.split("<tbody>", 1)[1].split("</tbody>", 1)[0]
+            assert body.count("<tr") == 1, f"{html.parent.name}: a Returns table of {body.count('<tr')} rows"
     # every docstring example renders as code (an "Example:" header made one prose)
     for html in (tmp_path / "api").rglob("index.html"):
         text = re.sub(r"<pre.*?</pre>", "", html.read_text(), flags=re.S)

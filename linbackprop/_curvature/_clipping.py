@@ -66,7 +66,7 @@ def clipped_grad(losses: Callable, clip: float | jax.Array, argnums: int | Seque
 
     Returns:
         A function of ``losses``' arguments returning ``(clipped, norms)``: the clipped sum
-        shaped like the differentiated arguments, and the (B,) per-example gradient norms.
+            shaped like the differentiated arguments, and the (B,) per-example gradient norms.
 
     Raises:
         ValueError: ``clip`` not a positive norm, ``losses`` returning a scalar, layers that

@@ -309,8 +309,8 @@ def gauss_newton(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool 
 
     Returns:
         A function of ``fun``'s arguments returning ``(value, grad, G)``: ``G`` a
-        [`GaussNewton`][linbackprop.GaussNewton] (``mv``, ``gram``, ``todense()``,
-        ``factor()``), a pytree that a jitted function may return.
+            [`GaussNewton`][linbackprop.GaussNewton] (``mv``, ``gram``, ``todense()``,
+            ``factor()``), a pytree that a jitted function may return.
 
     Raises:
         ValueError: a loss that calls no network (name the layers with ``layers=``).

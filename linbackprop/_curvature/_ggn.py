@@ -114,7 +114,7 @@ def ggn_factor(fun: Callable, argnums: int | Sequence[int] = 0, *, rank: int | N
 
     Returns:
         A function of ``fun``'s arguments returning K: the arguments' pytree with a leading
-        axis of r·B rows on every leaf.
+            axis of r·B rows on every leaf.
 
     Raises:
         ValueError: layers that mix examples, a state without the batch first, or a loss that

@@ -120,9 +120,9 @@ def kfac_factors(fun: Callable, argnums: int | Sequence[int] = 0, *, engine: Eng
 
     Returns:
         A function of ``fun``'s arguments returning, shaped like them, per leaf a
-        [`Kronecker`][linbackprop.Kronecker] pair (a tuple of pairs, one per term of a loss with
-        several calls), a [`BiasOf`][linbackprop.BiasOf] for a bias in its weight's block, or
-        the leaf's GGN diagonal.
+            [`Kronecker`][linbackprop.Kronecker] pair (a tuple of pairs, one per term of a loss with
+            several calls), a [`BiasOf`][linbackprop.BiasOf] for a bias in its weight's block, or
+            the leaf's GGN diagonal.
 
     Raises:
         ValueError: layers that mix examples, a state without the batch first, a loss that

@@ -294,7 +294,7 @@ def per_example_grads(fun: Callable, argnums: int | Sequence[int] = 0, *, engine
 
     Returns:
         A function of ``fun``'s arguments returning, per differentiated argument, its per-example
-        gradients: each leaf with a leading axis of B.
+            gradients: each leaf with a leading axis of B.
 
     Raises:
         ValueError: layers that mix examples, a state without the batch on its leading axis,

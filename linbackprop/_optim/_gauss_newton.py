@@ -98,8 +98,8 @@ def scale_by_gauss_newton(damping: float | None = None, maxiter: int = 50, *, to
 
     Returns:
         An ``optax.GradientTransformationExtraArgs`` whose ``update(grad, state, params, *,
-        curvature=None, rows=None, value=None, value_fn=None, **extra)`` returns the direction d
-        (not −d).
+            curvature=None, rows=None, value=None, value_fn=None, **extra)`` returns the direction d
+            (not −d).
 
     Raises:
         ValueError: an argument out of range, or a solver the given curvature cannot serve.

@@ -122,11 +122,11 @@ def kfac(damping: float = 1e-3, decay: float = 0.95, update_every: int = 5, *, l
 
     Returns:
         An ``optax.GradientTransformationExtraArgs``. Its ``update(grad, state, params, *,
-        factors, curvature=None, value=None, value_fn=None, diagonal=None, **extra)`` needs
-        ``curvature=G`` ([`gauss_newton`][linbackprop.gauss_newton]) unless both coefficients
-        are fixed and λ is not adapted, and ``value_fn(params, **extra)`` (the loss on the same
-        batch, called with the extra arguments it accepts; ``G.value_at`` is one) with
-        ``adapt_damping`` or ``reject``; ``value`` (the loss at ``params``) saves one call of it.
+            factors, curvature=None, value=None, value_fn=None, diagonal=None, **extra)`` needs
+            ``curvature=G`` ([`gauss_newton`][linbackprop.gauss_newton]) unless both coefficients
+            are fixed and λ is not adapted, and ``value_fn(params, **extra)`` (the loss on the same
+            batch, called with the extra arguments it accepts; ``G.value_at`` is one) with
+            ``adapt_damping`` or ``reject``; ``value`` (the loss at ``params``) saves one call of it.
 
     Raises:
         ValueError: an argument out of range, factors that do not match the gradient, a leaf

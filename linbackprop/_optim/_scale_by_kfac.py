@@ -53,7 +53,7 @@ def scale_by_kfac(damping: float = 1e-3, decay: float = 0.95, update_every: int 
 
     Returns:
         An ``optax.GradientTransformationExtraArgs`` whose ``update(grad, state, params, *,
-        factors, diagonal=None)`` returns the preconditioned gradient.
+            factors, diagonal=None)`` returns the preconditioned gradient.
 
     Raises:
         ValueError: an argument out of range, factors that do not match the gradient, a leaf
