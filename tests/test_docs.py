@@ -122,6 +122,10 @@ def test_docs_site_builds_strictly(tmp_path):
         for section in html.read_text().split('doc-section-title">Returns:<')[1:]:
             body = section.split("<tbody>", 1)[1].split("</tbody>", 1)[0]
             assert body.count("<tr") == 1, f"{html.parent.name}: a Returns table of {body.count('<tr')} rows"
+    # no formula made emphasis: two subscripts in plain text (Σ_k … F_(t−k)) became <em>…</em>
+    for html in (tmp_path / "api").rglob("index.html"):
+        for em in re.findall(r"<em>([^<]*)</em>", html.read_text()):
+            assert not re.search(r"[=^Σ∑/]", em), f"{html.parent.name}: math rendered as emphasis: {em!r}"
     # every docstring example renders as code (an "Example:" header made one prose)
     for html in (tmp_path / "api").rglob("index.html"):
         text = re.sub(r"<pre.*?</pre>", "", html.read_text(), flags=re.S)

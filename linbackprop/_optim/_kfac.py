@@ -68,10 +68,10 @@ def kfac(damping: float = 1e-3, decay: float = 0.95, update_every: int = 5, *, l
        [`kfac_factors`][linbackprop.kfac_factors] (a leaf's factors a
        [`Kronecker`][linbackprop.Kronecker] pair, or a tuple of pairs for a loss of several
        terms), averaged over the steps with ``decay`` and bias-corrected as kfac-jax's weighted
-       average: F̄_t = Σ_k decay^k F_(t−k) / Σ_k decay^k (the first step uses its own factors
-       exactly). A bias marked [`BiasOf`][linbackprop.BiasOf] is preconditioned with its weight,
-       as one block [W; b]. Other leaves without factors take a diagonal from ``diagonal=``
-       (``lbp.diag_ggn``).
+       average \\(\\bar F_t = \\sum_k \\mathrm{decay}^k F_{t-k} / \\sum_k \\mathrm{decay}^k\\) (the
+       first step uses its own factors exactly). A bias marked [`BiasOf`][linbackprop.BiasOf]
+       is preconditioned with its weight, as one block [W; b]. Other leaves without factors take
+       a diagonal from ``diagonal=`` (``lbp.diag_ggn``).
     2. **Direction.** Δ = −(F̄ + λI)⁻¹ g with λ added exactly (eigendecompositions of the
        factors, recomputed every ``update_every`` steps and at every one of the first
        ``update_every``, so that no early single-batch estimate is held; between, the held
