@@ -246,3 +246,20 @@ def test_factors_under_vmap_over_an_ensemble():
             close(batched[name].left[n], one[name].left)
             close(batched[name].right[n], one[name].right)
         assert batched["b"] == one["b"] == lbp.BiasOf("['W']", "left")
+
+
+def test_an_example_with_too_many_output_coordinates_is_refused_before_it_runs_out_of_memory(monkeypatch):
+    """H is one dense block per example: a sequence model's example (positions × vocabulary
+    coordinates) made blocks of several GiB and the process was killed. Over the limit the
+    transforms refuse, naming the block's size."""
+    from linbackprop._curvature import _examples
+
+    monkeypatch.setattr(_examples, "MAX_HESSIAN_BLOCK_BYTES", 4 * 6 * 6 * 8 - 1)  # just under 4 blocks of 6²
+    net = lbp.Network([lbp.Layer("y", lambda th, x: x @ th[0], ("x",), ("W",))], ["x"], "y")
+    loss = lambda p, x: jnp.sum(net(p, x) ** 2)
+    params, x = {"W": jnp.ones((2, 6))}, jnp.ones((4, 2))
+    for transform in (lbp.kfac_factors, lbp.diag_ggn):
+        with pytest.raises(ValueError, match=r"6 × 6 block per example \(4 examples"):
+            transform(loss)(params, x)
+    monkeypatch.setattr(_examples, "MAX_HESSIAN_BLOCK_BYTES", 4 * 6 * 6 * 8)
+    assert lbp.kfac_factors(loss)(params, x)["W"].right.shape == (6, 6)

@@ -120,6 +120,7 @@ def hessian_blocks(fun: Callable, args: tuple, nums: tuple[int, ...], engine: st
     blocks = []
     for g, (group, batch, (flat, _)) in enumerate(zip(groups, batches, flats)):
         coords = flat.shape[1]
+        _check_block_size(name, batch, coords, flat.dtype)
         basis = jnp.broadcast_to(jnp.eye(coords, dtype=flat.dtype)[:, None, :], (coords, batch, coords))
         zeros = [jnp.zeros((b, f.shape[1]), f.dtype) for b, (f, _) in zip(batches, flats)]
 
@@ -130,6 +131,24 @@ def hessian_blocks(fun: Callable, args: tuple, nums: tuple[int, ...], engine: st
         h = jnp.moveaxis(jax.vmap(column)(basis), 0, 2)  # [C(j), B, C(i)] → [B, i, j]
         blocks.append((h + jnp.swapaxes(h, 1, 2)) / 2)
     return calls, Examples(groups, batches, blocks, unflatten)
+
+
+# H's blocks are dense per example, [B, C, C] with C every output coordinate of one example: a
+# sequence model's example is a whole sequence (C = positions × vocabulary: 64 × 80 gave 32 blocks
+# of 5,120², 3.4 GB, and the process was killed). Above this the transforms refuse, naming it.
+MAX_HESSIAN_BLOCK_BYTES = 2**30
+
+
+def _check_block_size(name: str, batch: int, coords: int, dtype: Any) -> None:
+    size = batch * coords * coords * np.dtype(dtype).itemsize
+    if size > MAX_HESSIAN_BLOCK_BYTES:
+        raise ValueError(
+            f"{name}: the loss's Hessian H is taken as one dense {coords} × {coords} block per example "
+            f"({batch} examples: {size / 2**30:.1f} GiB, over the {MAX_HESSIAN_BLOCK_BYTES / 2**30:g} GiB this "
+            f"transform builds): one example has {coords} output coordinates (a sequence model's example is a "
+            "whole sequence, positions × vocabulary). Blocks per position are not supported yet; use "
+            "lbp.gauss_newton's products (G.mv, G.gram), fewer output coordinates per example, or a smaller "
+            "batch per call.")
 
 
 def over_columns(share: Callable, examples: Examples, samples: int | None, key: Any, name: str) -> Any:
