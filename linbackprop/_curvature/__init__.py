@@ -20,8 +20,8 @@ factor), `_kfac` (K-FAC's factors), `_clipping` (DP-SGD's clipped sum).
 from ._clipping import clipped_grad
 from ._gauss_newton import GaussNewton, gauss_newton
 from ._ggn import diag_ggn, ggn_factor
-from ._kfac import BiasOf, Kronecker, kfac_factors
+from ._kfac import BiasOf, Kronecker, is_factor, kfac_factors
 from ._per_example import per_example_grad_norms, per_example_grads
 
 __all__ = ["BiasOf", "GaussNewton", "Kronecker", "clipped_grad", "diag_ggn", "gauss_newton", "ggn_factor",
-           "kfac_factors", "per_example_grad_norms", "per_example_grads"]
+           "is_factor", "kfac_factors", "per_example_grad_norms", "per_example_grads"]

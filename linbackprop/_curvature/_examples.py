@@ -134,8 +134,9 @@ def hessian_blocks(fun: Callable, args: tuple, nums: tuple[int, ...], engine: st
 
 
 # H's blocks are dense per example, [B, C, C] with C every output coordinate of one example: a
-# sequence model's example is a whole sequence (C = positions × vocabulary: 64 × 80 gave 32 blocks
-# of 5,120², 3.4 GB, and the process was killed). Above this the transforms refuse, naming it.
+# sequence model's example is a whole sequence (C = positions × vocabulary: the transformer LM
+# example's 64 × 98 gave 32 blocks of 6,272², 4.7 GiB, and the process was killed). Above this the
+# transforms refuse, naming it.
 MAX_HESSIAN_BLOCK_BYTES = 2**30
 
 

@@ -60,9 +60,10 @@ class GaussNewton(LinearOperator):
         """The loss G was made from, on the same batch, at other values of the differentiated
         arguments: what an optimizer's Levenberg–Marquardt step measures, f(θ + u).
 
-        [`kfac`][linbackprop.kfac] and [`scale_by_gauss_newton`][linbackprop.scale_by_gauss_newton]
-        call it where no ``value_fn`` is given, so a model made by ``layers=`` (an
-        ``nnx.Optimizer`` hands the transform a pure ``nnx.State``) needs no split and merge.
+        ``value_fn=G.value_at`` gives it to [`kfac`][linbackprop.kfac] and
+        [`scale_by_gauss_newton`][linbackprop.scale_by_gauss_newton], so a model made by
+        ``layers=`` (an ``nnx.Optimizer`` hands the transform a pure ``nnx.State``) needs no
+        split and merge.
 
         Args:
             params: the new values, shaped as the gradient (any pytree with the same leaves in

@@ -193,8 +193,9 @@ def kfac_factors(fun: Callable, argnums: int | Sequence[int] = 0, *, engine: Eng
     return run
 
 
-def _is_entry(x: Any) -> bool:
-    """A leaf of ``kfac_factors``' result: a pair, a tuple of pairs, a bias marker, None."""
+def is_factor(x: Any) -> bool:
+    """A leaf of ``kfac_factors``' result: a pair, a tuple of pairs (terms), a bias marker, None
+    (the optimizers read the factors' tree with it)."""
     return x is None or isinstance(x, (Kronecker, BiasOf)) or (
         isinstance(x, tuple) and len(x) > 0 and all(isinstance(t, Kronecker) for t in x))
 
@@ -203,7 +204,7 @@ def _biases_named_in(result: Any, single: bool) -> Any:
     """``layers=``: the factors were found for the captured network's arguments (a list of
     leaves per argument, so a bias names its weight "[a][i]"); name the weight by its path in
     the result, the model's own tree (an ``nnx.State``, a module), as the gradient's paths read."""
-    paths, treedef = jax.tree_util.tree_flatten_with_path(result, is_leaf=_is_entry)
+    paths, treedef = jax.tree_util.tree_flatten_with_path(result, is_leaf=is_factor)
     inner, counts = {}, {}
     for path, _ in paths:
         argument = 0 if single else path[0].idx

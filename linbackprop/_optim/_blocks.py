@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from .._curvature import BiasOf, Kronecker
+from .._curvature import BiasOf, Kronecker, is_factor
 from ._kronecker import Curvature, Diagonal
 
 
@@ -29,12 +30,6 @@ class Block(NamedTuple):
     bias: int | None
     side: str | None
     curvature: Curvature
-
-
-def is_factor(x: Any) -> bool:
-    """A leaf of ``factors``: None, a pair, a tuple of pairs (terms), or a bias marker."""
-    return x is None or isinstance(x, (Kronecker, BiasOf)) or (
-        isinstance(x, tuple) and len(x) > 0 and all(isinstance(t, Kronecker) for t in x))
 
 
 def blocks_of(grad: Any, factors: Any, diagonal: Any, name: str) -> list[Block]:
@@ -50,7 +45,7 @@ def blocks_of(grad: Any, factors: Any, diagonal: Any, name: str) -> list[Block]:
     if len(flat_diag) != len(paths):
         raise ValueError(f"{name}: diagonal has {len(flat_diag)} leaves, the gradient {len(paths)}; pass "
                          "diagonal=lbp.diag_ggn(loss)(params, *batch).")
-    weight_at = _weight_index(keys, factors)
+    weight_at = _weight_index(factors)
     bias_of = {}
     for n, f in enumerate(flat_factors):
         if isinstance(f, BiasOf):
@@ -86,19 +81,15 @@ def blocks_of(grad: Any, factors: Any, diagonal: Any, name: str) -> list[Block]:
     return out
 
 
-def _weight_index(keys: list[str], factors: Any):
-    """A [`BiasOf`][linbackprop.BiasOf]'s weight path → the leaf's index. The path is the
-    weight's in the tree ``kfac_factors`` returned; the gradient's tree may spell it otherwise
-    (nnx.Optimizer hands the transform a pure ``nnx.State``, without the Variables' ``.value``
-    the factors' tree has): the factors' own paths first, then the gradient's, then either
-    without the Variables' ``.value``."""
-    own = [jax.tree_util.keystr(path)
-           for path, _ in jax.tree_util.tree_flatten_with_path(factors, is_leaf=is_factor)[0]]
+def _weight_index(factors: Any) -> Callable[[str], int | None]:
+    """A [`BiasOf`][linbackprop.BiasOf]'s weight path → the leaf's index among the factors'
+    leaves. The path is the weight's in the tree ``kfac_factors`` returned; the tree the
+    optimizer is handed may lack the Variables' ``.value`` (nnx.Optimizer makes its extra
+    arguments pure arrays), so both sides are compared without it."""
     bare = lambda key: re.sub(r"\.value(?=[.\[]|$)", "", key)
-    tables = [{k: n for n, k in enumerate(own)}, {k: n for n, k in enumerate(keys)},
-              {bare(k): n for n, k in enumerate(own)}, {bare(k): n for n, k in enumerate(keys)}]
-    return lambda weight: next((t[key] for t, key in zip(tables, (weight, weight, bare(weight), bare(weight)))
-                                if key in t), None)
+    at = {bare(jax.tree_util.keystr(path)): n
+          for n, (path, _) in enumerate(jax.tree_util.tree_flatten_with_path(factors, is_leaf=is_factor)[0])}
+    return lambda weight: at.get(bare(weight))
 
 
 def block_matrix(block: Block, leaves: list[jax.Array]) -> jax.Array:
