@@ -1,4 +1,4 @@
-"""A Network call in solve mode: `network_call` (installed as ``Network.__call__``), a
+"""A Network call in solve mode: `network_call` (what ``Network.__call__`` runs inside the transforms), a
 ``jax.custom_jvp`` per network whose rule is the forward substitution, and its solves.
 
     ℒ Z = ℳ* h + E₀ dU₀        (forward substitution; E₀ places the input tangents)
@@ -18,7 +18,6 @@ the rule of the custom JVP from JAX — and passed down from there.
 from __future__ import annotations
 
 import collections
-import contextlib
 import functools
 import threading
 from collections.abc import Callable, Hashable
@@ -40,46 +39,16 @@ from ._engine import (
 from ._graph import Network
 from ._layer import Stack
 from ._memory import checkpoint_levels, params_in_loop
-from ._plan import Plan, RowList, current_plan, differentiable_dtype, leaf_aval, plan_for, plans_generation
+from ._plan import Plan, RowList, current_plan, differentiable_dtype, plan_for, plans_generation
 from ._segments import row_spans
-from ._settings import Settings, current, settings_changed, solving
+from ._settings import Settings, current, settings_changed
 from ._solve import solve
 from ._stacking import explicit_sharding, mesh_of, take, zeros_of
 
 
-class _Interceptor(threading.local):
-    def __init__(self) -> None:
-        self.handler: Callable[[Network, Any, tuple], Any] | None = None
-
-
-_INTERCEPTOR = _Interceptor()
-
-
-@contextlib.contextmanager
-def calls_intercepted(handler: Callable[[Network, Any, tuple], Any] | None):
-    """Inside, every Network call ``net(params, *inputs)`` is ``handler(net, params, inputs)``
-    instead (which runs with no handler: calling ``net`` there is the ordinary call). The
-    curvature transforms split a function into its network calls and the rest this way."""
-    old, _INTERCEPTOR.handler = _INTERCEPTOR.handler, handler
-    try:
-        yield
-    finally:
-        _INTERCEPTOR.handler = old
-
-
-def network_call(net: Network, params: Any, inputs: tuple[Any, ...]) -> Any:
-    handler = _INTERCEPTOR.handler
-    if handler is not None:
-        with calls_intercepted(None):
-            return handler(net, params, tuple(inputs))
-    net.check_inputs(inputs)
-    theta = net.select_params(params)
-    for where, tree in [*((f"Parameter block {n!r}", b) for n, b in theta.items()),
-                        *((f"Network input {n!r}", x) for n, x in zip(net.inputs, inputs))]:
-        for leaf in jax.tree.leaves(tree):
-            leaf_aval(leaf, where)
-    if not solving():
-        return net.pick_outputs(net.states(theta, *inputs))
+def network_call(net: Network, theta: dict, inputs: tuple[Any, ...]) -> Any:
+    """A Network call in solve mode (``Network.__call__`` runs it where the transforms name it
+    their solver): ``theta`` the network's blocks, the arguments checked."""
     live = net.live  # layers that reach no output are not part of the solve
     if live is None:  # the outputs are network inputs: nothing to solve (JAX differentiates them)
         return net.pick_outputs(dict(zip(net.inputs, inputs)))

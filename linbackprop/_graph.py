@@ -9,13 +9,14 @@ solving with ℒ = I − D_UΦ instead (see ``_transforms.py``).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from ._layer import GraphError, Layer, Row, Stack, block_of, call_layer, label, layer_theta
+from ._layer import GraphError, Layer, Row, Stack, block_of, call_layer, check_array_leaves, label, layer_theta
+from ._settings import call_handler, calls_handled, solver
 from ._stacking import take
 
 __all__ = ["Network", "stack_states"]
@@ -297,8 +298,27 @@ class Network:
         return _rows_read(self._layers, "params", theta)
 
     def __call__(self, params: Mapping[Hashable, Any], *inputs: Any) -> Any:
-        """The output state(s). Differentiated by the solve inside ``grad_by_solve``."""
-        return _call(self, params, inputs)
+        """The output state(s). Differentiated by the solve inside ``grad_by_solve``.
+
+        How the call runs is read from two context values (`_settings`), not installed: a
+        curvature transform's handler splitting a function takes the call whole (and calls the
+        network again inside, with no handler); otherwise, after the arguments are checked, the
+        transforms' solver runs it in solve mode, or it is the plain forward substitution.
+        """
+        handler = call_handler()
+        if handler is not None:
+            with calls_handled(None):
+                return handler(self, params, tuple(inputs))
+        self.check_inputs(inputs)
+        theta = self.select_params(params)
+        for name, block in theta.items():
+            check_array_leaves(block, f"Parameter block {name!r}")
+        for name, x in zip(self._inputs, inputs):
+            check_array_leaves(x, f"Network input {name!r}")
+        solve = solver()
+        if solve is None:
+            return self.pick_outputs(self.states(theta, *inputs))
+        return solve(self, theta, tuple(inputs))
 
     def pick_outputs(self, states: Mapping[Hashable, Any]) -> Any:
         """What a call returns, from all states by name (a [`Stack`][linbackprop.Stack] stacked leaf by leaf)."""
@@ -375,18 +395,3 @@ def _check_stacked(tree: Any, what: str, row: Row, layer: Hashable) -> None:
     if len({sh[0] for sh in shapes}) > 1:
         raise ValueError(f"Stacked {what} has leaves with different leading axes {shapes}: every leaf needs "
                          "the same number of rows.")
-
-
-def _plain_call(net: Network, params: Mapping[Hashable, Any], inputs: tuple[Any, ...]) -> Any:
-    return net.pick_outputs(net.states(params, *inputs))
-
-
-# How a network call runs. The transforms, a layer above, install theirs (``set_call``): inside them
-# the call is differentiated by the solve. The graph itself knows nothing of solving.
-_call: Callable[[Network, Mapping[Hashable, Any], tuple[Any, ...]], Any] = _plain_call
-
-
-def set_call(call: Callable[[Network, Mapping[Hashable, Any], tuple[Any, ...]], Any]) -> None:
-    """Install the function that ``Network.__call__`` runs (the transforms' solve-aware call)."""
-    global _call
-    _call = call

@@ -13,6 +13,21 @@ from collections.abc import Callable, Hashable, Iterable, Mapping
 from typing import Any, NamedTuple
 
 import jax
+import numpy as np
+
+
+def is_array_leaf(x: Any) -> bool:
+    """An array, an abstract array, a tracer or a Python number: what a state, an input or a block holds."""
+    return (isinstance(x, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct, bool, int, float, complex))
+            or hasattr(x, "aval"))
+
+
+def check_array_leaves(tree: Any, where: str) -> None:
+    """A clear error for a leaf of ``tree`` (``where`` names it) that is not an array."""
+    for x in jax.tree.leaves(tree):
+        if not is_array_leaf(x):
+            raise TypeError(f"{where} has a leaf of type {type(x).__name__} ({x!r}); states, inputs and "
+                            "parameter blocks must be arrays or pytrees of arrays.")
 
 
 class GraphError(ValueError):

@@ -1,10 +1,15 @@
-"""How a solve runs: one frozen value of options, and whether Network calls are solved at all.
+"""How a Network call runs: one frozen value of options, the function that solves a call (none:
+plain JAX code), and the handler a curvature transform splits a function with (none: the call runs).
 
-Both are context values that JAX keys its caches on (``jax.make_user_context``: part of jit's key
-and of the trace context), so ``grad_by_solve(jax.jit(f))`` traces ``f`` again in solve mode
-instead of reusing a plain trace, and a function traced with one set of options is not reused
-for another. A transform enters both once (`solving_with`); everything below reads
-`current` once, where JAX calls in (a network call, its JVP rule), and passes them down.
+All three are context values that JAX keys its caches on (``jax.make_user_context``: part of
+jit's key and of the trace context), so ``grad_by_solve(jax.jit(f))`` traces ``f`` again in solve
+mode instead of reusing a plain trace, a function traced with one set of options is not reused
+for another, and a jit traced while a function was being split is not reused outside the split.
+A transform enters the solve once (`solving_with`, naming the function that solves a call);
+``Network.__call__`` reads the handler and the solver (`call_handler`, `solver`), everything below
+reads `current` once, where JAX calls in (a network call, its JVP rule), and passes it down.
+Nothing is installed at import: the graph, the layer below the solve, learns how to call from
+these values alone.
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Literal, get_args
 
 import jax
@@ -114,7 +119,11 @@ def context_value(default: Any) -> Any:
     return make(default)
 
 
-_SOLVING = context_value(False)
+NetworkCall = Callable[[Any, Any, tuple[Any, ...]], Any]
+"""How a Network call runs instead of plainly: ``call(net, params, inputs)``."""
+
+_SOLVER = context_value(None)  # the NetworkCall that solves (the transforms'), or None: plain JAX code
+_HANDLER = context_value(None)  # a curvature transform's NetworkCall splitting a function, or None
 _SETTINGS = context_value(Settings())
 
 
@@ -132,7 +141,27 @@ def solving() -> bool:
         >>> lbp.solving(), seen
         (False, [True])
     """
-    return bool(_SOLVING.value)
+    return _SOLVER.value is not None
+
+
+def solver() -> NetworkCall | None:
+    """The function that runs a Network call in solve mode (None outside the transforms)."""
+    return _SOLVER.value
+
+
+def call_handler() -> NetworkCall | None:
+    """The handler every Network call goes to instead (`calls_handled`), or None."""
+    return _HANDLER.value
+
+
+@contextlib.contextmanager
+def calls_handled(handler: NetworkCall | None) -> Iterator[None]:
+    """Inside, every Network call ``net(params, *inputs)`` is ``handler(net, params, inputs)``
+    instead (which runs with no handler: calling ``net`` there is the ordinary call, solved or
+    plain as around it). The curvature transforms split a function into its network calls and the
+    rest this way."""
+    with _HANDLER(handler):
+        yield
 
 
 def current() -> Settings:
@@ -141,11 +170,12 @@ def current() -> Settings:
 
 
 @contextlib.contextmanager
-def solving_with(settings: Settings) -> Iterator[None]:
-    """Network calls solved, with ``settings`` (all of them: nothing of an enclosing transform's
-    options leaks in), under the policy and capture in force."""
+def solving_with(settings: Settings, call: NetworkCall) -> Iterator[None]:
+    """Network calls solved by ``call`` (the transforms' ``network_call``), with ``settings`` (all
+    of them: nothing of an enclosing transform's options leaks in), under the policy and capture
+    in force."""
     around = current()
-    with _SOLVING(True), _SETTINGS(settings.replace(policy=around.policy, capture=around.capture)):
+    with _SOLVER(call), _SETTINGS(settings.replace(policy=around.policy, capture=around.capture)):
         yield
 
 
@@ -153,7 +183,7 @@ def solving_with(settings: Settings) -> Iterator[None]:
 def plain() -> Iterator[None]:
     """Network calls as plain JAX code inside (a loss's value at other parameters, where nothing
     is differentiated: no plan, no solve), whatever transform is around."""
-    with _SOLVING(False):
+    with _SOLVER(None):
         yield
 
 

@@ -19,10 +19,7 @@ import jax
 
 from ._call import network_call
 from ._capture import rewrite
-from ._graph import set_call
 from ._settings import Engine, ParamProducts, Schedule, Settings, solving_with
-
-set_call(network_call)  # Network.__call__ runs network_call from now on (see _graph.set_call)
 
 
 def solve_mode(fun: Callable, settings: Settings | None = None, /, **options: Any) -> Callable:
@@ -36,7 +33,7 @@ def solve_mode(fun: Callable, settings: Settings | None = None, /, **options: An
 def _in_solve_mode(transformed: Callable, fun: Callable, settings: Settings) -> Callable:
     @functools.wraps(fun)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
-        with solving_with(settings):
+        with solving_with(settings, network_call):
             return transformed(*args, **kwargs)
 
     return wrapped
@@ -236,7 +233,7 @@ def jvp_by_solve(fun: Callable, primals: Sequence[Any], tangents: Sequence[Any],
         rest = found.args[-1]
         leaves = [list(a.leaves_of(t)) for a, t in zip(found.arguments, tangents)]
         inner = lambda *diffs: found.fun(*diffs, rest)[0]
-        with solving_with(Settings(engine=engine, forward_only=True)):
+        with solving_with(Settings(engine=engine, forward_only=True), network_call):
             return jax.jvp(inner, tuple(found.args[:-1]), tuple(leaves), has_aux=has_aux)
-    with solving_with(Settings(engine=engine, forward_only=True)):
+    with solving_with(Settings(engine=engine, forward_only=True), network_call):
         return jax.jvp(fun, primals, tangents, has_aux=has_aux)

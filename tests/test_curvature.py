@@ -128,23 +128,23 @@ def _reference_ggn(losses, params, inputs):
 
 def _outputs_of(losses, params, inputs):
     recorded = []
-    from linbackprop._call import calls_intercepted
+    from linbackprop._settings import calls_handled
 
     def record(net, p, xs):
         out = net(p, *xs)
         recorded.append(out)
         return out
 
-    with calls_intercepted(record):
+    with calls_handled(record):
         losses(params, *inputs)
     return tuple(recorded)
 
 
 def _loss_of_outputs(losses, params, inputs, outs):
-    from linbackprop._call import calls_intercepted
+    from linbackprop._settings import calls_handled
 
     replay = iter(outs)
-    with calls_intercepted(lambda net, p, xs: next(replay)):
+    with calls_handled(lambda net, p, xs: next(replay)):
         return losses(params, *inputs)
 
 

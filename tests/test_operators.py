@@ -90,7 +90,7 @@ def test_patterns(case):
 
 def test_gradient_by_the_formula(case):
     """∇θJ = ℳ Λ + ∇θℓ with ℒ* Λ = ∇Uℓ, assembled by hand from the public operators."""
-    from linbackprop._call import calls_intercepted
+    from linbackprop._settings import calls_handled
 
     net = case.net
     lin = lbp.linearize(net, case.params, *case.inputs)
@@ -105,7 +105,7 @@ def test_gradient_by_the_formula(case):
                 return n(p, *x)
             return net.pick_outputs(states)
 
-        with calls_intercepted(frozen):
+        with calls_handled(frozen):
             return case.loss(params, *case.inputs)
 
     grad_u, grad_theta = jax.grad(ell, (0, 1))(layer_states, case.params)

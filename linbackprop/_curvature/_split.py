@@ -9,8 +9,8 @@ from typing import Any
 
 import jax
 
-from .._call import calls_intercepted
 from .._capture import rewrite
+from .._settings import calls_handled
 
 
 def normalise_argnums(argnums: int | Sequence[int]) -> tuple[tuple[int, ...], bool]:
@@ -35,7 +35,7 @@ class Split:
         return full
 
     def run(self, handler: Callable, diff: tuple) -> Any:
-        with calls_intercepted(handler):
+        with calls_handled(handler):
             return self.fun(*self.args_with(diff))
 
     def model(self, *diff: Any) -> tuple:

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .._layer import check_array_leaves
 from .._stacking import explicit_sharding, place, zeros_of
 
 Aval = jax.ShapeDtypeStruct
@@ -25,10 +26,8 @@ def leaf_aval(x: Any, where: str) -> Aval:
         return Aval(np.shape(x), x.dtype, sharding=explicit_sharding(x), weak_type=bool(weak))
     if isinstance(x, (bool, int, float, complex)):
         return Aval((), jnp.result_type(x), weak_type=True)
-    raise TypeError(
-        f"{where} has a leaf of type {type(x).__name__} ({x!r}); states, inputs and parameter "
-        "blocks must be arrays or pytrees of arrays."
-    )
+    check_array_leaves(x, where)  # raises: not an array
+    raise AssertionError(x)
 
 
 def differentiable_dtype(dtype: Any) -> bool:
