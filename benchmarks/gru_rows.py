@@ -5,17 +5,16 @@ in a ``lax.scan`` over a sequence, the loss reading every hidden state, differen
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import linbackprop as lbp
 
+from .timing import compiled, interleaved
 
-def gru_rows(repeats: int, interleaved: Callable, steps: int = 64, batch: int = 32, features: int = 16,
+
+def gru_rows(repeats: int, steps: int = 64, batch: int = 32, features: int = 16,
              hidden: int = 64, builds: int = 3) -> list[tuple[str, str, str]]:
     import equinox as eqx
 
@@ -32,16 +31,15 @@ def gru_rows(repeats: int, interleaved: Callable, steps: int = 64, batch: int = 
 
     makers = {"ours": lambda: lbp.value_and_grad_by_solve(loss, layers=eqx.nn.GRUCell),
               "theirs": lambda: eqx.filter_value_and_grad(loss)}
-    compiled, seconds = {}, {name: [] for name in makers}
+    programs, seconds = {}, {name: [] for name in makers}
     for _ in range(builds):
         for name, make in makers.items():
             # JAX's in-memory caches would serve the second build of the same program (equinox's
             # measured 0.00 s): every build starts cold
             jax.clear_caches()
-            start = time.perf_counter()
-            compiled[name] = eqx.filter_jit(make()).lower(cell, xs).compile()
-            seconds[name].append(time.perf_counter() - start)
-    t_ours, t_theirs = interleaved([(compiled["ours"], (cell, xs)), (compiled["theirs"], (cell, xs))], repeats)
+            programs[name], took = compiled(make(), (cell, xs), jit=eqx.filter_jit)
+            seconds[name].append(took)
+    t_ours, t_theirs = interleaved([(programs["ours"], (cell, xs)), (programs["theirs"], (cell, xs))], repeats)
     c_ours, c_theirs = (float(np.median(seconds[name])) for name in ("ours", "theirs"))
     title = f"equinox GRU as written ({steps} steps, batch {batch}, {features} → {hidden}, the loss on every state)"
     return [(f"{title}, `layers=eqx.nn.GRUCell` / `eqx.filter_value_and_grad`: run",

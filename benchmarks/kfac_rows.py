@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import time
 from collections.abc import Callable
 
 import jax
@@ -22,6 +21,8 @@ import jax.numpy as jnp
 import optax
 
 import linbackprop as lbp
+
+from .timing import interleaved, seconds_per_step
 
 SIZES = (64, 128, 128, 10)
 ADAM_RATES = (1e-3, 3e-3, 1e-2)
@@ -51,20 +52,8 @@ def digits_problem() -> tuple[Callable, dict, tuple]:
     return loss, params, (x, y)
 
 
-def _run(step: Callable, carry: tuple, steps: int) -> tuple[tuple, float]:
-    """``steps`` steps and the mean seconds of all but the first two (they compile: K-FAC's state
-    has its averages only from the first update on)."""
-    for _ in range(2):
-        carry = jax.block_until_ready(step(*carry))
-    start = time.perf_counter()
-    for _ in range(steps - 2):
-        carry = step(*carry)
-    jax.block_until_ready(carry)
-    return carry, (time.perf_counter() - start) / (steps - 2)
-
-
-def kfac_rows(repeats: int, interleaved: Callable) -> list[tuple[str, str, str]]:
-    """The rows of the K-FAC table (``interleaved(runs, repeats)``: medians of runs taken in turn)."""
+def kfac_rows(repeats: int) -> list[tuple[str, str, str]]:
+    """The rows of the K-FAC table (medians of ``repeats`` runs taken in turn)."""
     loss, params, batch = digits_problem()
     opt = lbp.kfac()
 
@@ -77,7 +66,7 @@ def kfac_rows(repeats: int, interleaved: Callable) -> list[tuple[str, str, str]]
                                     value_fn=lambda q, **_: loss(q, *batch))
         return optax.apply_updates(p, updates), state, key
 
-    (late, _, _), t_kfac = _run(kfac_step, (params, opt.init(params), jax.random.key(1)), 100)
+    (late, _, _), t_kfac = seconds_per_step(kfac_step, (params, opt.init(params), jax.random.key(1)), 98, warmup=2)
     kfac_loss = float(loss(late, *batch))
 
     adam = []
@@ -90,7 +79,7 @@ def kfac_rows(repeats: int, interleaved: Callable) -> list[tuple[str, str, str]]
             updates, state = tx.update(grad, state, p)
             return optax.apply_updates(p, updates), state
 
-        (p, _), t_adam = _run(adam_step, (params, tx.init(params)), 250)
+        (p, _), t_adam = seconds_per_step(adam_step, (params, tx.init(params)), 248, warmup=2)
         adam.append((float(loss(p, *batch)), rate, t_adam))
     best, rate, t_adam = min(adam)
     rows = [("digits MLP 64-128-128-10 (tanh, full batch, float32): `lbp.kfac` loss after 100 steps",

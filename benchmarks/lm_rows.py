@@ -14,7 +14,6 @@ runs) and the loss at equal time. optimistix is not a dependency: ``pip install 
 from __future__ import annotations
 
 import itertools
-import time
 from collections.abc import Callable
 
 import jax
@@ -22,6 +21,8 @@ import jax.numpy as jnp
 import optax
 
 import linbackprop as lbp
+
+from .timing import seconds_per_step
 
 ITERATIONS = (10, 25, 100)
 EVERY = tuple(range(1, 101))
@@ -97,15 +98,6 @@ def _losses(step: Callable, carry: tuple, loss: Callable, counts: tuple[int, ...
     return out
 
 
-def _per_iteration(step: Callable, carry: tuple, n: int = 50) -> float:
-    carry = jax.block_until_ready(step(*carry))
-    start = time.perf_counter()
-    for _ in range(n):
-        carry = step(*carry)
-    jax.block_until_ready(carry)
-    return (time.perf_counter() - start) / n
-
-
 def lm_rows(repeats: int) -> list[tuple[str, str, str]]:
     residuals, loss, params = lm_problem()
     methods = {"ours, rows=": ours(loss, params, "rows"), "ours, curvature=G": ours(loss, params, "operator")}
@@ -116,7 +108,7 @@ def lm_rows(repeats: int) -> list[tuple[str, str, str]]:
         methods["optimistix"] = other
         rows = []
     curves = {name: _losses(step, carry, loss, EVERY) for name, (step, carry) in methods.items()}
-    times = {name: sorted(_per_iteration(step, carry) for _ in range(repeats))[repeats // 2]
+    times = {name: sorted(seconds_per_step(step, carry, 50)[1] for _ in range(repeats))[repeats // 2]
              for name, (step, carry) in methods.items()}
     what = "MLP 2-16-16-1 (337 parameters), 256 residuals, float32"
     for n in ITERATIONS:

@@ -36,27 +36,28 @@ compile): the measurement behind ``Policy.loop_pays``.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: the benchmarks package from the repository
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from run import _fresh, chain, compiled, interleaved, kinds_dag, memory, residual, rnn, transformer
 
 import linbackprop as lbp
-from linbackprop._policy import POLICY
+from benchmarks import example
+from benchmarks.models import chain, fresh, kinds_dag, residual, rnn, transformer
+from benchmarks.timing import compiled, interleaved, memory
+from linbackprop._options._policy import POLICY
 
 
 def _block_transformer(blocks: int, width: int = 128, context: int = 64, batch: int = 16):
     """examples/transformer_lm.py's GPT with one layer per block (attention and MLP in one layer
     function, as a flax or equinox Block is called): embedding, blocks, head — three kinds."""
-    import importlib.util
-
-    from run import ROOT
-
-    spec = importlib.util.spec_from_file_location("transformer_lm", ROOT / "examples" / "transformer_lm.py")
-    lm = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(lm)  # fresh layer functions: a cold compile
+    lm = example("transformer_lm")  # fresh layer functions: a cold compile
     params = lm.init(jax.random.PRNGKey(4), 96, context, width, blocks)
     tokens = jax.random.randint(jax.random.PRNGKey(5), (batch, context + 1), 0, 96)
     block = lambda th, x: lm.mlp((th[1],), lm.attention((th[0],), x))
@@ -74,7 +75,7 @@ def _distinct(depth: int, width: int = 128, batch: int = 64):
     """``depth`` residual layers, each a function of its own (a kind each)."""
     params = {**{("W", i): jax.random.normal(jax.random.PRNGKey(i), (width, width)) * 0.5 / np.sqrt(width)
                  for i in range(depth)}, **{("b", i): jnp.zeros(width) for i in range(depth)}}
-    layers = [lbp.Layer(i + 1, _fresh(residual), (i,), (("W", i), ("b", i))) for i in range(depth)]
+    layers = [lbp.Layer(i + 1, fresh(residual), (i,), (("W", i), ("b", i))) for i in range(depth)]
     net = lbp.Network(layers, [0], depth)
     return (lambda p, x: jnp.sum(net(p, x) ** 2)), (params, jnp.ones((batch, width)))
 
@@ -143,7 +144,7 @@ def xla_only(which: str, builds: int) -> None:
 def gauss_newton_halves(shape: tuple[int, int, int], products: int = 10) -> None:
     _, (params, x), _, _ = chain(*shape)
     y = jnp.zeros_like(x)
-    layer = _fresh(residual)
+    layer = fresh(residual)
 
     def model(p, x):
         return jax.lax.scan(lambda u, wb: (layer(wb, u), None), x, (p["W"], p["b"]))[0]

@@ -9,7 +9,7 @@ direction and with jax.grad. The code itself lives in ``linbackprop/_seed.py`` s
     python examples/seed_network.py
 """
 
-from linbackprop._seed import main
+from linbackprop._pictures._seed_network import main
 
 if __name__ == "__main__":
     main()

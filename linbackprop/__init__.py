@@ -20,16 +20,14 @@ from ._curvature import (
                          per_example_grad_norms,
                          per_example_grads,
 )
-from ._graph import Network
+from ._graph import GraphError, Layer, Network, Row, Stack
 from ._interop import Functional, functional
 from ._laplacian import forward_laplacian
-from ._layer import GraphError, Layer, Row, Stack
-from ._linearization import Linearization, linearize
-from ._operators import Block, LinearOperator, ParamOperator, StateOperator
+from ._operators import Block, Linearization, LinearOperator, ParamOperator, StateOperator, linearize
 from ._optim import KfacState, kfac, scale_by_gauss_newton, scale_by_kfac
+from ._options import solving
 from ._pictures import plot_network, spy
-from ._settings import solving
-from ._transforms import grad_by_solve, jvp_by_solve, value_and_grad_by_solve
+from ._solve import grad_by_solve, jvp_by_solve, value_and_grad_by_solve
 
 __version__ = "0.1.0"
 

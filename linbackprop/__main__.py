@@ -14,7 +14,7 @@ from pathlib import Path
 
 import jax
 
-from ._seed import main as seed_main
+from ._pictures import main as seed_main
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> dict:
     checks = seed_main(42 + args.seed)
 
     print("\n== 2. Training on digits with optax and grad_by_solve ==\n")
-    from ._demo import digits_network, figure, train_digits
+    from ._pictures import digits_network, figure, train_digits
 
     print(digits_network(), "\n")
     run = train_digits(epochs=args.epochs, seed=args.seed, progress=not args.no_progress)
@@ -43,8 +43,8 @@ def main(argv: list[str] | None = None) -> dict:
     except ImportError:
         print("matplotlib is not installed: no PNG (pip install 'linbackprop[examples]')")
         return {**checks, **run}
-    from ._linearization import linearize
-    from ._seed import seed_problem
+    from ._operators import linearize
+    from ._pictures import seed_problem
 
     out = Path(args.out).resolve()
     with jax.enable_x64(True):

@@ -21,8 +21,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ._graph import Network
-from ._layer import GraphError, Layer, Row
+from ._graph import GraphError, Layer, Network, Row
 
 
 def forward_laplacian(net: Network, coordinates: Hashable | None = None) -> Network:

@@ -154,8 +154,8 @@ def test_operands_from_the_stored_residuals_or_linearised_again(stored, chunk, m
     import dataclasses
 
     from linbackprop._engine import _per_example
-    from linbackprop._policy import Policy
-    from linbackprop._settings import Settings, using
+    from linbackprop._options._policy import Policy
+    from linbackprop._options._settings import Settings, using
 
     @dataclasses.dataclass(frozen=True)
     class Chunks(Policy):
@@ -179,7 +179,7 @@ def test_operands_from_the_stored_residuals_or_linearised_again(stored, chunk, m
 
 
 def test_norm_chunks_keep_under_the_budget_and_divide_the_batch():
-    from linbackprop._policy import Policy
+    from linbackprop._options._policy import Policy
 
     policy = Policy(norm_chunk_bytes=1000)
     assert policy.norm_chunk(64, 10) == 64  # all at once

@@ -13,8 +13,8 @@ from networks import equations, gated, residual, skip
 from trees import assert_trees_close
 
 import linbackprop as lbp
-from linbackprop._policy import Policy
-from linbackprop._settings import Settings, using
+from linbackprop._options._policy import Policy
+from linbackprop._options._settings import Settings, using
 
 
 def rnn_cell(th, h, x):

@@ -9,9 +9,9 @@ import pytest
 from networks import equations, residual
 
 import linbackprop as lbp
-from linbackprop._contractions import contracted_last
-from linbackprop._policy import Policy
-from linbackprop._settings import Settings, using
+from linbackprop._engine._contractions import contracted_last
+from linbackprop._options._policy import Policy
+from linbackprop._options._settings import Settings, using
 
 
 def _barriers(fn, *args):

@@ -128,7 +128,7 @@ def _reference_ggn(losses, params, inputs):
 
 def _outputs_of(losses, params, inputs):
     recorded = []
-    from linbackprop._settings import calls_handled
+    from linbackprop._options._settings import calls_handled
 
     def record(net, p, xs):
         out = net(p, *xs)
@@ -141,7 +141,7 @@ def _outputs_of(losses, params, inputs):
 
 
 def _loss_of_outputs(losses, params, inputs, outs):
-    from linbackprop._settings import calls_handled
+    from linbackprop._options._settings import calls_handled
 
     replay = iter(outs)
     with calls_handled(lambda net, p, xs: next(replay)):

@@ -91,8 +91,9 @@ def test_every_transform_and_linearize_see_the_settings_they_were_given(monkeypa
     context nothing of the outer options leaks in, and every plan is made with the engine the
     settings name (``linearize`` planned with "auto" while its forward pass read the engine of
     the enclosing mode; ``jvp_by_solve`` set 6 of the 9 modes)."""
-    from linbackprop import _plan, _settings, _transforms
-
+    from linbackprop import _plan
+    from linbackprop._options import _settings
+    from linbackprop._solve import _transforms
     seen = []
     make_plan = _plan.make_plan
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import jax
 import pytest
 
-from linbackprop._seed import main
+from linbackprop._pictures._seed_network import main
 
 pytestmark = pytest.mark.slow  # .ci/run's second interpreter skips these
 

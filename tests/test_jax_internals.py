@@ -14,7 +14,9 @@ import numpy as np
 import pytest
 
 import linbackprop as lbp
-from linbackprop import _plan, _settings, _stacking
+from linbackprop import _plan
+from linbackprop._graph import _buffers as _stacking
+from linbackprop._options import _settings
 
 UNCHANGED = """
 import jax
@@ -153,8 +155,7 @@ def test_the_forward_pass_replays_the_analysed_linearisation():
 def test_without_the_jaxpr_evaluation_the_ggn_diagonal_forms_every_cotangent(monkeypatch):
     """The GGN diagonal's outer-product rule reads the per-example VJP's jaxpr; if that fails, each
     example's cotangents are formed and squared: the same diagonal."""
-    from linbackprop import _outer
-
+    from linbackprop._engine import _outer_products as _outer
     net = lbp.Network([lbp.Layer(i, lambda th, u: jnp.tanh(u @ th[0]), (i - 1,), (lbp.Row("W", i - 1),))
                        for i in range(1, 4)], [0], 3)
     p, x = {"W": 0.5 * jnp.ones((3, 3, 3)) + jnp.eye(3)}, jnp.linspace(-1.0, 1.0, 15).reshape(5, 3)

@@ -100,16 +100,38 @@ def test_every_module_is_short():
     assert not long, f"modules over {MAX_LINES} lines: {long}"
 
 
-def _declared_layers() -> list[set[str]]:
-    """docs/architecture.md's table, top to bottom: each row's top-level modules and packages."""
+def _table_rows() -> list[str]:
+    """docs/architecture.md's layer table, top to bottom, one line per row."""
     lines = (PACKAGE.parent / "docs" / "architecture.md").read_text().splitlines()
-    start = lines.index("| module | layer | what it holds |") + 2
+    start = next(n for n, line in enumerate(lines) if line.startswith("| module | stage |")) + 2
     rows = []
     for line in lines[start:]:
         if not line.startswith("| `"):
             break
-        rows.append({name.removesuffix(".py").rstrip("/") for name in line.split("|")[1].split("`")[1::2]})
+        rows.append(line)
     return rows
+
+
+def _declared_layers() -> list[set[str]]:
+    """The table's rows: each row's top-level modules and packages."""
+    return [{name.removesuffix(".py").rstrip("/") for name in line.split("|")[1].split("`")[1::2]}
+            for line in _table_rows()]
+
+
+MAX_TOP_LEVEL = 14
+
+
+def test_one_package_per_stage():
+    """At most MAX_TOP_LEVEL entries at the top of linbackprop/, and every module of a package
+    is named (as `_module`) in its package's row of the layer table, so the page is a map."""
+    entries = sorted(p.name for p in PACKAGE.iterdir() if p.name != "__pycache__" and not p.name.startswith("."))
+    assert len(entries) <= MAX_TOP_LEVEL, entries
+    rows = {name: line for line, names in zip(_table_rows(), _declared_layers()) for name in names}
+    packages = [package for package in PACKAGE.iterdir() if (package / "__init__.py").exists()]
+    unnamed = sorted(f"{package.name}/{module.name}" for package in packages
+                     for module in package.glob("_*.py") if module.name != "__init__.py"
+                     and f"`{module.stem}`" not in rows[package.name].split("|", 3)[3])
+    assert not unnamed, f"modules the layer table does not name in their package's row: {unnamed}"
 
 
 def test_architecture_page_names_every_module_in_import_order():
@@ -126,3 +148,20 @@ def test_architecture_page_names_every_module_in_import_order():
                     if source.count(".") and target.count(".") and top(source) != top(target)
                     and row_of[top(target)] > row_of[top(source)])
     assert not upward, f"imports from a row below (reorder the page or the code): {upward}"
+
+
+def test_every_benchmark_module_imports():
+    """benchmarks/ is a package of row families on one timing helper: each module imports (the
+    rows themselves run in ``python benchmarks/run.py``, not here)."""
+    import importlib
+    import sys
+
+    sys.path.insert(0, str(PACKAGE.parent))
+    try:
+        names = sorted(p.stem for p in (PACKAGE.parent / "benchmarks").glob("*.py")
+                       if p.stem not in ("__init__", "kfac_jax_digits"))  # kfac-jax's side needs its own environment
+        for name in names:
+            importlib.import_module(f"benchmarks.{name}")
+    finally:
+        sys.path.remove(str(PACKAGE.parent))
+    assert {"timing", "models", "run", "tables"} <= set(names)

@@ -11,7 +11,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import linbackprop as lbp
-from linbackprop import _call, _plan
+from linbackprop import _plan
+from linbackprop._solve import _call
 
 
 class Model:

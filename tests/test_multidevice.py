@@ -97,8 +97,8 @@ import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 import linbackprop as lbp
 
-from linbackprop._policy import Policy
-from linbackprop._settings import Settings, using
+from linbackprop._options._policy import Policy
+from linbackprop._options._settings import Settings, using
 # checkpoints=2 as asked: the segments' shardings are under test
 using(Settings(policy=Policy(checkpoint_saving=float("inf"), checkpoint_bound=float("inf")))).__enter__()
 mesh = jax.make_mesh((8,), ("data",))  # Explicit axes, and no jax.set_mesh

@@ -90,7 +90,7 @@ def test_patterns(case):
 
 def test_gradient_by_the_formula(case):
     """∇θJ = ℳ Λ + ∇θℓ with ℒ* Λ = ∇Uℓ, assembled by hand from the public operators."""
-    from linbackprop._settings import calls_handled
+    from linbackprop._options._settings import calls_handled
 
     net = case.net
     lin = lbp.linearize(net, case.params, *case.inputs)

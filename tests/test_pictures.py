@@ -4,9 +4,9 @@ import matplotlib
 import pytest
 
 import linbackprop as lbp
-from linbackprop._demo import digits_network
-from linbackprop._layer import label
-from linbackprop._pictures import layout
+from linbackprop._graph._layer import label
+from linbackprop._pictures._demo import digits_network
+from linbackprop._pictures._plots import layout
 
 matplotlib.use("Agg")
 
@@ -97,9 +97,9 @@ def test_every_node_of_a_small_network_is_its_labels_own_box():
 
 
 def test_the_demo_figure_fills_its_dag_panel_and_explains_the_columns_of_m_star():
-    from linbackprop._demo import demo_figure
-    from linbackprop._linearization import linearize
-    from linbackprop._seed import seed_problem
+    from linbackprop._operators._linearization import linearize
+    from linbackprop._pictures._demo import demo_figure
+    from linbackprop._pictures._seed_network import seed_problem
 
     net, theta, u0, _ = seed_problem()
     fig = demo_figure(linearize(net, theta, u0), digits_network(), [1.0, 0.5, 0.25])

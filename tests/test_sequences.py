@@ -12,9 +12,9 @@ import pytest
 from trees import assert_trees_close
 
 import linbackprop as lbp
-from linbackprop._policy import POLICY, Policy
-from linbackprop._segments import split, units
-from linbackprop._settings import Settings, current, using
+from linbackprop._options._policy import POLICY, Policy
+from linbackprop._options._settings import Settings, current, using
+from linbackprop._solve._segments import split, units
 
 pytestmark = pytest.mark.usefixtures("always_checkpoint")  # the segments are under test
 

@@ -8,7 +8,7 @@ import pytest
 from trees import assert_trees_close
 
 import linbackprop as lbp
-from linbackprop._stacking import MANY, place, take
+from linbackprop._graph._buffers import MANY, place, take
 
 N = MANY + 4
 

@@ -11,7 +11,7 @@ from typing import Any
 import jax
 from jax.extend.core import Literal
 
-from .._traced import bind_equation
+from .._graph import bind_equation
 from ._marks import MARK
 
 

@@ -14,9 +14,7 @@ import jax
 import numpy as np
 from jax.extend.core import ClosedJaxpr, Literal
 
-from .._graph import Network
-from .._layer import Layer, Row
-from .._traced import Constant
+from .._graph import Constant, Layer, Network, Row
 from ._inlining import NoInput, ScanRows, evaluate_equations, inline_calls, marked_index
 
 

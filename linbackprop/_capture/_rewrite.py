@@ -14,8 +14,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from .._settings import settings_changed
-from .._traced import Constant
+from .._graph import Constant
+from .._options import settings_changed
 from ._marks import CAPTURING, Patched, capture_numbers
 from ._program import NETWORKS, Capture, Program, at_any_batch, build, shared_value
 

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from .._capture import rewrite
-from .._settings import Engine
+from .._options import Engine
 from ._ghost import ghost_clipped
 from ._per_example import ghost_norms, per_example_setup, squared_grad_norms
 from ._split import add_trees, normalise_argnums

@@ -12,8 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._layer import Stack
-from .._outer import weighted_square_sum
+from .._engine import weighted_square_sum
+from .._graph import Stack
 from ._per_example import Calls
 from ._split import Split
 

@@ -15,8 +15,8 @@ from jax.flatten_util import ravel_pytree
 
 from .._capture import rewrite
 from .._operators import LinearOperator
-from .._settings import Engine, ParamProducts, Schedule, plain
-from .._transforms import solve_mode
+from .._options import Engine, ParamProducts, Schedule, plain
+from .._solve import solve_mode
 from ._split import OnArguments, Split, add_trees, normalise_argnums
 
 

@@ -11,7 +11,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from .._settings import Engine
+from .._options import Engine
 from ._examples import ggn_squares, hessian_blocks, over_columns
 from ._split import normalise_argnums, on_model
 

@@ -26,10 +26,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._engine import Primal, exclusive_groups, member_vjp, param_kinds, read_rows, scatter_add, tangent_leaves
-from .._outer import OuterTerms, Products, squared_norms, squared_norms_and_products
+from .._engine import (
+    OuterTerms,
+    Primal,
+    Products,
+    exclusive_groups,
+    member_vjp,
+    param_kinds,
+    read_rows,
+    scatter_add,
+    squared_norms,
+    squared_norms_and_products,
+    tangent_leaves,
+)
+from .._options import Policy
 from .._plan import Plan, RowList
-from .._policy import Policy
 
 
 class ParamNorms:

@@ -13,7 +13,7 @@ from typing import Any, Literal, NamedTuple
 import jax
 
 from .._engine import ParamFactors
-from .._settings import Engine
+from .._options import Engine
 from ._examples import ggn_squares, hessian_blocks, over_columns
 from ._split import normalise_argnums, on_model
 

@@ -14,14 +14,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import Literal
 
-from .._call import output_tangents, outputs_of, prepare
-from .._engine import ParamSquares, back_substitution, param_adjoint, param_adjoint_per_example
-from .._graph import Network
-from .._layer import Stack
-from .._outer import depending
+from .._engine import ParamSquares, back_substitution, depending, param_adjoint, param_adjoint_per_example
+from .._graph import Network, Stack
+from .._options import Engine, current
 from .._plan import Plan, current_plan
-from .._settings import Engine, current
-from .._transforms import solve_mode
+from .._solve import output_tangents, outputs_of, prepare, solve_mode
 from ._ghost import ParamNorms, ghost_squares, weighted_by_example
 from ._separation import check_losses_keep_examples_apart, check_per_example
 from ._split import Split, add_trees, normalise_argnums, on_model

@@ -10,7 +10,7 @@ from typing import Any
 import jax
 
 from .._capture import rewrite
-from .._settings import calls_handled
+from .._options import calls_handled
 
 
 def normalise_argnums(argnums: int | Sequence[int]) -> tuple[tuple[int, ...], bool]:

@@ -24,21 +24,57 @@ forward pass and both substitutions), `_products` (the batched products per kind
 `_per_example` (ℳΛ split by example, the GGN diagonal's squares, the K-FAC factors).
 """
 
+from ._contractions import contracted_last
 from ._maps import LayerMaps, layer_maps
+from ._outer_products import (
+    OuterTerms,
+    Products,
+    depending,
+    squared_norms,
+    squared_norms_and_products,
+    weighted_square_sum,
+)
 from ._per_example import (
-    ParamFactors,
-    ParamSquares,
-    exclusive_groups,
-    member_vjp,
-    param_adjoint_per_example,
-    param_kinds,
-    tangent_leaves,
+           ParamFactors,
+           ParamSquares,
+           exclusive_groups,
+           member_vjp,
+           param_adjoint_per_example,
+           param_kinds,
+           tangent_leaves,
 )
 from ._products import param_adjoint, param_forward, state_product
 from ._rows import Primal, at_inputs, read_row, read_rows, scatter_add, take_rows, without_pad
 from ._sweeps import back_substitution, forward, forward_substitution
 
-__all__ = ["LayerMaps", "ParamFactors", "ParamSquares", "Primal", "at_inputs", "back_substitution", "exclusive_groups",
-           "forward", "forward_substitution", "layer_maps", "member_vjp", "param_adjoint", "param_adjoint_per_example",
-           "param_forward", "param_kinds", "read_row", "read_rows", "scatter_add", "state_product", "take_rows",
-           "tangent_leaves", "without_pad"]
+__all__ = [
+    "LayerMaps",
+    "OuterTerms",
+    "ParamFactors",
+    "ParamSquares",
+    "Primal",
+    "Products",
+    "at_inputs",
+    "back_substitution",
+    "contracted_last",
+    "depending",
+    "exclusive_groups",
+    "forward",
+    "forward_substitution",
+    "layer_maps",
+    "member_vjp",
+    "param_adjoint",
+    "param_adjoint_per_example",
+    "param_forward",
+    "param_kinds",
+    "read_row",
+    "read_rows",
+    "scatter_add",
+    "squared_norms",
+    "squared_norms_and_products",
+    "state_product",
+    "take_rows",
+    "tangent_leaves",
+    "weighted_square_sum",
+    "without_pad",
+]

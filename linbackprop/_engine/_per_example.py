@@ -13,10 +13,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._outer import SquareSums, weighted_square_sum
-from .._outer_factors import OuterFactors
 from .._plan import Group, Kind, Plan, analyse_kind, rebuilt_vjp
 from ._loop import layer_arguments, own_residuals
+from ._outer_factors import OuterFactors
+from ._outer_products import SquareSums, weighted_square_sum
 from ._rows import Primal, read_rows, scatter_add
 
 

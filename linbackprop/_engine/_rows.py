@@ -15,8 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from .._graph import index_row, update_row, zeros_of
 from .._plan import Plan, RowList, as_dtype
-from .._stacking import index_row, update_row, zeros_of
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["params", "states", "residuals"],

@@ -13,8 +13,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.extend.core import jaxpr_as_fun
 
+from .._graph import update_row
 from .._plan import Family, Kind, Plan, RowList, Sweep, Writes
-from .._stacking import update_row
 from ._loop import Step, layer_arguments, run_loop
 from ._maps import layer_maps
 from ._rows import (

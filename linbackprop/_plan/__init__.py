@@ -16,24 +16,21 @@ Modules, lowest first: `_groups` (buffers), `_residuals` (what a kind stores), `
 """
 
 from ._groups import (
-    Aval,
-    Group,
-    RowList,
-    as_dtype,
-    differentiable_dtype,
-    dtype_key,
-    float0_zeros,
-    leaf_aval,
-    weakly_typed,
+           Aval,
+           Group,
+           RowList,
+           as_dtype,
+           differentiable_dtype,
+           dtype_key,
+           float0_zeros,
+           leaf_aval,
+           weakly_typed,
 )
 from ._kinds import Family, Forwarding, Kind, MemberRows, Same, StepRows, Sweep, Writes, function_key, make_writes
 from ._layout import Plan
 from ._make import current_plan, make_plan, plan_for, plans_generation
 from ._residuals import CHEAP_PRIMITIVES, MAX_RECIPE_DEPTH, Recipe, Source, analyse_kind, avals_of, rebuilt_vjp
-from ._schedule import (
-    periodic_segments,
-    straight_line_kinds,
-)
+from ._schedule import periodic_segments, straight_line_kinds
 
 __all__ = ["CHEAP_PRIMITIVES", "MAX_RECIPE_DEPTH", "Aval",
            "Family", "Forwarding", "Group", "Kind", "MemberRows", "Plan", "Recipe", "RowList", "Same",

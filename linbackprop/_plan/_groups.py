@@ -13,8 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._layer import check_array_leaves
-from .._stacking import explicit_sharding, place, zeros_of
+from .._graph import check_array_leaves, explicit_sharding, place, zeros_of
 
 Aval = jax.ShapeDtypeStruct
 

@@ -13,7 +13,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from .._layer import Layer
+from .._graph import Layer
 from ._residuals import Recipe, Source, rebuilt_vjp
 
 

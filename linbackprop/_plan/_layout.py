@@ -12,10 +12,8 @@ from typing import Any
 
 import numpy as np
 
-from .._graph import Network
-from .._layer import Layer
-from .._policy import POLICY
-from .._stacking import take
+from .._graph import Layer, Network, take
+from .._options import POLICY
 from ._groups import Aval, Group, RowList
 from ._kinds import Family, Forwarding, Kind, Sweep, Writes, make_writes
 from ._schedule import periodic_segments

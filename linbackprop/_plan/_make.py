@@ -12,11 +12,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from .._graph import Network
-from .._layer import Layer, Row, Stack
-from .._policy import POLICY, Policy
-from .._stacking import explicit_sharding, mesh_of
-from .._traced import computation_of
+from .._graph import Layer, Network, Row, Stack, computation_of, explicit_sharding, mesh_of
+from .._options import POLICY, Policy
 from ._groups import Aval, Group, dtype_key
 from ._kinds import Kind, MemberRows, StepRows, function_key
 from ._layout import Plan

@@ -11,7 +11,7 @@ from typing import Any
 import jax
 from jax.extend.core import Literal
 
-from .._layer import Layer, call_layer
+from .._graph import Layer, call_layer
 from ._groups import Aval, leaf_aval
 
 

@@ -3,7 +3,7 @@ error, and calling one layer with errors that name it.
 
 U_i = Φ_i(S_i(θ), U_j for j in reads(i)): a [`Layer`][linbackprop.Layer] is one Φ_i with the
 names it reads and the parameter blocks S_i it selects; the graph that orders them is
-``_graph.Network``.
+``_network.Network``.
 """
 
 from __future__ import annotations
@@ -33,12 +33,17 @@ def check_array_leaves(tree: Any, where: str) -> None:
 class GraphError(ValueError):
     """An invalid network graph, raised at [`Network`][linbackprop.Network] construction.
 
+    A ``ValueError``: the message names the layer or state at fault and what to change.
+
+    Attributes:
+        args: ``(message,)``, as every exception's.
+
     Examples:
         >>> import linbackprop as lbp
         >>> lbp.Network([lbp.Layer("a", lambda th, u: u, ("a",))], inputs=["x"], outputs="a")
         Traceback (most recent call last):
         ...
-        linbackprop._layer.GraphError: Layer 'a' reads itself: a cycle. A layer reads earlier states only.
+        linbackprop._graph._layer.GraphError: Layer 'a' reads itself: a cycle. A layer reads earlier states only.
     """
 
 
@@ -151,6 +156,16 @@ class Layer:
         params: names of the parameter blocks this layer uses (S_i of the seed). A block may be
             shared by several layers, or appear twice in one layer. ``Row(name, i)`` names row i
             of a stacked block.
+
+    Attributes:
+        name: as given.
+        fn: as given.
+        reads: as given, a tuple.
+        params: as given, a tuple.
+
+    Raises:
+        TypeError: ``fn`` is not callable, ``reads`` or ``params`` is a single string or not a
+            sequence, a `Row` has no non-negative int index, or a name is not hashable.
 
     Examples:
         >>> import jax.numpy as jnp, linbackprop as lbp

@@ -8,12 +8,11 @@ from typing import Any
 
 import jax
 
-from ._call import prepare
-from ._graph import Network
-from ._layer import call_layer, layer_theta, resolve
-from ._operators import ParamOperator, StateOperator
-from ._plan import current_plan
-from ._settings import Settings, current
+from .._graph import Network, call_layer, layer_theta, resolve
+from .._options import Settings, current
+from .._plan import current_plan
+from .._solve import prepare
+from ._linear_operators import ParamOperator, StateOperator
 
 
 class Linearization:

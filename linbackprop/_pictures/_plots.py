@@ -13,9 +13,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from ._graph import Network
-from ._layer import Layer, Row, label
-from ._plan import function_key
+from .._graph import Layer, Network, Row, label
+from .._plan import function_key
 
 
 def _pyplot() -> Any:
@@ -60,7 +59,7 @@ def spy(op: Any, ax: Any = None, dense: bool = True, title: str | None = None) -
         >>> lin = lbp.linearize(net, {"W": jnp.eye(2)}, jnp.ones((3, 2)))
         >>> ax = lbp.spy(lin.L)  # doctest: +SKIP
     """
-    from ._operators import ParamOperator, StateOperator
+    from .._operators import ParamOperator, StateOperator
 
     if not isinstance(op, StateOperator | ParamOperator):
         raise TypeError(f"spy draws lin.L, lin.L.T, lin.M or lin.M.T, got {type(op).__name__}.")

@@ -5,7 +5,7 @@ call differentiated by the linear solve (`_call`: the call's JVP rule is the for
 Because everything is a JVP rule plus transposition, jit, vmap, jvp-of-grad (Hessian-vector
 products) and jax.hessian all compose. Outside these transforms a Network call is plain JAX code,
 so ``jax.grad`` of the same function is the independent reference. A transform enters the solve
-mode with its settings, both context values in jit's key (`_settings`), so
+mode with its settings, both context values in jit's key (`_options._settings`), so
 ``grad_by_solve(jax.jit(f))`` traces ``f`` again instead of reusing a plain trace.
 """
 
@@ -17,9 +17,9 @@ from typing import Any
 
 import jax
 
+from .._capture import rewrite
+from .._options import Engine, ParamProducts, Schedule, Settings, solving_with
 from ._call import network_call
-from ._capture import rewrite
-from ._settings import Engine, ParamProducts, Schedule, Settings, solving_with
 
 
 def solve_mode(fun: Callable, settings: Settings | None = None, /, **options: Any) -> Callable:

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.extend.core import Literal
 
-from ._traced import bind_equation
+from .._graph import bind_equation
 
 # Operations that move or copy entries without combining them: squaring commutes with them, and so
 # does summing over the examples.

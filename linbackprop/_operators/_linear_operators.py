@@ -16,11 +16,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.flatten_util import ravel_pytree
 
-from ._engine import Primal, back_substitution, forward_substitution, param_adjoint, param_forward, state_product
-from ._graph import Network
-from ._layer import Row, block_of
-from ._plan import Plan
-from ._render import block_matrix_text
+from .._engine import Primal, back_substitution, forward_substitution, param_adjoint, param_forward, state_product
+from .._graph import Network, Row, block_matrix_text, block_of
+from .._plan import Plan
 
 
 class LinearOperator(abc.ABC):

@@ -11,10 +11,10 @@ from typing import Any
 import jax
 import numpy as np
 
-from ._plan import Plan
+from .._graph import under_vmap
+from .._options import Settings
+from .._plan import Plan
 from ._segments import rows_cut, segment_length, split
-from ._settings import Settings
-from ._stacking import under_vmap
 
 
 def nbytes(tree: Any) -> int:

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.extend.core import Literal
 
-from ._outer import evaluate, leaf_terms
+from ._outer_products import evaluate, leaf_terms
 
 
 class Term(NamedTuple):

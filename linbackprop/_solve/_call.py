@@ -4,7 +4,7 @@
     ℒ Z = ℳ* h + E₀ dU₀        (forward substitution; E₀ places the input tangents)
     outputs' tangents = 𝒫 Z
 
-is the call's JVP rule, and the solve is a linear-solve primitive of our own (``_solve``) whose
+is the call's JVP rule, and the solve is a linear-solve primitive of our own (``_primitive``) whose
 transpose is the back substitution ℒ* Λ = 𝒫* ḡ. Reverse mode is JAX transposing that rule: the
 back substitution runs, then ℳ Λ — the transpose of the batched ℳ* h — is applied to all layers of
 a kind at once, after the loop (or in it: `params_in_loop`). Under ``jvp_by_solve`` alone, whose
@@ -28,22 +28,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax.custom_derivatives import SymbolicZero
 
+from .._engine import Primal, forward, param_forward, read_row, read_rows
+from .._graph import Network, Stack, explicit_sharding, mesh_of, take, zeros_of
+from .._options import Settings, current, settings_changed
+from .._plan import Plan, RowList, current_plan, differentiable_dtype, plan_for, plans_generation
 from ._checkpoint import checkpointed_call
-from ._engine import (
-    Primal,
-    forward,
-    param_forward,
-    read_row,
-    read_rows,
-)
-from ._graph import Network
-from ._layer import Stack
-from ._memory import checkpoint_levels, params_in_loop
-from ._plan import Plan, RowList, current_plan, differentiable_dtype, plan_for, plans_generation
+from ._memory_model import checkpoint_levels, params_in_loop
+from ._primitive import solve
 from ._segments import row_spans
-from ._settings import Settings, current, settings_changed
-from ._solve import solve
-from ._stacking import explicit_sharding, mesh_of, take, zeros_of
 
 
 def network_call(net: Network, theta: dict, inputs: tuple[Any, ...]) -> Any:
@@ -321,7 +313,7 @@ def _jvp_by_linear_solve(plan: Plan, settings: Settings, theta: dict, inputs: tu
     if rhs_full and not compact:
         rhs = param_forward(plan, prim, plan.pack_params(_instantiate(dtheta), tangent=True), rhs)
     # Parts of rhs built from symbolic zeros alone are constants: the solve's transpose gives
-    # them no cotangent (see _solve).
+    # them no cotangent (see _primitive).
     if in_loop:
         z = solve_joint(plan, prim, plan.pack_params(_instantiate(dtheta), tangent=True), rhs, compact)
     elif rhs_full and compact:  # ℳ* h batched before the loop inside the solve: its transpose forms ℳΛ

@@ -18,7 +18,7 @@ import jax
 from jax import lax
 from jax.extend.core import Literal
 
-from ._traced import bind_equation
+from .._graph import bind_equation
 
 
 def contracted_last(fn: Callable, min_size: int, max_size: int) -> Callable:

@@ -15,10 +15,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._graph import Network
-from ._layer import Layer
-from ._linearization import linearize
-from ._transforms import grad_by_solve
+from .._graph import Layer, Network
+from .._operators import linearize
+from .._solve import grad_by_solve
 
 D = [5, 4, 4, 4, 4, 3, 1]  # feature sizes of U₀, …, U₆
 W = [[(0, 1)], [(1, 2)], [(2, 3), (1, 6)], [(3, 3)], [(4, 4), (2, 7)], [(5, 5), (3, 8)]]  # j => k

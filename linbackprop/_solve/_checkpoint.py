@@ -34,11 +34,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ._graph import Network, stack_states
-from ._layer import Stack
-from ._policy import POLICY
+from .._graph import Network, Stack, stack_states, under_vmap
+from .._options import POLICY
 from ._segments import Segment, split, units
-from ._stacking import under_vmap
 
 # ``call(net, theta, inputs, offsets)`` runs one network; ``offsets`` maps names of stacked inputs
 # given whole (larger than the network reads) to the row where the network's row 0 is.

@@ -20,9 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from ._graph import Network
-from ._layer import Layer
-from ._transforms import value_and_grad_by_solve
+from .._graph import Layer, Network
+from .._solve import value_and_grad_by_solve
 
 
 def dense(theta: tuple, x: jax.Array) -> jax.Array:
@@ -143,7 +142,7 @@ def demo_figure(seed_lin: Any, net: Network, losses: list[float]) -> Any:
     """The demo's matplotlib figure (see `figure`)."""
     import matplotlib.pyplot as plt
 
-    from ._pictures import plot_network, spy
+    from ._plots import plot_network, spy
 
     fig = plt.figure(figsize=(11, 8.6))
     grid = fig.add_gridspec(2, 2, height_ratios=[5, 2.6])

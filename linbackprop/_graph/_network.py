@@ -4,7 +4,7 @@ A [`Network`][linbackprop.Network] only knows names and functions; shapes are lo
 Called plainly it is ordinary JAX code (a Python loop over its layers in topological order),
 so ``jax.grad`` of a function that calls it is the independent reference for the solve.
 Inside [`grad_by_solve`][linbackprop.grad_by_solve] and friends the same call is differentiated by
-solving with ℒ = I − D_UΦ instead (see ``_transforms.py``).
+solving with ℒ = I − D_UΦ instead (see ``_solve/_transforms.py``).
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from .._options import call_handler, calls_handled, solver
+from ._buffers import take
 from ._layer import GraphError, Layer, Row, Stack, block_of, call_layer, check_array_leaves, label, layer_theta
-from ._settings import call_handler, calls_handled, solver
-from ._stacking import take
 
 __all__ = ["Network", "stack_states"]
 
@@ -68,6 +68,19 @@ class Network:
     Raises:
         GraphError: duplicate names, reads of unknown states, cycles (self-reads included),
             unknown outputs, a layer named like an input.
+
+    Attributes:
+        layers: the layers in topological order.
+        order: their names, in that order (the block rows of ℒ after the inputs).
+        inputs: the input states' names.
+        outputs: the names of the states a call returns (a `Stack`'s names flattened in).
+        output_spec: the outputs as given (names and `Stack` s).
+        single_output: whether ``net(...)`` returns one item rather than a tuple.
+        param_names: the parameter blocks the layers use, in order of first use (θ's blocks).
+        stacked_blocks: the blocks some layer uses by `Row`.
+        stacked_inputs: the inputs some layer reads by `Row`.
+        live: the network without the layers that reach no output (None where every output is an
+            input): what the solve runs.
 
     A network is immutable and hashable: close over it or pass it as a static argument.
 
@@ -300,7 +313,7 @@ class Network:
     def __call__(self, params: Mapping[Hashable, Any], *inputs: Any) -> Any:
         """The output state(s). Differentiated by the solve inside ``grad_by_solve``.
 
-        How the call runs is read from two context values (`_settings`), not installed: a
+        How the call runs is read from two context values (`_options._settings`), not installed: a
         curvature transform's handler splitting a function takes the call whole (and calls the
         network again inside, with no handler); otherwise, after the arguments are checked, the
         transforms' solver runs it in solve mode, or it is the plain forward substitution.

@@ -14,7 +14,7 @@ bound on the leaves of the stored linearisation (``Primal``) and of b. Its rules
 - batching: one more ``jax.vmap`` level around the same substitutions; b is batched wherever the
   linearisation is, so the solution and the cotangents always are.
 
-A primitive of our own (through ``jax.extend``, as ``_stacking``'s) keeps JAX unchanged: no
+A primitive of our own (through ``jax.extend``, as ``_graph._buffers``'s) keeps JAX unchanged: no
 other user of ``custom_linear_solve`` sees these rules.
 """
 
@@ -31,11 +31,11 @@ import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
-from ._contractions import contracted_last
-from ._engine import (
+from .._engine import (
     Primal,
     at_inputs,
     back_substitution,
+    contracted_last,
     forward_substitution,
     param_adjoint,
     param_forward,
@@ -43,8 +43,8 @@ from ._engine import (
     take_rows,
     without_pad,
 )
-from ._plan import Plan
-from ._stacking import mesh_of, zeros_of
+from .._graph import mesh_of, zeros_of
+from .._plan import Plan
 
 
 @dataclasses.dataclass(frozen=True)

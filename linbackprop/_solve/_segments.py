@@ -10,9 +10,8 @@ import dataclasses
 import functools
 from collections.abc import Hashable
 
-from ._graph import Network
-from ._layer import Layer, Row
-from ._policy import POLICY
+from .._graph import Layer, Network, Row
+from .._options import POLICY
 
 
 @dataclasses.dataclass(frozen=True)
