@@ -132,3 +132,39 @@ def test_every_transform_and_linearize_see_the_settings_they_were_given(monkeypa
             if run is not cases[-1][0]:  # linearize enters no context: it passes its settings down
                 assert {s for _, s in seen} == {expected}, (expected, seen)
             assert {e for e, _ in seen} == {expected.engine}, (expected, seen)
+
+
+def test_the_solve_variant_is_decided_once_and_runs_as_decided(monkeypatch):
+    """`solve_variant` is the one place that decides how a call's linear part is solved; the
+    variant it returns is what the solve primitive gets (recorded where `_call` asks), for each
+    kind of call, and each gives jax.grad's gradient."""
+    from linbackprop._solve import _call
+    from linbackprop._solve._variant import Params, SolveVariant
+
+    asked = []
+    decide = _call.solve_variant
+
+    def recording(plan, settings, moves_params):
+        asked.append(decide(plan, settings, moves_params))
+        return asked[-1]
+
+    monkeypatch.setattr(_call, "solve_variant", recording)
+    layers = [lbp.Layer(i, lambda th, u: jnp.tanh(u @ th[0]), (i - 1,), (lbp.Row("W", i - 1),)) for i in range(1, 9)]
+    net = lbp.Network(layers, [0], 8)
+    p, x = {"W": 0.5 * jax.random.normal(jax.random.key(0), (8, 3, 3))}, jnp.ones((2, 3))
+    loss = lambda p, x: jnp.sum(net(p, x) ** 2)
+    cases = {
+        "loop": (dict(engine="loop"), 0, (Params.AFTER, True)),
+        "in the loop": (dict(engine="loop", param_products="in_loop"), 0, (Params.IN_LOOP, True)),
+        "unrolled": (dict(engine="unrolled", param_products="after"), 0, (Params.AFTER, False)),
+        "inputs only": (dict(engine="loop"), 1, (Params.NONE, True)),
+    }
+    for name, (options, argnums, (params, compact)) in cases.items():
+        asked.clear()
+        got = jax.jit(lbp.grad_by_solve(loss, argnums=argnums, **options))(p, x)
+        want = jax.grad(loss, argnums=argnums)(p, x)
+        assert len(asked) == 1, (name, asked)  # one decision per call traced
+        assert (asked[0].params, asked[0].compact) == (params, compact), (name, asked[0])
+        assert_trees_close(got, want, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="carried_back"):
+        SolveVariant(Params.IN_LOOP, True, carried_back=True)

@@ -247,7 +247,7 @@ def forward_substitution(plan: Plan, prim: Primal, rhs: list[Any], h: list[Any] 
     writes is set, not added to). Returns that layout, its pad row zero. With ``rhs_full`` rhs is
     in the full layout and read at every row (ℳ* h formed before the loop): Z_i = rhs_i + ..., Z
     still compact."""
-    compact = compact and not plan.unrolled  # unrolled: rows are values XLA drops where unread
+    assert not (compact and plan.unrolled), "compact is the loop engine's layout (the SolveVariant's)"
     zplan = plan.compact if compact else plan
     writes = zplan.writes(Sweep.FORWARD_SUBSTITUTION)
     everywhere = rhs if compact and rhs_full else None
@@ -336,7 +336,7 @@ def back_substitution(plan: Plan, prim: Primal, rhs: list[Any], grads: list[Any]
     its input's row: a round trip through the buffer that dominates latency-bound steps.
     """
     in_loop = grads is not None
-    compact = compact and not plan.unrolled
+    assert not (compact and plan.unrolled), "compact is the loop engine's layout (the SolveVariant's)"
     assert not (every_row and (in_loop or not compact)), "every_row: a compact solve without ℳΛ in the loop"
     zplan = plan.compact if compact else plan
     absent = frozenset(g for g, b in enumerate(rhs) if b is None)  # no cotangent wanted (or none exists)

@@ -7,7 +7,7 @@
 is the call's JVP rule, and the solve is a linear-solve primitive of our own (``_primitive``) whose
 transpose is the back substitution ℒ* Λ = 𝒫* ḡ. Reverse mode is JAX transposing that rule: the
 back substitution runs, then ℳ Λ — the transpose of the batched ℳ* h — is applied to all layers of
-a kind at once, after the loop (or in it: `params_in_loop`). Under ``jvp_by_solve`` alone, whose
+a kind at once, after the loop (or in it: the call's `SolveVariant`). Under ``jvp_by_solve`` alone, whose
 tangents are never transposed, the rule runs the substitution inside the forward loop instead (one
 JVP per layer, nothing stored).
 
@@ -28,14 +28,15 @@ import jax.numpy as jnp
 import numpy as np
 from jax.custom_derivatives import SymbolicZero
 
-from .._engine import Primal, forward, param_forward, read_row, read_rows
+from .._engine import Primal, forward, read_row, read_rows
 from .._graph import Network, Stack, explicit_sharding, mesh_of, take, zeros_of
 from .._options import Settings, current, settings_changed
 from .._plan import Plan, RowList, current_plan, differentiable_dtype, plan_for, plans_generation
 from ._checkpoint import checkpointed_call
-from ._memory_model import checkpoint_levels, params_in_loop
+from ._memory_model import checkpoint_levels
 from ._primitive import solve
 from ._segments import row_spans
+from ._variant import Params, solve_variant
 
 
 def network_call(net: Network, theta: dict, inputs: tuple[Any, ...]) -> Any:
@@ -173,25 +174,6 @@ def _forward_pass_jvp(plan: Plan, residuals: bool, primals: tuple, tangents: tup
     return jax.jvp(lambda p, s: forward(plan, p, s, residuals=residuals), primals, tangents)
 
 
-def solve_joint(plan: Plan, prim: Primal, h: list[Any], rhs: list[Any], compact: bool = False) -> list[Any]:
-    """Z with ℒ Z = rhs + ℳ* h, as one solve over (h, Z) that forms ℳ* h in the loop, and whose
-    transpose forms ℳΛ in the loop.
-
-    The joint matrix [[I, 0], [−ℳ*, ℒ]] is unit lower triangular too: the forward substitution
-    adds ∂Φ_i/∂θ h at step i, and its transpose [[I, −ℳ], [0, ℒ*]] is solved by the back
-    substitution for Λ with ℳΛ accumulated step by step, both from the same linearisation of each
-    layer (the in-loop alternative to the batched ℳ* and ℳ). ``compact``: rhs (at the input rows)
-    and Z in the layout of ``plan.compact``.
-    """
-    return solve(plan, prim, (h, rhs), joint=True, compact=compact)[1]
-
-
-def solve_forward(plan: Plan, prim: Primal, rhs: list[Any], compact: bool = False) -> list[Any]:
-    """Z with ℒ Z = rhs, differentiable in rhs (transpose: back substitution) and in prim.
-    ``compact``: Z and rhs in the layout of ``plan.compact``."""
-    return solve(plan, prim, rhs, compact=compact)
-
-
 def _call_by_solve(net: Network, theta: dict, inputs: tuple) -> tuple[Any, ...]:
     """The call's outputs (the primal of the custom JVP made per network in ``_jitted_call_by_solve``)."""
     return _outputs_by_solve(net, theta, inputs, current())
@@ -292,39 +274,24 @@ def _jvp_in_forward_sweep(plan: Plan, theta: dict, inputs: tuple, dtheta: dict, 
 def _jvp_by_linear_solve(plan: Plan, settings: Settings, theta: dict, inputs: tuple, dtheta: dict,
                          dinputs: tuple) -> tuple:
     """The forward pass with residuals, then ℒ Z = ℳ* h + E₀ dU₀ as a transposable linear solve:
-    reverse mode is its transpose, the back substitution (with ℳΛ batched after it, the transpose
-    of the batched ℳ* h, or formed in the loop: ``solve_joint``)."""
+    reverse mode is its transpose, the back substitution, with ℳΛ where the call's `SolveVariant`
+    forms it (batched after it, the transpose of the batched ℳ* h, or in the loop)."""
     net = plan.net
     prim = prepare(net, theta, inputs, settings)[1]
-    moves_params = _moves_params(net, dtheta)
-    in_loop = (moves_params and params_in_loop(plan, settings, settings.segments)
-               and all(g.differentiable for g in plan.param_groups))
-    # The solve keeps Z only where it is read again or returned (plan.compact): a chain carries
-    # Z_i from step to step instead of writing a [depth, batch, width] buffer for every product.
-    # rhs is in that layout too (at the input rows alone), but where ℳ* h is formed before the
-    # loop (``rhs_full``: every row).
-    compact = not plan.unrolled
-    rhs_full = moves_params and not in_loop
-    layout = plan.compact if compact and not rhs_full else plan  # of rhs
+    variant = solve_variant(plan, settings, _moves_params(net, dtheta))
+    # rhs in the layout of Z (compact: at the input rows alone), but where ℳ* h is formed before
+    # the loop (rhs_full: every row of the full layout).
+    layout = plan.compact if variant.compact and not variant.rhs_full else plan
     rhs = _input_tangents(layout, dinputs)
-    if moves_params:  # the groups without input tangents start from zeros made in the linear program
+    h = None
+    if variant.params is not Params.NONE:  # groups without input tangents: zeros made in the linear program
         given = {layout.state_loc[name][0] for name, dx in zip(net.inputs, dinputs) if not _is_zero(dx)}
         rhs = _zeros_made_with(_anchor(dtheta, dinputs), rhs, keep=given)
-    if rhs_full and not compact:
-        rhs = param_forward(plan, prim, plan.pack_params(_instantiate(dtheta), tangent=True), rhs)
+        h = plan.pack_params(_instantiate(dtheta), tangent=True)
     # Parts of rhs built from symbolic zeros alone are constants: the solve's transpose gives
     # them no cotangent (see _primitive).
-    if in_loop:
-        z = solve_joint(plan, prim, plan.pack_params(_instantiate(dtheta), tangent=True), rhs, compact)
-    elif rhs_full and compact:  # ℳ* h batched before the loop inside the solve: its transpose forms ℳΛ
-        policy, backend = settings.policy, jax.default_backend()
-        h = plan.pack_params(_instantiate(dtheta), tangent=True)
-        z = solve(plan, prim, (h, rhs), joint=True, compact=True, rhs_full=True,
-                  carried_back=policy.carried_back_pays(plan.compact.state_elements, plan.state_elements),
-                  contract_first=policy.contract_first_rows(backend))[1]
-    else:
-        z = solve_forward(plan, prim, rhs, compact)
-    layout = plan.compact if compact else plan  # of Z
+    z = solve(plan, prim, h, rhs, variant)
+    layout = plan.compact if variant.compact else plan  # of Z
     return _outputs(plan, prim.states), output_tangents(layout, z)
 
 

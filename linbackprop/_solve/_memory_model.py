@@ -1,6 +1,6 @@
-"""What a network call keeps: where ℳΛ is formed (which decides whether the back substitution
-keeps every Λ), and the memory model of checkpointed calls (whether checkpointing keeps less, and
-the levels of the nested schedule). The thresholds are the settings' `Policy`.
+"""What a checkpointed network call keeps: its memory model (whether checkpointing keeps less, and
+the levels of the nested schedule), counting what the call's `SolveVariant` keeps. The thresholds
+are the settings' `Policy`.
 """
 
 from __future__ import annotations
@@ -15,31 +15,12 @@ from .._graph import under_vmap
 from .._options import Settings
 from .._plan import Plan
 from ._segments import rows_cut, segment_length, split
+from ._variant import Params, solve_variant
 
 
 def nbytes(tree: Any) -> int:
     """Bytes of the leaves of ``tree`` (arrays or abstract values)."""
     return sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for a in jax.tree.leaves(tree))
-
-
-def params_in_loop(plan: Plan, settings: Settings, checkpointed: bool = False) -> bool:
-    """Whether ℳΛ is formed in the back substitution for ``plan`` (`Policy.params_in_loop`,
-    from the plan's shapes on the default backend)."""
-    return settings.policy.params_in_loop(settings.param_products, settings.remat, unrolled=plan.unrolled,
-                                          shared=plan.params_shared_by_members,
-                                          largest_state=_largest_state(plan), backend=jax.default_backend(),
-                                          checkpointed=checkpointed)
-
-
-def _largest_state(plan: Plan) -> tuple[int, int]:
-    """(elements, rows) of the largest state of any kind (rows: of its largest leaf, the elements
-    over the last axis)."""
-    def size(a: Any) -> int:
-        return int(np.prod(a.shape))
-
-    leaves = max((jax.tree.leaves(k.out_aval) for k in plan.kinds), key=lambda ls: sum(map(size, ls)))
-    leaf = max(leaves, key=size)
-    return sum(map(size, leaves)), size(leaf) // leaf.shape[-1] if leaf.shape and leaf.shape[-1] else 1
 
 
 def checkpoint_levels(plan: Plan, theta: dict, inputs: tuple, settings: Settings) -> tuple[int, ...] | None:
@@ -109,7 +90,7 @@ def checkpoint_memory_ratio(plan: Plan, theta: dict, inputs: tuple, levels: tupl
         cut += 2 * nbytes(source) * rows // max(jax.tree.leaves(source)[0].shape[0], 1)
     checkpointed = 2 * kept + below + 2 * leaf * plain / len(layers) + cut + param_cotangents
     segment_rows = 2 * leaf * _own_param_row_bytes(plan) / len(layers)
-    least = states + residuals if params_in_loop(plan, settings) else plain
+    least = states + residuals if solve_variant(plan, settings, True).params is Params.IN_LOOP else plain
     return checkpointed / plain, (checkpointed + segment_rows) / least
 
 

@@ -45,6 +45,7 @@ from .._engine import (
 )
 from .._graph import mesh_of, zeros_of
 from .._plan import Plan
+from ._variant import Params, SolveVariant
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,8 +68,8 @@ class System:
 
     plan: Plan
     joint: bool
-    prim_tree: Any
-    b_tree: Any
+    prim_tree: Any = None
+    b_tree: Any = None
     compact: bool = False
     rhs_full: bool = False  # with compact: b in the full layout, read at every row: x = P ℒ⁻¹ b
     carried_back: bool = False  # with rhs_full: the transpose solved in the compact layout (Λ at every row)
@@ -112,14 +113,13 @@ def _solve_fn(system: System, transposed: bool) -> Callable[[Primal, Any], Any]:
             return solve_t
         return lambda prim, b: (b[0], forward_substitution(plan, prim, param_forward(plan, prim, b[0], b[1]),
                                                            compact=True, rhs_full=True))
-    if system.rhs_full:  # forward: rhs read at every row, Z compact; transposed: Pᵀ then all of Λ
-        if transposed and system.carried_back:  # ℒ⁻* Pᵀ b in the compact layout, Λ at every row
+    if system.rhs_full:  # only as the transposed part of the joint system above: Pᵀ, then all of Λ
+        assert transposed, "a non-joint system with rhs_full is never bound"
+        if system.carried_back:  # ℒ⁻* Pᵀ b in the compact layout, Λ at every row
             return lambda prim, b: back_substitution(plan, prim, b, compact=True, every_row=True)
-        if transposed:
-            full = _solve_fn(dataclasses.replace(system, compact=False, rhs_full=False), transposed)
-            into, _ = _layouts(system, transposed)
-            return lambda prim, b: full(prim, into(b))
-        return lambda prim, b: forward_substitution(plan, prim, b, compact=True, rhs_full=True)
+        full = _solve_fn(dataclasses.replace(system, compact=False, rhs_full=False), transposed)
+        into, _ = _layouts(system, transposed)
+        return lambda prim, b: full(prim, into(b))
     if not system.joint:
         if transposed:
             return lambda prim, b: back_substitution(plan, prim, b, compact=compact)
@@ -282,19 +282,25 @@ ad.primitive_transposes[solve_p] = _transpose
 batching.primitive_batchers[solve_p] = _batch
 
 
-def solve(plan: Plan, prim: Primal, b: Any, joint: bool = False, compact: bool = False,
-          rhs_full: bool = False, carried_back: bool = False,
-          contract_first: tuple[int, int] | None = None) -> Any:
-    """A⁻¹ b for A = ℒ (``joint``: [[I, 0], [−ℳ*, ℒ]] on b = (h, rhs)), by forward substitution,
-    differentiable in b (transpose: the back substitution) and in the linearisation.
-    ``compact``: rhs and the solution in the layout of ``plan.compact``; with ``rhs_full`` rhs in
-    the full layout, and with ``carried_back`` the transpose carries Λ; ``joint`` with
-    ``rhs_full``: ℳ* h formed before the loop, ℳΛ after it (see `System`)."""
+def solve(plan: Plan, prim: Primal, h: list[Any] | None, rhs: list[Any], variant: SolveVariant) -> list[Any]:
+    """Z with ℒ Z = rhs + ℳ* h (without h: ℒ Z = rhs), solved as ``variant`` says (`SolveVariant`,
+    decided by `solve_variant`; nothing here decides again): by forward substitution,
+    differentiable in (h, rhs) — the transpose is the back substitution, with ℳΛ where the
+    variant forms it — and in the linearisation. With ``variant.compact`` Z is in the layout of
+    ``plan.compact``, and so is rhs (at its input rows) unless ``variant.rhs_full``."""
+    if variant.params is Params.NONE:
+        return _bind(System(plan, False, compact=variant.compact), prim, rhs)
+    if variant.params is Params.AFTER and not variant.compact:  # ℳ* h before the solve: JAX transposes it
+        return _bind(System(plan, False), prim, param_forward(plan, prim, h, rhs))
+    system = System(plan, True, compact=variant.compact, rhs_full=variant.rhs_full,
+                    carried_back=variant.carried_back, contract_first=variant.contract_first)
+    return _bind(system, prim, (h, rhs))[1]
+
+
+def _bind(system: System, prim: Primal, b: Any) -> Any:
+    """``solve_p`` bound on flat leaves, the trees' structures set in ``system``."""
     prim_leaves, prim_tree = jax.tree.flatten(prim)
     b_leaves, b_tree = jax.tree.flatten(b)
-    compact = compact and not plan.unrolled
-    rhs_full = rhs_full and compact
-    system = System(plan, joint, prim_tree, b_tree, compact, rhs_full, carried_back and rhs_full,
-                    contract_first if joint and rhs_full else None)
+    system = dataclasses.replace(system, prim_tree=prim_tree, b_tree=b_tree)
     out = solve_p.bind(*prim_leaves, *b_leaves, system=system, transposed=False, axes=())
     return jax.tree.unflatten(b_tree, out)
