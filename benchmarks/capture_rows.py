@@ -97,7 +97,7 @@ def eager_rows(repeats: int) -> list[tuple[str, str, str]]:
     """Outside the user's jit every call that enters the solve traces each kind of layer once
     more, to find a stale plan (a global a layer reads changed): that check's time against an
     eager grad_by_solve step (no jit of the user's) and an eager jax.grad step."""
-    from linbackprop._graph import _computation as _traced
+    from linbackprop._graph import _jaxprs as _traced
     from linbackprop._solve import _call
     rows = []
     for name, made in (("chain 16×64×32", lambda: chain(16, 64, 32)),

@@ -159,22 +159,29 @@ def test_pages_name_no_path_outside_the_repository(page):
     assert not re.search(r"\.\./shared|/work/|/root/|/home/|/tmp/", text), page
 
 
-@pytest.mark.parametrize("name", lbp.__all__)
-def test_public_names_document_their_parameters(name):
-    """mkdocstrings renders Google style's sections as tables: a function's every parameter in
-    ``Args:`` and its result in ``Returns:``; a class's ``Attributes:`` (or, built from
-    arguments, ``Args:``). Exceptions are their message."""
-    obj = getattr(lbp, name)
-    doc = inspect.getdoc(obj) or ""
-    if inspect.isclass(obj):
-        assert issubclass(obj, Exception) or "Attributes:" in doc or "Args:" in doc, name
-        return
-    parameters = [p for p in inspect.signature(obj).parameters.values()]
+def _documents_its_parameters(where: str, fn, doc: str) -> None:
+    parameters = [p for p in inspect.signature(fn).parameters.values() if p.name not in ("self", "cls")]
     if parameters:
         args = doc.split("Args:", 1)[1].split("\n\n", 1)[0] if "Args:" in doc else ""
         for p in parameters:
             label = {p.VAR_POSITIONAL: f"*{p.name}", p.VAR_KEYWORD: f"**{p.name}"}.get(p.kind, p.name)
-            assert re.search(rf"^    {re.escape(label)}:", args, flags=re.M), f"{name}: Args lacks {label}"
+            assert re.search(rf"^    {re.escape(label)}:", args, flags=re.M), f"{where}: Args lacks {label}"
+
+
+@pytest.mark.parametrize("name", lbp.__all__)
+def test_public_names_document_their_parameters(name):
+    """mkdocstrings renders Google style's sections as tables: a function's every parameter in
+    ``Args:`` and its result in ``Returns:``; a class's ``Attributes:``, and every parameter of
+    its public methods in their ``Args:``."""
+    obj = getattr(lbp, name)
+    doc = inspect.getdoc(obj) or ""
+    if inspect.isclass(obj):
+        assert "Attributes:" in doc, name
+        for method, fn in inspect.getmembers(obj, predicate=inspect.isfunction):
+            if not method.startswith("_"):
+                _documents_its_parameters(f"{name}.{method}", fn, inspect.getdoc(fn) or "")
+        return
+    _documents_its_parameters(name, obj, doc)
     assert "Returns:" in doc, name
 
 

@@ -11,15 +11,7 @@ from typing import Any
 import jax
 from jax.extend.core import Literal
 
-from .._graph import bind_equation
 from ._marks import MARK
-
-
-def evaluate_equations(eqns: Sequence[Any], env: dict) -> None:
-    """Run equations in order in ``env`` (var -> value), as ``jax.core.eval_jaxpr`` does."""
-    for eqn in eqns:
-        outs = bind_equation(eqn, [a.val if isinstance(a, Literal) else env[a] for a in eqn.invars])
-        env.update(zip(eqn.outvars, outs if eqn.primitive.multiple_results else [outs]))
 
 
 class NoInput:

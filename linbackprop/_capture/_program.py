@@ -14,8 +14,8 @@ import jax
 import numpy as np
 from jax.extend.core import ClosedJaxpr, Literal
 
-from .._graph import Constant, Layer, Network, Row
-from ._inlining import NoInput, ScanRows, evaluate_equations, inline_calls, marked_index
+from .._graph import Constant, Layer, Network, Row, read, run_equations
+from ._inlining import NoInput, ScanRows, inline_calls, marked_index
 
 
 # -- the captured program -----------------------------------------------------------------------------
@@ -68,23 +68,22 @@ class Program:
         """The values after the equations before the network, by variable."""
         env: dict[Any, Any] = dict(zip(self.constvars, self.consts))
         env.update(zip(self.invars, leaves))
-        evaluate_equations(self.before, env)
+        run_equations(self.before, env)
         return env
 
     def run(self, leaves: Sequence[Any]) -> list[Any]:
         env = self._before(leaves)
-        read = lambda a: a.val if isinstance(a, Literal) else env[a]
-        inputs = [read(a) for a in self.input_atoms]
+        inputs = [read(env, a) for a in self.input_atoms]
         outs = self.net({name: env[v] for name, v in zip(self.net.param_names, self.block_vars)}, *inputs)
         outs = (outs,) if self.net.single_output else outs
         for state, vars_ in zip(outs, self.output_vars):
             env.update(zip(vars_, state))
-        evaluate_equations(self.after, env)
-        return [read(a) for a in self.outvars]
+        run_equations(self.after, env)
+        return [read(env, a) for a in self.outvars]
 
     def inputs_of(self, leaves: Sequence[Any]) -> tuple[Any, ...]:
         env = self._before(leaves)
-        return tuple(a.val if isinstance(a, Literal) else env[a] for a in self.input_atoms)
+        return tuple(read(env, a) for a in self.input_atoms)
 
 
 # -- from the jaxpr to a Network ----------------------------------------------------------------
@@ -162,6 +161,13 @@ class FromConstant:
 Operand = FromParam | FromRead | FromInput | FromConstant
 
 
+def _unmarked(eqn: Any, args: list) -> list | None:
+    """A marked call run as its own program, without its (numbered) jit."""
+    if marked_index(eqn) is None:
+        return None
+    return jax.extend.core.jaxpr_as_fun(eqn.params["jaxpr"])(*args)
+
+
 def _layer_fn(eqns: tuple, operands: tuple, outs: tuple, specs: tuple[Operand, ...], name: str = "layer") -> Callable:
     """A layer function ``fn(theta, *states)`` running ``eqns`` with its operands taken as
     ``specs`` says (per operand: a parameter block, an output of a node read, a network input):
@@ -169,13 +175,8 @@ def _layer_fn(eqns: tuple, operands: tuple, outs: tuple, specs: tuple[Operand, .
     after the first call it was made for (``Attention``, ``glue``)."""
     def raw(*values: Any) -> tuple:
         env = dict(zip(operands, values))
-        for eqn in eqns:
-            if marked_index(eqn) is not None:  # the call's own program, without its (numbered) jit
-                args = [a.val if isinstance(a, Literal) else env[a] for a in eqn.invars]
-                env.update(zip(eqn.outvars, jax.extend.core.jaxpr_as_fun(eqn.params["jaxpr"])(*args)))
-            else:
-                evaluate_equations([eqn], env)
-        return tuple(a.val if isinstance(a, Literal) else env[a] for a in outs)
+        run_equations(eqns, env, _unmarked)
+        return tuple(read(env, a) for a in outs)
 
     avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, weak_type=v.aval.weak_type) for v in operands]
     closed = jax.make_jaxpr(raw)(*avals)

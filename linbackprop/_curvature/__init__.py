@@ -12,9 +12,12 @@ linearisation stored by one forward pass (no forward pass per product). Per-exam
 use that the leading axis of every state is the batch: one back substitution serves every
 example, and ℳ is applied to each example's rows alone.
 
-Modules: `_split` (``fun`` as model and loss), `_gauss_newton`, `_per_example` (and the
-norms: `_ghost`), `_examples` (the examples and H's blocks), `_ggn` (the GGN diagonal and its
-factor), `_kfac` (K-FAC's factors), `_clipping` (DP-SGD's clipped sum).
+Modules, lowest first: `_split` (``fun`` as model and loss), `_gauss_newton`, `_separation`
+(the checks that examples stay apart), `_ghost` (per-example norms), `_calls` (the calls'
+forward pass, adjoints and per-example products), `_examples` (what an example is: the set-up of
+every per-example transform, and H's blocks), `_per_example` (per-example gradients and norms),
+`_ggn` (the GGN diagonal and its factor), `_kfac` (K-FAC's factors), `_clipping` (DP-SGD's
+clipped sum).
 """
 
 from ._clipping import clipped_grad

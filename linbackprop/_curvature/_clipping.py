@@ -23,8 +23,9 @@ import jax.numpy as jnp
 
 from .._capture import rewrite
 from .._options import Engine
+from ._examples import per_example_setup
 from ._ghost import ghost_clipped
-from ._per_example import ghost_norms, per_example_setup, squared_grad_norms
+from ._per_example import ghost_norms, squared_grad_norms
 from ._split import add_trees, normalise_argnums
 
 

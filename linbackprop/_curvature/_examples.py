@@ -1,6 +1,12 @@
-"""The examples of a loss's network calls and each one's block of H = ∂²ℓ/∂(outputs)²: the forward
-pass with residuals, the blocks factored (exactly, or as square roots for sampling), and the sum
-over H's columns that the GGN diagonal, its factor and K-FAC's factors share.
+"""What an example is, in one room: the set-up every per-example transform starts from.
+
+Per-example losses (`per_example_setup`: per-example gradients, their norms, the clipped sum):
+the calls' forward pass, the losses as a function of the outputs, the batch — one shared by every
+call, or each call's own examples in call order — and Λ of every example from one back
+substitution per call. A scalar loss (`hessian_blocks`: the GGN diagonal, its factor, K-FAC's
+factors): the same calls, their examples in the same two ways, and each example's block of
+H = ∂²ℓ/∂(outputs)², factored (exactly, or as square roots for sampling), and the sum over H's
+columns those transforms share.
 """
 
 from __future__ import annotations
@@ -14,8 +20,43 @@ import numpy as np
 
 from .._engine import weighted_square_sum
 from .._graph import Stack
-from ._per_example import Calls
+from ._calls import Calls
+from ._separation import check_losses_keep_examples_apart
 from ._split import Split
+
+
+def per_example_setup(fun: Callable, args: tuple, nums: tuple[int, ...], engine: str) -> tuple:
+    """For per-example losses ``fun``: the split, the calls' forward pass, the losses as a function
+    of (outputs, *arguments), the batch size and the calls' adjoints Λ (one back substitution each)."""
+    split = Split(fun, args, nums, False)
+    calls = Calls(split, engine)
+    losses = lambda outs, *d: per_example_losses(split, outs, d)
+    batch = jnp.shape(losses(calls.outs, *split.diff))[0]
+    g_outs = jax.grad(lambda o: jnp.sum(losses(o, *split.diff)))(calls.outs)
+    sizes = calls.batches()
+    if len(set(sizes)) <= 1:  # one batch: row b of every call is example b
+        lams = calls.adjoints(g_outs, batch)  # checks the layers first
+        check_losses_keep_examples_apart(losses, calls.outs, calls.batch_axes(), split.diff, [0] * len(sizes))
+        return split, calls, losses, batch, lams
+    if sum(sizes) != batch:
+        raise ValueError(f"Per-example quantities of network calls with different batches take each call's "
+                         f"examples as examples, in call order: fun must return {sum(sizes)} losses "
+                         f"(jnp.concatenate of each call's), it returned {batch}; the calls: "
+                         f"{'; '.join(calls.call_names())}.")
+    starts = np.cumsum([0, *sizes])[:-1]
+    calls.spans = [(c, int(start), size) for c, (start, size) in enumerate(zip(starts, sizes))]
+    lams = calls.adjoints(g_outs, sizes)  # checks the layers first
+    check_losses_keep_examples_apart(losses, calls.outs, calls.batch_axes(), split.diff,
+                                     [int(start) for start in starts])
+    return split, calls, losses, batch, lams
+
+
+def per_example_losses(split: Split, outs: tuple, diff: tuple) -> jax.Array:
+    losses = split.loss(outs, *diff)[0]
+    if jnp.ndim(losses) != 1:
+        raise ValueError(f"Per-example gradients need fun to return one loss per example, shape (B,); it returned "
+                         f"shape {jnp.shape(losses)}.")
+    return losses
 
 
 class Examples(NamedTuple):

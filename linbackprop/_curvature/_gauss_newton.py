@@ -14,6 +14,7 @@ import numpy as np
 from jax.flatten_util import ravel_pytree
 
 from .._capture import rewrite
+from .._graph import stack_trees
 from .._operators import LinearOperator
 from .._options import Engine, ParamProducts, Schedule, plain
 from .._solve import solve_mode
@@ -99,10 +100,26 @@ class GaussNewton(LinearOperator):
         return cls(jvp, vjp, hvp, *aux, value)
 
     def mv(self, v: Any) -> Any:
-        """G v."""
+        """G v, jitted (one forward substitution, H, one back substitution and ℳ).
+
+        Args:
+            v: a vector shaped as the differentiated arguments (a tuple of them for several
+                ``argnums``).
+
+        Returns:
+            G v, shaped as ``v``.
+        """
         return _gauss_newton_mv(self, v)
 
     def apply(self, v: Any) -> Any:
+        """G v as `mv`, traced where it is called (inside a jit of yours: no jit of its own).
+
+        Args:
+            v: a vector shaped as the differentiated arguments.
+
+        Returns:
+            G v, shaped as ``v``.
+        """
         vs = (v,) if self._single else tuple(v)
         out = self._vjp(self._hvp(self._jvp(*vs)))
         return out[0] if self._single else tuple(out)
@@ -173,8 +190,15 @@ class GaussNewton(LinearOperator):
         return _factor(self)
 
     def root_apply(self, basis: jax.Array) -> Any:
-        """J* on the columns of ``basis`` ([C, k], the outputs flattened in order): k rows shaped
-        like the arguments, stacked on a leading axis."""
+        """J* on the columns of ``basis``.
+
+        Args:
+            basis: [C, k], k vectors over the network calls' outputs flattened in order (C
+                entries).
+
+        Returns:
+            k rows shaped like the differentiated arguments, stacked on a leading axis.
+        """
 
         def one(column: jax.Array) -> Any:
             back = self._vjp(self._as_outputs(column))
@@ -222,7 +246,7 @@ _gauss_newton_mv = jax.jit(lambda G, v: G.apply(v))
 
 @jax.jit
 def _gram(G: GaussNewton, vectors: tuple) -> jax.Array:
-    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *vectors)
+    stacked = stack_trees(vectors)
     jvp = (lambda v: G._jvp(v)) if G._single else (lambda v: G._jvp(*v))
     outs = jax.vmap(jvp)(stacked)  # [k, ...] per output leaf: one forward substitution for all k
     curved = jax.vmap(G._hvp)(outs)

@@ -73,14 +73,14 @@ class ParamNorms:
                 n += 1
         return out
 
-    def values(self, lam: list[Any], examples: Examples | None = None) -> list:
+    def values(self, lam: list[Any], examples: Chunk | None = None) -> list:
         """Per kind (None where its output has no adjoint): per leaf of a member's cotangents, its
         members' per-example values [members, B, ...] — `Products` (each term's operands) where
         the leaf is a sum of products, else the leaf itself — for all examples or those indexed
-        by ``examples`` (`Examples`). One evaluation of each layer's per-example VJP up to those operands
+        by ``examples`` (`Chunk`). One evaluation of each layer's per-example VJP up to those operands
         serves the norms and the weighted sum."""
         out = []
-        take = (lambda x: x) if examples is None else (lambda x: _examples(x, examples))
+        take = (lambda x: x) if examples is None else (lambda x: _chunk_rows(x, examples))
         for kind, (per_example, th, xs, axes, terms) in zip(self.kinds, self.members):
             if lam[kind.out_group] is None:
                 out.append(None)
@@ -231,7 +231,7 @@ def _positions(x: jax.Array) -> jax.Array:
 
 
 @dataclasses.dataclass(frozen=True)
-class Examples:
+class Chunk:
     """A chunk of the examples: ``size`` from ``start`` (a slice), the last one repeated where the
     chunk runs past the batch (a gather)."""
 
@@ -245,7 +245,7 @@ class Examples:
         return None if self.batch % self.size == 0 else self.start + jnp.arange(self.size) < self.batch
 
 
-def _examples(x: jax.Array, examples: Examples) -> jax.Array:
+def _chunk_rows(x: jax.Array, examples: Chunk) -> jax.Array:
     """The chunk's rows of ``x`` [members, B, ...] (axis 1)."""
     if examples.valid is None:
         return jax.lax.dynamic_slice_in_dim(x, examples.start, examples.size, axis=1)
@@ -258,12 +258,12 @@ def ghost_squares(norms: list[ParamNorms], lams: list, batch: int, policy: Polic
     (`Policy.norm_chunk`)."""
     size = _chunk(norms, lams, batch, policy)
 
-    def squares(examples: Examples | None) -> jax.Array:
+    def squares(examples: Chunk | None) -> jax.Array:
         return sum(n.squared(n.values(lam, examples))[0] for n, lam in zip(norms, lams))
 
     if size == batch:
         return squares(None)
-    chunks = jax.lax.map(lambda s: squares(Examples(s, size, batch)), jnp.arange(0, batch, size))
+    chunks = jax.lax.map(lambda s: squares(Chunk(s, size, batch)), jnp.arange(0, batch, size))
     return chunks.reshape(-1)[:batch]
 
 
@@ -276,7 +276,7 @@ def ghost_clipped(norms: list[ParamNorms], lams: list, batch: int, policy: Polic
     sum, reading the forward pass and Λ in place: the temporaries are one chunk's."""
     size = _chunk(norms, lams, batch, policy)
 
-    def clipped(examples: Examples | None) -> tuple[jax.Array, list]:
+    def clipped(examples: Chunk | None) -> tuple[jax.Array, list]:
         values = [n.values(lam, examples) for n, lam in zip(norms, lams)]
         squared = [n.squared(v) for n, v in zip(norms, values)]
         lengths = jnp.sqrt(sum(squares for squares, _ in squared))
@@ -289,7 +289,7 @@ def ghost_clipped(norms: list[ParamNorms], lams: list, batch: int, policy: Polic
         return clipped(None)
 
     def body(total: list, start: jax.Array) -> tuple[list, jax.Array]:
-        lengths, sums = clipped(Examples(start, size, batch))
+        lengths, sums = clipped(Chunk(start, size, batch))
         return jax.tree.map(jnp.add, total, sums), lengths
 
     zeros = [[g.zeros(n.plan.unrolled, tangent=True) for g in n.plan.param_groups] for n in norms]

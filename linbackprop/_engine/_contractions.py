@@ -16,9 +16,8 @@ from typing import Any
 
 import jax
 from jax import lax
-from jax.extend.core import Literal
 
-from .._graph import bind_equation
+from .._graph import bind_equation, evaluate
 
 
 def contracted_last(fn: Callable, min_size: int, max_size: int) -> Callable:
@@ -35,23 +34,15 @@ def contracted_last(fn: Callable, min_size: int, max_size: int) -> Callable:
 
 
 def _evaluate(jaxpr: Any, consts: list, args: list, sizes: tuple[int, int]) -> list:
-    env: dict = {}
-    read = lambda v: v.val if isinstance(v, Literal) else env[v]
-    env.update(zip(jaxpr.constvars, consts))
-    env.update(zip(jaxpr.invars, args))
-    for eqn in jaxpr.eqns:
-        ins = [read(v) for v in eqn.invars]
-        name = eqn.primitive.name
-        if name == "dot_general":
-            outs = [_dot(eqn, ins, sizes)]
-        elif name in ("pjit", "jit"):
+    def rule(eqn: Any, ins: list) -> list | None:
+        if eqn.primitive.name == "dot_general":
+            return [_dot(eqn, ins, sizes)]
+        if eqn.primitive.name in ("pjit", "jit"):  # inlined: its products are found too
             inner = eqn.params["jaxpr"]
-            outs = _evaluate(inner.jaxpr, inner.consts, ins, sizes)
-        else:
-            outs = bind_equation(eqn, ins)
-            outs = outs if eqn.primitive.multiple_results else [outs]
-        env.update(zip(eqn.outvars, outs))
-    return [read(v) for v in jaxpr.outvars]
+            return _evaluate(inner.jaxpr, inner.consts, ins, sizes)
+        return None
+
+    return evaluate(jaxpr, consts, args, rule=rule)
 
 
 def _dot(eqn: Any, ins: list, sizes: tuple[int, int]) -> jax.Array:

@@ -14,7 +14,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.extend.core import Literal
 
-from ._outer_products import evaluate, leaf_terms
+from .._graph import evaluate
+from ._outer_products import leaf_terms
 
 
 class Term(NamedTuple):

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.extend.core import Literal
 
-from .._graph import bind_equation
+from .._graph import bind_equation, evaluate
 
 # Operations that move or copy entries without combining them: squaring commutes with them, and so
 # does summing over the examples.
@@ -54,22 +54,6 @@ def _outer_source(jaxpr: Any, var: Any, summed: bool = False) -> tuple[Any, list
         path.append(eqn)
         var = eqn.invars[0]
     return None
-
-
-def evaluate(jaxpr: Any, consts: list, args: list, wanted: list) -> list:
-    """The values of ``wanted`` variables of ``jaxpr`` at ``args``, evaluating only what they need."""
-    needed = {v for v in wanted if not isinstance(v, Literal)}
-    eqns = []
-    for eqn in reversed(jaxpr.eqns):
-        if any(v in needed for v in eqn.outvars):
-            eqns.append(eqn)
-            needed.update(v for v in eqn.invars if not isinstance(v, Literal))
-    env = dict(zip(jaxpr.constvars, consts)) | dict(zip(jaxpr.invars, args))
-    read = lambda v: v.val if isinstance(v, Literal) else env[v]
-    for eqn in reversed(eqns):
-        out = bind_equation(eqn, [read(v) for v in eqn.invars])
-        env.update(zip(eqn.outvars, out if eqn.primitive.multiple_results else [out]))
-    return [read(v) for v in wanted]
 
 
 class SquareSums:

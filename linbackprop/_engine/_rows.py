@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from .._graph import index_row, update_row, zeros_of
+from .._graph import index_row, stack_trees, update_row, zeros_of
 from .._plan import Plan, RowList, as_dtype
 
 
@@ -78,7 +78,7 @@ def _contiguous(idx: Any) -> int | None:
 
 def read_rows(buf: Any, idx: Any) -> Any:
     if isinstance(buf, RowList):
-        return jax.tree.map(lambda *r: jnp.stack(r), *[buf.rows[int(i)] for i in idx])
+        return stack_trees([buf.rows[int(i)] for i in idx])
     start = _contiguous(idx)
     if start is not None:
         return jax.tree.map(lambda b: lax.slice_in_dim(b, start, start + len(idx)), buf)

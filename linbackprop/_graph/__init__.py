@@ -4,19 +4,53 @@ Modules, lowest first: `_buffers` (rows into and out of stacked buffers, one XLA
 many rows; the buffers' shardings), `_layer` (a layer, a row of a stacked block or input, how a
 layer is called), `_network` (`Network`: validation, topological order, the plain forward
 substitution U = Φ(U, θ), and ``__call__``, which reads how to run from `_options`),
-`_block_text` (a block pattern as text) and `_computation` (a layer's jaxpr text and constants:
-what a plan is checked against to find it stale).
+`_block_text` (a block pattern as text) and `_jaxprs` (a layer's jaxpr text and constants: what a plan
+is checked against to find it stale; the one jaxpr evaluator).
 """
 
 from ._block_text import block_matrix_text
-from ._buffers import explicit_sharding, index_row, mesh_of, place, take, under_vmap, update_row, zeros_of
-from ._computation import Constant, bind_equation, computation_of
+from ._buffers import (
+    explicit_sharding,
+    index_row,
+    mesh_of,
+    place,
+    stack_trees,
+    take,
+    under_vmap,
+    update_row,
+    zeros_of,
+)
+from ._jaxprs import Constant, bind_equation, computation_of, evaluate, read, run_equations
 from ._layer import GraphError, Layer, Row, Stack, block_of, call_layer, check_array_leaves, label, layer_theta, resolve
 from ._network import Network, stack_states
 
 __all__ = [
-    "Constant", "GraphError", "Layer", "Network", "Row", "Stack", "bind_equation", "block_matrix_text",
-    "block_of", "call_layer", "check_array_leaves", "computation_of", "explicit_sharding", "index_row",
-    "label", "layer_theta", "mesh_of", "place", "resolve", "stack_states", "take", "under_vmap", "update_row",
+    "Constant",
+    "GraphError",
+    "Layer",
+    "Network",
+    "Row",
+    "Stack",
+    "bind_equation",
+    "block_matrix_text",
+    "block_of",
+    "call_layer",
+    "check_array_leaves",
+    "computation_of",
+    "evaluate",
+    "explicit_sharding",
+    "index_row",
+    "label",
+    "layer_theta",
+    "mesh_of",
+    "place",
+    "read",
+    "resolve",
+    "run_equations",
+    "stack_states",
+    "stack_trees",
+    "take",
+    "under_vmap",
+    "update_row",
     "zeros_of",
 ]

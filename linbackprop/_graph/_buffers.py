@@ -41,6 +41,17 @@ def opaque_rows(n: int) -> tuple[jax.Array, ...]:
     return lax.cond(lax.optimization_barrier(jnp.zeros((), np.int32)) != 0, lambda: constants, lambda: constants)
 
 
+def stack_trees(trees: list[Any], axis: int = 0) -> Any:
+    """Pytrees of one structure stacked leaf by leaf along a new ``axis`` (the package's one
+    stacking helper; float0 leaves, tangents without values, with numpy: JAX has no float0 arrays)."""
+    def one(*leaves: Any) -> Any:
+        if all(isinstance(x, np.ndarray) and x.dtype == jax.dtypes.float0 for x in leaves):
+            return np.stack(leaves, axis)
+        return jnp.stack(leaves, axis)
+
+    return jax.tree.map(one, *trees)
+
+
 def explicit_sharding(x: Any) -> NamedSharding | None:
     """The sharding of an array (or aval) whose type carries one — on a mesh with axes of type
     Explicit, ``jax.make_mesh``'s default — else None (unsharded, or sharded by XLA under Auto axes)."""

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from .._options import call_handler, calls_handled, solver
-from ._buffers import take
+from ._buffers import stack_trees, take
 from ._layer import GraphError, Layer, Row, Stack, block_of, call_layer, check_array_leaves, label, layer_theta
 
 __all__ = ["Network", "stack_states"]
@@ -264,7 +264,19 @@ class Network:
 
     # -- evaluation ----------------------------------------------------------------------------
     def select_params(self, params: Mapping[Hashable, Any]) -> dict[Hashable, Any]:
-        """The blocks of ``params`` this network uses, checked to be present."""
+        """The blocks of ``params`` this network uses, checked to be present.
+
+        Args:
+            params: a mapping from block name to block (more blocks than the network uses are fine).
+
+        Returns:
+            A dict of the blocks in ``param_names``.
+
+        Raises:
+            TypeError: ``params`` is not a mapping.
+            KeyError: a block is missing (the error names the layers that use it).
+            ValueError: a stacked block has fewer rows than a layer's `Row` asks for.
+        """
         if not isinstance(params, Mapping):
             raise TypeError(
                 f"params must be a mapping from block name to block, got {type(params).__name__}."
@@ -284,7 +296,15 @@ class Network:
             _check_stacked(theta[block], f"parameter block {block!r}", Row(block, index), layer)
 
     def check_inputs(self, inputs: tuple[Any, ...]) -> None:
-        """The right number of inputs, and every Row of a stacked input within its leading axis."""
+        """The right number of inputs, and every Row of a stacked input within its leading axis.
+
+        Args:
+            inputs: the call's inputs, in the order of ``inputs``.
+
+        Raises:
+            TypeError: a different number of inputs.
+            ValueError: a stacked input has fewer rows than a layer's `Row` asks for.
+        """
         if len(inputs) != len(self._inputs):
             raise TypeError(
                 f"The network has {len(self._inputs)} input(s) {list(self._inputs)!r} but was called "
@@ -295,7 +315,15 @@ class Network:
             _check_stacked(given[name], f"network input {name!r}", Row(name, index), layer)
 
     def states(self, params: Mapping[Hashable, Any], *inputs: Any) -> dict[Hashable, Any]:
-        """All states by name, inputs included: the plain forward substitution U = Φ(U, θ)."""
+        """All states by name, inputs included: the plain forward substitution U = Φ(U, θ).
+
+        Args:
+            params: a mapping from block name to block.
+            *inputs: the network's inputs.
+
+        Returns:
+            A dict from every state's name (inputs and layers) to its value.
+        """
         self.check_inputs(inputs)
         theta = self.select_params(params)
         rows = self._read_rows(theta)
@@ -334,7 +362,14 @@ class Network:
         return solve(self, theta, tuple(inputs))
 
     def pick_outputs(self, states: Mapping[Hashable, Any]) -> Any:
-        """What a call returns, from all states by name (a [`Stack`][linbackprop.Stack] stacked leaf by leaf)."""
+        """What a call returns, from all states by name (a [`Stack`][linbackprop.Stack] stacked leaf by leaf).
+
+        Args:
+            states: every state by name, as `states` returns them.
+
+        Returns:
+            The output state, or the tuple of outputs.
+        """
         outs = tuple(stack_states(item, [states[n] for n in item.names]) if isinstance(item, Stack)
                      else states[item] for item in self._output_spec)
         return outs[0] if self._single_output else outs
@@ -349,7 +384,7 @@ def stack_states(stack: Stack, values: list[Any]) -> Any:
             raise ValueError(
                 f"{stack!r}: state {name!r} ({st}, {sh}) differs in structure, shape or dtype from "
                 f"{stack.names[0]!r} ({structures[0]}, {shapes[0]}); a Stack needs states of one shape.")
-    return jax.tree.map(lambda *xs: jnp.stack(xs), *values)
+    return stack_trees(values)
 
 
 def _rows_read(layers: tuple[Layer, ...], field: str, stacked: Mapping[Hashable, Any]) -> dict[Row, Any]:

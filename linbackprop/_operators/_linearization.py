@@ -12,7 +12,7 @@ from .._graph import Network, call_layer, layer_theta, resolve
 from .._options import Settings, current
 from .._plan import current_plan
 from .._solve import prepare
-from ._linear_operators import ParamOperator, StateOperator
+from ._network_operators import ParamOperator, StateOperator
 
 
 class Linearization:

@@ -11,7 +11,7 @@ from typing import Any
 import jax
 from jax.extend.core import Literal
 
-from .._graph import Layer, call_layer
+from .._graph import Layer, call_layer, run_equations
 from ._groups import Aval, leaf_aval
 
 
@@ -43,10 +43,7 @@ class Recipe:
 
     def __call__(self, found: dict[Source, Any]) -> Any:
         env = {var: found[where][n] for var, (where, n) in self.sources.items()}
-        for eqn in self.eqns:
-            args = [v.val if isinstance(v, Literal) else env[v] for v in eqn.invars]
-            outs = eqn.primitive.bind(*args, **eqn.params)
-            env.update(zip(eqn.outvars, outs if eqn.primitive.multiple_results else [outs]))
+        run_equations(self.eqns, env)
         return env[self.eqns[-1].outvars[0]]
 
 

@@ -29,7 +29,7 @@ import numpy as np
 from jax.custom_derivatives import SymbolicZero
 
 from .._engine import Primal, forward, read_row, read_rows
-from .._graph import Network, Stack, explicit_sharding, mesh_of, take, zeros_of
+from .._graph import Network, Stack, explicit_sharding, mesh_of, stack_trees, take, zeros_of
 from .._options import Settings, current, settings_changed
 from .._plan import Plan, RowList, current_plan, differentiable_dtype, plan_for, plans_generation
 from ._checkpoint import checkpointed_call
@@ -123,7 +123,7 @@ def _outputs(plan: Plan, bufs: list[Any]) -> tuple[Any, ...]:
     for item in plan.net.output_spec:
         g, rows = _rows_of(plan, item)
         if g is None:  # a Stack over groups that differ in weak types only: strongly typed
-            result.append(_stack([read_row(bufs[gn], r) for gn, r in map(plan.state_loc.get, item.names)]))
+            result.append(stack_trees([read_row(bufs[gn], r) for gn, r in map(plan.state_loc.get, item.names)]))
             continue
         value = read_rows(bufs[g], rows) if isinstance(item, Stack) else outs[item]
         result.append(plan.state_groups[g].typed(value))
@@ -138,16 +138,6 @@ def _rows_of(plan: Plan, item: Hashable | Stack) -> tuple[int | None, Any]:
             return None, None
         return plan.state_loc[item.names[0]][0], np.array([plan.state_loc[n][1] for n in item.names], np.int32)
     return plan.state_loc[item]
-
-
-def _stack(values: list[Any]) -> Any:
-    """Pytrees stacked leaf by leaf (float0 tangents with numpy: JAX has no float0 arrays)."""
-    def one(*leaves):
-        if all(isinstance(x, np.ndarray) and x.dtype == jax.dtypes.float0 for x in leaves):
-            return np.stack(leaves)
-        return jnp.stack(leaves)
-
-    return jax.tree.map(one, *values)
 
 
 def prepare(net: Network, theta: dict[Hashable, Any], inputs: tuple[Any, ...],
@@ -300,7 +290,7 @@ def _tangent_or_zero(plan: Plan, item: Hashable | Stack, z: list[Any]) -> Any:
     without tangents)."""
     g, rows = _rows_of(plan, item)
     if g is None:
-        return _stack([_tangent_or_zero(plan, name, z) for name in item.names])
+        return stack_trees([_tangent_or_zero(plan, name, z) for name in item.names])
     if z[g] is None:
         return _zero_tangent(plan, item)
     group = plan.state_groups[g]
@@ -314,7 +304,7 @@ def _tangent_or_zero(plan: Plan, item: Hashable | Stack, z: list[Any]) -> Any:
 def _zero_tangent(plan: Plan, item: Hashable | Stack) -> Any:
     g, rows = _rows_of(plan, item)
     if g is None:
-        return _stack([_zero_tangent(plan, name) for name in item.names])
+        return stack_trees([_zero_tangent(plan, name) for name in item.names])
     group = plan.state_groups[g]
     if rows is None or isinstance(item, Stack):
         lead = (group.rows if rows is None else len(rows),)

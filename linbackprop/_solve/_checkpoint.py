@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from .._graph import Network, Stack, stack_states, under_vmap
+from .._graph import Network, Stack, stack_states, stack_trees, under_vmap
 from .._options import POLICY
 from ._segments import Segment, split, units
 
@@ -67,7 +67,7 @@ class _Scanned:
         every output of every segment in order, or one output of every segment. Else None."""
         everything = [name for row in self.grid for name in row]
         if everything and list(names[at:at + len(everything)]) == everything:
-            stacked = jax.tree.map(lambda *ys: jnp.stack(ys, axis=1), *self.ys)
+            stacked = stack_trees(self.ys, axis=1)
             return jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), stacked), len(everything)
         for out in range(len(self.grid[0])):
             column = [row[out] for row in self.grid]

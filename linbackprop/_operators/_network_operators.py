@@ -7,140 +7,17 @@ except by ``todense()``, which is meant for tiny networks.
 
 from __future__ import annotations
 
-import abc
 from collections.abc import Callable, Hashable, Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.flatten_util import ravel_pytree
 
 from .._engine import Primal, back_substitution, forward_substitution, param_adjoint, param_forward, state_product
 from .._graph import Network, Row, block_matrix_text, block_of
 from .._plan import Plan
-
-
-class LinearOperator(abc.ABC):
-    """A linear map between spaces of named vectors: the one operator type of linbackprop, in the
-    spirit of lineax's ``AbstractLinearOperator``. ℒ, ℳ, their adjoints and each of their blocks
-    are ``LinearOperator``\\ s:
-
-    - ``mv(x)``: the product; ``T``: the adjoint (``op.T.T`` acts as ``op``);
-    - ``solve(b)``: x with ``op.mv(x) == b``, where ``op`` is invertible (ℒ and ℒ* by forward and
-      back substitution, the identity blocks); elsewhere a ``NotImplementedError`` that says so;
-    - ``todense()``: the dense matrix (tiny networks), inputs and outputs flattened in C order;
-    - ``pattern``: a bool array, True where a block is stored; ``block(i, j)``: one block.
-
-    Attributes:
-        T: the adjoint operator.
-        pattern: a bool array over the blocks, True where one is stored.
-
-    Examples:
-        >>> import jax.numpy as jnp, linbackprop as lbp
-        >>> net = lbp.Network([lbp.Layer(1, lambda th, x: x @ th[0], (0,), ("W",)),
-        ...                    lbp.Layer(2, lambda th, u: 2.0 * u, (1,))],
-        ...                   inputs=[0], outputs=2)
-        >>> lin = lbp.linearize(net, {"W": jnp.eye(2)}, jnp.ones((1, 2)))
-        >>> ops = (lin.L, lin.M.T, lin.L.block(2, 1))
-        >>> all(isinstance(op, lbp.LinearOperator) for op in ops)
-        True
-        >>> lin.L.block(2, 1).todense().tolist()             # −∂Φ₂/∂U₁ = −2 I
-        [[-2.0, -0.0], [-0.0, -2.0]]
-    """
-
-    @abc.abstractmethod
-    def mv(self, x: Any) -> Any:
-        """The product of the operator with ``x``."""
-
-    @property
-    @abc.abstractmethod
-    def T(self) -> LinearOperator:  # noqa: N802 - the mathematical name
-        """The adjoint."""
-
-    def solve(self, b: Any) -> Any:
-        """x with ``self.mv(x) == b``; only invertible operators have one."""
-        name = getattr(self, "symbol", type(self).__name__)
-        raise NotImplementedError(f"{name} is not invertible: only ℒ, ℒ* (lin.L, lin.L.T) and identity blocks "
-                                  "have solve.")
-
-    @abc.abstractmethod
-    def todense(self) -> jax.Array:
-        """The dense matrix."""
-
-    @property
-    @abc.abstractmethod
-    def pattern(self) -> np.ndarray:
-        """True where a block is stored."""
-
-    @abc.abstractmethod
-    def block(self, i: Hashable, j: Hashable) -> LinearOperator:
-        """Block (i, j)."""
-
-
-def _dense(fn: Callable[[Any], Any], example: Any) -> jax.Array:
-    """The matrix of the linear ``fn`` at inputs shaped like ``example`` (flattened, C order)."""
-    flat, unravel = ravel_pytree(example)
-    return jax.jit(jax.jacfwd(lambda v: ravel_pytree(fn(unravel(v)))[0]))(jnp.zeros_like(flat))
-
-
-class Block(LinearOperator):
-    """One block of ℒ or ℳ*: a linear map together with its adjoint (as in the seed).
-
-    ``block.mv(x)`` applies the block, ``block.T.mv(y)`` its adjoint: for ℒ block (i, j),
-    −∂Φ_i/∂U_j and its transpose; for ℳ block (k, i), Λ_i ↦ (∂Φ_i/∂θ_k)* Λ_i and ∂Φ_i/∂θ_k.
-
-    Attributes:
-        T: the adjoint block.
-        pattern: a 1 × 1 bool array (one stored block).
-
-    Examples:
-        >>> import jax.numpy as jnp, linbackprop as lbp
-        >>> net = lbp.Network([lbp.Layer(1, lambda th, x: x @ th[0], (0,), ("W",)),
-        ...                    lbp.Layer(2, lambda th, u: 2.0 * u, (1,))],
-        ...                   inputs=[0], outputs=2)
-        >>> lin = lbp.linearize(net, {"W": jnp.eye(2)}, jnp.ones((1, 2)))
-        >>> lin.L.block(2, 1).mv(jnp.ones((1, 2))).tolist()   # −∂Φ₂/∂U₁ = −2 I
-        [[-2.0, -2.0]]
-        >>> lin.L.block(2, 1).T.mv(jnp.ones((1, 2))).tolist()
-        [[-2.0, -2.0]]
-    """
-
-    def __init__(self, symbol: str, row: Hashable, col: Hashable, fn: Callable, adjoint: Callable,
-                 col_example: Any, row_example: Any):
-        self.symbol, self.row, self.col = symbol, row, col
-        self._fn, self._adjoint = fn, adjoint
-        self._col_example, self._row_example = col_example, row_example
-
-    def mv(self, x: Any) -> Any:
-        return self._fn(x)
-
-    @property
-    def T(self) -> Block:  # noqa: N802 - the mathematical name
-        symbol = self.symbol[:-1] if self.symbol.endswith("′") else self.symbol + "′"
-        return type(self)(symbol, self.col, self.row, self._adjoint, self._fn, self._row_example, self._col_example)
-
-    def todense(self) -> jax.Array:
-        return _dense(self.mv, self._col_example)
-
-    @property
-    def pattern(self) -> np.ndarray:
-        return np.ones((1, 1), dtype=bool)
-
-    def block(self, i: Hashable, j: Hashable) -> Block:
-        if (i, j) != (self.row, self.col):
-            raise KeyError(f"{self!r} has the single block ({self.row!r}, {self.col!r}), not ({i!r}, {j!r}).")
-        return self
-
-    def __repr__(self) -> str:
-        return f"{self.symbol}[{self.row!r}, {self.col!r}]"
-
-
-class IdentityBlock(Block):
-    """A diagonal block of ℒ: the identity, which solves by returning its right-hand side."""
-
-    def solve(self, b: Any) -> Any:
-        return b
+from ._operator_type import Block, IdentityBlock, LinearOperator, dense_matrix
 
 
 class _Operator(LinearOperator):
@@ -197,7 +74,7 @@ class _Operator(LinearOperator):
         return self._plan.unpack(bufs, self._plan.net.param_names, self._plan.param_loc, self._plan.param_groups)
 
     def _dense(self, fn: Callable[[dict], dict], in_example: dict, in_names: tuple) -> jax.Array:
-        return _dense(lambda x: [fn(dict(zip(in_names, x)))[n] for n in self._out_names],
+        return dense_matrix(lambda x: [fn(dict(zip(in_names, x)))[n] for n in self._out_names],
                       [in_example[n] for n in in_names])
 
 
@@ -235,12 +112,26 @@ class StateOperator(_Operator):
         return self._plan.net.order
 
     def mv(self, e: Mapping) -> dict:
-        """ℒ E (or ℒ* E): every layer at once."""
+        """ℒ E (or ℒ* E): every layer at once.
+
+        Args:
+            e: a dict over the states (``net.order``, inputs included) of state-shaped values.
+
+        Returns:
+            The product, a dict over the same states.
+        """
         product = self._lin._staged(state_product, adjoint=self._adjoint)
         return self._states_out(product(self._prim, self._states_in(e)))
 
     def solve(self, g: Mapping) -> dict:
-        """Z with ℒ Z = G by forward substitution, or Λ with ℒ* Λ = G by back substitution."""
+        """Z with ℒ Z = G by forward substitution, or Λ with ℒ* Λ = G by back substitution.
+
+        Args:
+            g: a dict over the states (those left out are zero), e.g. ∇_Uℓ for ℒ*.
+
+        Returns:
+            Z (or Λ), a dict over every state.
+        """
         sub = self._lin._staged(back_substitution if self._adjoint else forward_substitution)
         return self._states_out(sub(self._prim, self._states_in(g)))
 
@@ -255,7 +146,18 @@ class StateOperator(_Operator):
         return self._dense(self.mv, self._lin.layer_states, self._plan.net.order)
 
     def block(self, i: Hashable, j: Hashable) -> Block:
-        """Block (i, j) as a linear map with its adjoint (ℒ* blocks with ``.T``)."""
+        """Block (i, j) as a linear map with its adjoint (ℒ* blocks with ``.T``).
+
+        Args:
+            i: the state of the block row (the layer whose inputs it differentiates).
+            j: the state of the block column (one that layer reads).
+
+        Returns:
+            ℐ on the diagonal, −∂Φ_i/∂U_j below it.
+
+        Raises:
+            KeyError: layer ``i`` does not read ``j`` (the block is zero).
+        """
         if self._adjoint:
             return self.T.block(j, i).T
         net, states = self._plan.net, self._lin.states
@@ -312,7 +214,14 @@ class ParamOperator(_Operator):
         return self._plan.net.order if self._adjoint else self._plan.net.param_names
 
     def mv(self, x: Mapping) -> dict:
-        """ℳ Λ (dict over blocks), or ℳ* h (dict over layers) with ``.T``."""
+        """ℳ Λ (dict over blocks), or ℳ* h (dict over layers) with ``.T``.
+
+        Args:
+            x: Λ, a dict over the states (ℳ), or h, a dict over the parameter blocks (ℳ*).
+
+        Returns:
+            A dict over the parameter blocks (ℳ), or over the layers' states (ℳ*).
+        """
         plan, prim = self._plan, self._prim
         if self._adjoint:
             zero = [g.zeros(plan.unrolled, tangent=True) if g.differentiable else None for g in plan.state_groups]
@@ -331,7 +240,18 @@ class ParamOperator(_Operator):
         return self._dense(self.mv, self._lin.layer_states, self._plan.net.order)
 
     def block(self, k: Hashable, i: Hashable) -> Block:
-        """Block (k, i) of ℳ: Λ_i ↦ (∂Φ_i/∂θ_k)* Λ_i (ℳ* blocks with ``.T``)."""
+        """Block (k, i) of ℳ: Λ_i ↦ (∂Φ_i/∂θ_k)* Λ_i (ℳ* blocks with ``.T``).
+
+        Args:
+            k: the parameter block.
+            i: the layer.
+
+        Returns:
+            The block as an operator with its adjoint.
+
+        Raises:
+            KeyError: layer ``i`` does not use block ``k`` (the block is zero).
+        """
         if self._adjoint:
             return self.T.block(i, k).T
         layer = _layer(self._plan.net, i)

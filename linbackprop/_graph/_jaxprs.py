@@ -1,5 +1,7 @@
-"""What a layer computes at given shapes, as a value that compares equal only when the layer
-would compute the same thing: its jaxpr and the constants it closes over.
+"""Jaxprs: what a layer computes at given shapes, and the one evaluator of jaxprs the package uses.
+
+`computation_of` is a value that compares equal only when the layer would compute the same
+thing: its jaxpr and the constants it closes over.
 
 Plans and compiled solves are cached per network and shapes, as ``jax.jit`` caches traces. A
 layer function that reads a Python global, or a mutable object it closes over, computes
@@ -10,11 +12,12 @@ from tells a stale plan (``_plan.current_plan``) before it is used.
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import Any
 
 import jax
 import numpy as np
+from jax.extend.core import Literal
 
 from ._layer import Layer, call_layer
 
@@ -59,3 +62,42 @@ def bind_equation(eqn: Any, args: list) -> Any:
     params = eqn.primitive.get_bind_params(eqn.params)
     subfuns, params = params if isinstance(params, tuple) else ((), params)
     return eqn.primitive.bind(*subfuns, *args, **params)
+
+
+Rule = Callable[[Any, list], "list | None"]
+"""``rule(eqn, ins)``: an equation's outputs computed another way, or None: the equation as it is."""
+
+
+def read(env: dict, v: Any) -> Any:
+    """A variable's value in ``env``, or a literal's own."""
+    return v.val if isinstance(v, Literal) else env[v]
+
+
+def run_equations(eqns: Iterable[Any], env: dict, rule: Rule | None = None) -> None:
+    """Equations run in order in ``env`` (variable -> value), as ``jax.core.eval_jaxpr`` runs them,
+    each through ``rule`` first where one is given (the package's only jaxpr evaluator: the
+    capture's programs, the outer products found in a VJP, the contractions moved last)."""
+    for eqn in eqns:
+        ins = [read(env, v) for v in eqn.invars]
+        outs = rule(eqn, ins) if rule is not None else None
+        if outs is None:
+            outs = bind_equation(eqn, ins)
+            outs = outs if eqn.primitive.multiple_results else [outs]
+        env.update(zip(eqn.outvars, outs))
+
+
+def evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], wanted: Sequence[Any] | None = None,
+             rule: Rule | None = None) -> list:
+    """The outputs of ``jaxpr`` at ``args`` (or the values of the ``wanted`` variables, running only
+    the equations they need), each equation through ``rule`` where one is given."""
+    eqns = jaxpr.eqns
+    if wanted is not None:
+        needed, kept = {v for v in wanted if not isinstance(v, Literal)}, []
+        for eqn in reversed(eqns):
+            if any(v in needed for v in eqn.outvars):
+                kept.append(eqn)
+                needed.update(v for v in eqn.invars if not isinstance(v, Literal))
+        eqns = kept[::-1]
+    env = dict(zip(jaxpr.constvars, consts)) | dict(zip(jaxpr.invars, args))
+    run_equations(eqns, env, rule)
+    return [read(env, v) for v in (jaxpr.outvars if wanted is None else wanted)]
