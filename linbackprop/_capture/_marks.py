@@ -6,29 +6,36 @@ class (its ``__call__`` patched; nnx and linen modules with their state in and o
 from __future__ import annotations
 
 import functools
-import itertools
 import sys
-import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 from jax.extend.core import Literal
 
+from .._options import current
+
 MARK = "linbackprop_layer"
 
 
 # -- marking the calls ------------------------------------------------------------------------------
-class _Capturing(threading.local):
-    def __init__(self) -> None:
-        self.calls: list[str] | None = None  # while capturing: the display name of each marked call
-        self.inside = 0  # depth of marked calls being traced (a layer inside a layer is part of it)
-        self.functions: set = set()  # the @layer functions called while capturing
-        self.named: frozenset = frozenset()  # the @layer functions the capture's layers= names
+class Capturing:
+    """The state of one capture while ``fun`` is traced: the display name of each marked call in
+    order, the depth of marked calls being traced (a layer inside a layer is part of it), the
+    `layer` functions called, and those the capture's ``layers=`` names. It is the settings'
+    ``capture`` field, a context value JAX keys its caches on (by identity): a ``jax.jit`` of the
+    user's traced outside this capture is traced again inside it, with its layer calls marked."""
+
+    def __init__(self, named: Sequence[Callable] = ()):
+        self.calls: list[str] = []
+        self.inside = 0
+        self.functions: set = set()
+        self.named: frozenset = frozenset(named)
 
 
-CAPTURING = _Capturing()
-capture_numbers = itertools.count(1)
+def capturing() -> Capturing | None:
+    """The capture being traced, or None."""
+    return current().capture
 
 
 def layer(fn: Callable) -> Callable:
@@ -57,9 +64,10 @@ def layer(fn: Callable) -> Callable:
     @functools.wraps(fn)
     def marked(*args: Any, **kwargs: Any) -> Any:
         # a layer only where the capture's layers= names it: elsewhere fn itself (part of the glue or the loss)
-        if CAPTURING.calls is None or CAPTURING.inside or marked not in CAPTURING.named:
+        state = capturing()
+        if state is None or state.inside or marked not in state.named:
             return fn(*args, **kwargs)
-        CAPTURING.functions.add(marked)
+        state.functions.add(marked)
         return _opaque(lambda: fn(*args, **kwargs), getattr(fn, "__name__", "layer"))
 
     marked.__linbackprop_layer__ = fn
@@ -91,11 +99,12 @@ def _nnx_call(method: Callable, self: Any, args: tuple, kwargs: dict) -> Any:
         return out, after if changed is None else [after[i] for i in changed]
 
     everything = range(len(leaves))
-    CAPTURING.inside += 1  # a probe: which leaves the call reads and which it changes
+    state = capturing()
+    state.inside += 1  # a probe: which leaves the call reads and which it changes
     try:
         probe = jax.make_jaxpr(lambda p, v: call(p, everything, v, None))(params, leaves).jaxpr
     finally:
-        CAPTURING.inside -= 1
+        state.inside -= 1
     leaf_vars = probe.invars[len(jax.tree.leaves(params)):]
     read_vars = {a for e in probe.eqns for a in e.invars if not isinstance(a, Literal)}
     after_vars = probe.outvars[len(probe.outvars) - len(leaves):]
@@ -137,16 +146,16 @@ def _assign(target: dict, values: dict) -> None:
 
 def _opaque_with_args(call: Callable, args: tuple, name: str) -> Any:
     """``call(*args)`` as one equation of the trace: a ``jax.jit`` named after the call's index."""
-    calls = CAPTURING.calls
-    index = len(calls)
-    calls.append(name)
+    state = capturing()
+    index = len(state.calls)
+    state.calls.append(name)
 
     def traced(*a: Any) -> Any:
-        CAPTURING.inside += 1
+        state.inside += 1
         try:
             return call(*a)
         finally:
-            CAPTURING.inside -= 1
+            state.inside -= 1
 
     traced.__name__ = traced.__qualname__ = f"{MARK}{index}"
     return jax.jit(traced)(*args)
@@ -181,7 +190,8 @@ class Patched:
 
             def patched(module: Any, *args: Any, __original=original, __cls=cls, __nnx=is_nnx, __linen=is_linen,
                         **kwargs: Any) -> Any:
-                if CAPTURING.calls is None or CAPTURING.inside:  # not capturing, or inside a marked call
+                state = capturing()
+                if state is None or state.inside:  # not capturing, or inside a marked call
                     return __original(module, *args, **kwargs)
                 self.seen.add(__cls)
                 if __nnx:

@@ -13,10 +13,11 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.extend.core import Literal
 
 from .._graph import Constant
 from .._options import settings_changed
-from ._marks import CAPTURING, Patched, capture_numbers
+from ._marks import Capturing, Patched
 from ._program import NETWORKS, Capture, Program, at_any_batch, build, shared_value
 
 
@@ -127,18 +128,15 @@ class Rewritten:
 
 
 def _program(flat: Callable, diff: list, rest: list, entries: tuple, names: list, rest_names: list
-             ) -> tuple[Program, Any]:
+             ) -> tuple[Program, Any, list[bool]]:
     """The Program of ``flat(diff, rest)`` traced with the calls of ``entries`` marked (cached per
-    captured jaxpr), and the shape of its result."""
+    captured jaxpr), the shape of its result, and which leaves of ``rest`` are raw PRNG keys
+    (`_raw_keys`)."""
     patched = Patched(entries)
-    saved = CAPTURING.calls, CAPTURING.functions, CAPTURING.named
-    CAPTURING.calls, CAPTURING.functions, CAPTURING.named = [], set(), frozenset(patched.functions)
-    try:
-        with patched, settings_changed(capture=next(capture_numbers)):  # its own jit key (Settings.capture)
-            closed, shape = jax.make_jaxpr(flat, return_shape=True)(diff, rest)
-        calls, functions = tuple(CAPTURING.calls), CAPTURING.functions
-    finally:
-        CAPTURING.calls, CAPTURING.functions, CAPTURING.named = saved
+    state = Capturing(patched.functions)
+    with patched, settings_changed(capture=state):  # its own jit key (Settings.capture)
+        closed, shape = jax.make_jaxpr(flat, return_shape=True)(diff, rest)
+    calls, functions = tuple(state.calls), state.functions
     never = [c.__qualname__ for c in patched.classes if c not in patched.seen]
     never += [getattr(f, "__qualname__", repr(f)) for f in patched.functions if f not in functions]
     if never:
@@ -146,11 +144,49 @@ def _program(flat: Callable, diff: list, rest: list, entries: tuple, names: list
                          "call of the function): check what fun calls (a subclass or a wrapper is another class), "
                          "or leave it out of layers=.")
     key = (str(closed.jaxpr), tuple(Constant(c) for c in closed.consts), tuple(names), calls)
-    return shared_value(key, lambda: build(closed, len(diff), names, calls, rest_names), NETWORKS), shape
+    program = shared_value(key, lambda: build(closed, len(diff), names, calls, rest_names), NETWORKS)
+    return program, shape, _raw_keys(closed.jaxpr, closed.jaxpr.invars[len(diff):])
 
 
-def _at_one_example(program: Program, flat: Callable, diff: list, rest: list, entries: tuple,
-                    names: list, rest_names: list, n_other: int) -> Program:
+def _raw_keys(jaxpr: Any, variables: list) -> list[bool]:
+    """Which of ``variables`` are raw PRNG keys, from how they flow: each reaches a ``random_wrap``
+    (followed into nested jaxprs: jits, scans, the marked calls) whose key data is its leading
+    axis — a uint32 [2] key of threefry, whatever the batch. A raw key per example ([B, 2]) keeps
+    its leading axis for the examples."""
+    wrapped: set = set()
+
+    def visit(jaxpr: Any, watched: dict) -> None:  # watched: variable -> the index of the argument it is
+        for eqn in jaxpr.eqns:
+            operands = [(n, watched[v]) for n, v in enumerate(eqn.invars)
+                        if not isinstance(v, Literal) and v in watched]
+            if not operands:
+                continue
+            if eqn.primitive.name == "random_wrap":
+                key_axes = len(eqn.params["impl"].key_shape)
+                wrapped.update(i for n, i in operands if n == 0 and eqn.invars[0].aval.ndim == key_axes)
+            for inner in _sub_jaxprs(eqn):
+                offset = len(eqn.invars) - len(inner.invars)  # cond: its index comes first
+                visit(inner, {inner.invars[n - offset]: i for n, i in operands if n >= offset})
+
+    visit(jaxpr, {v: i for i, v in enumerate(variables)})
+    return [i in wrapped for i in range(len(variables))]
+
+
+def _sub_jaxprs(eqn: Any) -> list:
+    """The jaxprs an equation calls whose inputs are its operands in order (or after a leading
+    index, as ``cond``'s branches)."""
+    found = []
+    for value in eqn.params.values():
+        for item in value if isinstance(value, tuple | list) else (value,):
+            inner = getattr(item, "jaxpr", item)
+            if hasattr(inner, "invars") and hasattr(inner, "eqns") and len(inner.invars) in (
+                    len(eqn.invars), len(eqn.invars) - 1):
+                found.append(inner)
+    return found
+
+
+def _at_one_example(program: Program, raw_keys: list[bool], flat: Callable, diff: list, rest: list,
+                    entries: tuple, names: list, rest_names: list, n_other: int) -> Program:
     """``program`` whose layers also run on one example: ``fun`` traced again with each data
     argument whose leading axis is the batch (that of the first output state) sliced to one
     example, and each layer given both programs (`at_any_batch`)."""
@@ -159,28 +195,21 @@ def _at_one_example(program: Program, flat: Callable, diff: list, rest: list, en
         return program  # no batch axis (the transform says so), or one example already
     batch = first[0]
     first_other = len(rest) - n_other  # the nnx modules' other state comes first: not data
-    sliced = [n >= first_other and bool(np.ndim(x)) and np.shape(x)[0] == batch for n, x in enumerate(rest)]
-    # a raw PRNG key (uint32 [2], threefry; [4], rbg) whose length happens to be the batch: sliced
-    # first (it may be data), kept whole if the trace on one example fails
-    raw_key = [np.ndim(x) == 1 and np.dtype(x.dtype) == np.uint32 and np.shape(x)[0] in (2, 4) for x in rest]
-    attempts = [sliced] + ([[s and not k for s, k in zip(sliced, raw_key)]] if any(map(all, zip(sliced, raw_key)))
-                           else [])
-    for n, chosen in enumerate(attempts):
-        one = [jax.ShapeDtypeStruct((1, *np.shape(x)[1:]), x.dtype) if s else x for x, s in zip(rest, chosen)]
-        try:
-            one_program, _ = _program(flat, diff, one, entries, names, rest_names)
-            break
-        except (TypeError, ValueError, IndexError) as error:
-            if n + 1 < len(attempts):
-                continue
-            cut = [name for name, s in zip(rest_names, chosen) if s][:6]
-            raise ValueError(
-                f"layers=: the per-example transforms trace fun again on one example, each argument whose "
-                f"leading axis is the batch ({batch}: {cut}) sliced to its first row, and fun fails there "
-                f"({type(error).__name__}: {str(error).splitlines()[0][:200]}). A model that writes the batch "
-                f"size into its program (h.reshape({batch}, -1)) or indexes the batch needs it from the "
-                "operand (h.reshape(h.shape[0], -1)); or use jax.jacrev / jax.vmap(jax.grad) of a per-example "
-                "loss.") from error
+    # data: an argument whose leading axis is the batch, unless that axis is a raw key's data
+    chosen = [n >= first_other and bool(np.ndim(x)) and np.shape(x)[0] == batch and not key
+              for n, (x, key) in enumerate(zip(rest, raw_keys))]
+    one = [jax.ShapeDtypeStruct((1, *np.shape(x)[1:]), x.dtype) if s else x for x, s in zip(rest, chosen)]
+    try:
+        one_program = _program(flat, diff, one, entries, names, rest_names)[0]
+    except (TypeError, ValueError, IndexError) as error:
+        cut = [name for name, s in zip(rest_names, chosen) if s][:6]
+        raise ValueError(
+            f"layers=: the per-example transforms trace fun again on one example, each argument whose "
+            f"leading axis is the batch ({batch}: {cut}) sliced to its first row, and fun fails there "
+            f"({type(error).__name__}: {str(error).splitlines()[0][:200]}). A model that writes the batch "
+            f"size into its program (h.reshape({batch}, -1)) or indexes the batch needs it from the "
+            "operand (h.reshape(h.shape[0], -1)); or use jax.jacrev / jax.vmap(jax.grad) of a per-example "
+            "loss.") from error
     key = ("at any batch", program, one_program)
     return shared_value(key, lambda: at_any_batch(program, one_program), NETWORKS)
 
@@ -221,9 +250,9 @@ def rewrite(fun: Callable, args: tuple, argnums: tuple[int, ...], layers: Any, p
 
     diff = [leaf for a in arguments for leaf in a.leaves]
     names = [n for a in arguments for n in a.names]
-    program, shape = _program(flat, diff, rest, tuple(entries), names, rest_names)
+    program, shape, raw_keys = _program(flat, diff, rest, tuple(entries), names, rest_names)
     if per_example:
-        program = _at_one_example(program, flat, diff, rest, tuple(entries), names, rest_names,
+        program = _at_one_example(program, raw_keys, flat, diff, rest, tuple(entries), names, rest_names,
                                   n_other=len(traced_pos))
     out_def = jax.tree.structure(shape)
 

@@ -54,9 +54,9 @@ class Settings:
         segments: the calls traced are segments of a checkpointed call (memory was asked for).
         policy: the thresholds of the measured rules (`Policy`). Not an option of the transforms:
             each transform takes the policy in force where it is called (`using` injects one).
-        capture: the number of the capture being traced (0: none). Part of jit's key: a
-            ``jax.jit`` of the user's around the model, traced before without capturing, is
-            traced again with its layer calls marked.
+        capture: the state of the capture being traced (`_capture`'s ``Capturing``, compared by
+            identity; None: none). Part of jit's key: a ``jax.jit`` of the user's around the
+            model, traced before without capturing, is traced again with its layer calls marked.
     """
 
     engine: Engine = "auto"
@@ -68,7 +68,7 @@ class Settings:
     products: bool = False
     segments: bool = False
     policy: Policy = POLICY
-    capture: int = 0
+    capture: Any = None
 
     def __post_init__(self) -> None:
         _check_choice("param_products", self.param_products, PARAM_PRODUCTS)
@@ -197,6 +197,6 @@ def using(settings: Settings) -> Iterator[None]:
 @contextlib.contextmanager
 def settings_changed(**changes: Any) -> Iterator[None]:
     """The current settings with ``changes`` (a checkpointed call's segments: ``segments=True``;
-    a capture: ``capture=n``)."""
+    a capture: ``capture=state``)."""
     with _SETTINGS(current().replace(**changes)):
         yield
