@@ -237,6 +237,18 @@ if __name__ == "__main__":
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="transformer_lm.png", help="loss curve PNG ('' for none)")
     parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--draw-network", type=int, metavar="BLOCKS",
+                        help="only draw lbp.plot_network of a BLOCKS-block model to --out (docs/transformer.png: 12)")
     args = parser.parse_args()
+    if args.draw_network:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        net = network(args.draw_network)
+        ax = lbp.plot_network(net, title=f"examples/transformer_lm.py, {args.draw_network} blocks: "
+                                         f"{len(net.layers)} layers")
+        ax.figure.savefig(args.out, dpi=120, bbox_inches="tight")
+        print(f"wrote {args.out}")
+        raise SystemExit
     main(args.steps, args.blocks, args.width, args.context, args.batch, args.seed, args.out or None,
          not args.no_progress)

@@ -340,6 +340,32 @@ def test_flax_linen_variables_through_module_apply():
     assert [layer.name for layer in cap.net.layers] == ["LinenBlock0", "LinenBlock1", "LinenBlock2"]
 
 
+def test_flax_linen_scan_gives_one_layer_per_step():
+    """``nn.scan(length=5)`` over a linen block is five layers reading Row blocks of the stacked
+    parameters (linen calls the body once more to learn the carry's shape; nothing reads that
+    call's result, so it is no layer: there were six), and the gradient is jax.grad's."""
+    nn = pytest.importorskip("flax.linen")
+
+    class ScanBlock(nn.Module):
+        @nn.compact
+        def __call__(self, h, _):
+            return jnp.tanh(nn.Dense(W)(h)), None
+
+    class Scanned(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            body = nn.scan(ScanBlock, variable_axes={"params": 0}, split_rngs={"params": True}, length=5)
+            return nn.Dense(1)(body()(x, None)[0])
+
+    model, x = Scanned(), jnp.linspace(-1.0, 1.0, 2 * W).reshape(2, W)
+    variables = jax.tree.map(lambda a: a.astype(jnp.float64), model.init(jax.random.PRNGKey(0), x))
+    loss = lambda v, x: jnp.sum(model.apply(v, x) ** 2)
+    close(lbp.grad_by_solve(loss, layers=ScanBlock)(variables, x), jax.grad(loss)(variables, x))
+    net = lbp.capture(loss, variables, x, layers=ScanBlock).net
+    assert [layer.name for layer in net.layers] == [f"ScanBlock{t}" for t in range(5)]
+    assert all(isinstance(p, lbp.Row) for layer in net.layers for p in layer.params)
+
+
 def test_flax_linen_dropout_and_batch_statistics_under_layers():
     """linen as users run it: ``rngs={"dropout": key}`` for dropout inside the layers (a fresh key,
     a fresh mask: the gradient jax.grad's with the same key) and ``mutable=["batch_stats"]`` with
@@ -565,10 +591,12 @@ def test_per_example_transforms_of_a_head_after_a_frozen_backbone():
 
 
 def test_one_example_retrace_keeps_a_raw_key_and_names_a_fixed_batch():
-    """The per-example transforms trace fun again on one example. A raw PRNG key (uint32 [2])
-    at batch 2 is kept whole there (slicing it made an invalid key), so the per-example
-    gradients are jax.jacrev's; a model with the batch size written into it raises an error
-    that names the slicing and the fix, not JAX's reshape error."""
+    """The per-example transforms trace fun again on one example. What is sliced is decided by
+    how the data flows: a raw PRNG key (uint32 [2]) at batch 2 reaches ``random_wrap`` as one
+    key, so it is kept whole (slicing it made an invalid key), while raw keys per example
+    ([2, 2], one key per row) are sliced; both per-example gradients are jax.jacrev's. A model
+    with the batch size written into it raises an error that names the slicing and the fix, not
+    JAX's reshape error."""
     rng = np.random.default_rng(10)
 
     @lbp.layer
@@ -582,6 +610,15 @@ def test_one_example_retrace_keeps_a_raw_key_and_names_a_fixed_batch():
 
     x, key = jnp.asarray(rng.standard_normal((2, 3))), jax.random.PRNGKey(0)
     close(lbp.per_example_grads(noisy, layers=body)(W, x, key), jax.jacrev(noisy)(W, x, key))
+
+    def noisy_per_example(W, x, keys):
+        noise = jax.vmap(lambda k: jax.random.normal(k, (x.shape[1],)))(keys)
+        return jnp.sum(body(W, x + 0.01 * noise) ** 2, axis=1)
+
+    keys = jax.random.split(jax.random.PRNGKey(1), 2)  # raw keys, one per example
+    assert keys.shape == (2, 2)
+    close(lbp.per_example_grads(noisy_per_example, layers=body)(W, x, keys),
+          jax.jacrev(noisy_per_example)(W, x, keys))
 
     def fixed(W, x):
         return jnp.sum(body(W, x).reshape(5, -1) ** 2, axis=1)

@@ -243,6 +243,19 @@ def at_any_batch(full: Program, one: Program) -> Program:
     return dataclasses.replace(full, net=net)
 
 
+def _read_equations(eqns: list, outvars: list) -> list:
+    """The equations whose results something reads (the outputs, or an equation kept), and those
+    with effects: a marked call whose result nothing reads is no layer (linen's ``nn.scan`` calls
+    its body once more to learn the carry's shape: a ``length=5`` scan gave six layers)."""
+    needed = {v for v in outvars if not isinstance(v, Literal)}
+    kept = []
+    for e in reversed(eqns):
+        if e.effects or any(o in needed for o in e.outvars):
+            kept.append(e)
+            needed.update(a for a in e.invars if not isinstance(a, Literal))
+    return kept[::-1]
+
+
 def build(closed: ClosedJaxpr, n_diff: int, block_names: Sequence[Hashable], calls: Sequence[str],
           rest_names: Sequence[str] = ()) -> Program:
     """The Program of ``closed`` (``fun`` traced with its marked calls), whose first ``n_diff``
@@ -251,6 +264,7 @@ def build(closed: ClosedJaxpr, n_diff: int, block_names: Sequence[Hashable], cal
     value computed from ``tokens`` before the network)."""
     found = ScanRows()
     eqns, constvars, consts, outvars = inline_calls(closed.jaxpr, closed.consts, found)
+    eqns = _read_equations(eqns, outvars)
     invars = list(closed.jaxpr.invars)
     diff_vars = set(invars[:n_diff])
     block_of_var: dict = dict(zip(invars[:n_diff], block_names))

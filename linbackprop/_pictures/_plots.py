@@ -111,6 +111,9 @@ def _kinds(net: Network) -> dict[Any, list[Layer]]:
     return members
 
 
+NAME_POINTS = 9  # the compact drawing's node names and legend: readable in a page at 1280 px
+
+
 def plot_network(net: Network, ax: Any = None, title: str | None = None) -> Any:
     """Draw the DAG: states left to right in topological order, an arc for every read.
 
@@ -218,12 +221,17 @@ def _draw_compact(net: Network, ax: Any, names: list[Hashable], position: dict) 
     colours = {fn: palette[j % len(palette)] for j, fn in enumerate(repeated)}
     kind_of = {layer.name: fn for fn, ls in members.items() for layer in ls}
     every = -(-len(names) // 72)  # names under at most 72 nodes: a wide network's every k-th
+    # Names at a readable size: level where each fits between its neighbours, else upright.
+    width = ax.figure.get_size_inches()[0] * ax.get_position().width
+    room = width * every / max(len(names), 1)  # inches between named nodes
+    level = max(len(label(name)) for name in names) * NAME_POINTS * 0.6 / 72 < 0.9 * room
     for n, name in enumerate(names):
         fn = kind_of.get(name)
         face = "tab:green" if fn is None else colours.get(fn, "white")
         ax.plot(*position[name], "o", ms=10 if every == 1 else 5, color=face, mec="black", zorder=3)
         if n % every == 0:
-            ax.text(position[name][0], low - 0.2, label(name), rotation=90, ha="center", va="top", fontsize=6)
+            ax.text(position[name][0], low - 0.2, label(name), rotation=0 if level else 90, ha="center", va="top",
+                    fontsize=NAME_POINTS)
     handles = []
     for fn in repeated:
         blocks = _listed(_kind_patterns([[_pattern(p) for p in m.params] for m in members[fn]]))
@@ -247,7 +255,7 @@ def _draw_compact(net: Network, ax: Any, names: list[Hashable], position: dict) 
             bottom = low - 1.4
     if handles:  # under the drawing, where no node or arc is
         wide = max(len(h.get_label()) for h in handles) > 60  # one entry a line where they are long
-        ax.legend(handles=handles, loc="upper left", fontsize=7, frameon=False, bbox_to_anchor=(0.0, 0.0),
+        ax.legend(handles=handles, loc="upper left", fontsize=NAME_POINTS, frameon=False, bbox_to_anchor=(0.0, 0.0),
                   ncol=1 if wide else min(3, len(handles)))
     return top, bottom
 
