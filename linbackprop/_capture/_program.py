@@ -14,7 +14,7 @@ import jax
 import numpy as np
 from jax.extend.core import ClosedJaxpr, Literal
 
-from .._graph import Constant, Layer, Network, Row, read, run_equations
+from .._graph import Constant, Layer, Network, Row, dependents, needed_equations, read, run_equations
 from ._inlining import NoInput, ScanRows, inline_calls, marked_index
 
 
@@ -244,16 +244,14 @@ def at_any_batch(full: Program, one: Program) -> Program:
 
 
 def _read_equations(eqns: list, outvars: list) -> list:
-    """The equations whose results something reads (the outputs, or an equation kept), and those
-    with effects: a marked call whose result nothing reads is no layer (linen's ``nn.scan`` calls
-    its body once more to learn the carry's shape: a ``length=5`` scan gave six layers)."""
-    needed = {v for v in outvars if not isinstance(v, Literal)}
-    kept = []
-    for e in reversed(eqns):
-        if e.effects or any(o in needed for o in e.outvars):
-            kept.append(e)
-            needed.update(a for a in e.invars if not isinstance(a, Literal))
-    return kept[::-1]
+    """The equations something reads (the outputs, or an equation kept), those with effects, and
+    every marked call that reads a traced value (a layer is a call of the user's, read or not).
+    A marked call of constants alone whose result nothing reads is no layer: linen's ``nn.scan``
+    calls its body once more to learn the carry's shape (a ``length=5`` scan gave six layers)."""
+    def keep(e: Any) -> bool:
+        return bool(e.effects) or (marked_index(e) is not None and any(not isinstance(a, Literal) for a in e.invars))
+
+    return needed_equations(eqns, outvars, keep=keep)
 
 
 def build(closed: ClosedJaxpr, n_diff: int, block_names: Sequence[Hashable], calls: Sequence[str],
@@ -280,17 +278,10 @@ def build(closed: ClosedJaxpr, n_diff: int, block_names: Sequence[Hashable], cal
         raise ValueError("layers=: no call of the layers named was found in fun (check that fun calls them, "
                          "with the classes or @lbp.layer functions passed to layers=).")
     # which equations depend on a layer's output or a differentiated leaf, and which feed a layer
-    moving: set = set(diff_vars)
-    for e, m in zip(eqns, marked):
-        if m is not None or any(a in moving for a in e.invars if not isinstance(a, Literal)):
-            moving.update(e.outvars)
-    feeds = [False] * len(eqns)
-    needed: set = set()
-    for n in range(len(eqns) - 1, -1, -1):
-        e = eqns[n]
-        if marked[n] is not None or any(o in needed for o in e.outvars):
-            feeds[n] = True
-            needed.update(a for a in e.invars if not isinstance(a, Literal))
+    is_marked = lambda e: marked_index(e) is not None
+    moving = dependents(eqns, diff_vars, also=is_marked)
+    feeding = {id(e) for e in needed_equations(eqns, (), keep=is_marked)}
+    feeds = [id(e) in feeding for e in eqns]
     in_net = [m is not None or (feeds[n] and any(a in moving for a in e.invars if not isinstance(a, Literal))
                                 and not all(o in rows_of_blocks for o in e.outvars))  # a Row: read as a block
               for n, (e, m) in enumerate(zip(eqns, marked))]

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.extend.core import Literal
 
-from .._graph import bind_equation, evaluate
+from .._graph import bind_equation, dependents, evaluate
 
 # Operations that move or copy entries without combining them: squaring commutes with them, and so
 # does summing over the examples.
@@ -137,11 +137,7 @@ def weighted_square_sum(x: jax.Array, weights: jax.Array) -> jax.Array:
 def depending(jaxpr: Any, varying: list[bool]) -> set:
     """The variables of ``jaxpr`` that depend on its inputs marked ``varying`` (an equation
     counted as depending on all its operands: conservative)."""
-    moving = {v for v, m in zip(jaxpr.invars, varying) if m}
-    for eqn in jaxpr.eqns:
-        if any(not isinstance(v, Literal) and v in moving for v in eqn.invars):
-            moving.update(eqn.outvars)
-    return moving
+    return dependents(jaxpr.eqns, (v for v, m in zip(jaxpr.invars, varying) if m))
 
 
 def first_operand(eqn: Any, path: list[Any]) -> int | None:

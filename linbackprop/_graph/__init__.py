@@ -20,7 +20,16 @@ from ._buffers import (
     update_row,
     zeros_of,
 )
-from ._jaxprs import Constant, bind_equation, computation_of, evaluate, read, run_equations
+from ._jaxprs import (
+    Constant,
+    bind_equation,
+    computation_of,
+    dependents,
+    evaluate,
+    needed_equations,
+    read,
+    run_equations,
+)
 from ._layer import GraphError, Layer, Row, Stack, block_of, call_layer, check_array_leaves, label, layer_theta, resolve
 from ._network import Network, stack_states
 
@@ -37,12 +46,14 @@ __all__ = [
     "call_layer",
     "check_array_leaves",
     "computation_of",
+    "dependents",
     "evaluate",
     "explicit_sharding",
     "index_row",
     "label",
     "layer_theta",
     "mesh_of",
+    "needed_equations",
     "place",
     "read",
     "resolve",

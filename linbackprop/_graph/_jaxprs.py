@@ -86,18 +86,34 @@ def run_equations(eqns: Iterable[Any], env: dict, rule: Rule | None = None) -> N
         env.update(zip(eqn.outvars, outs))
 
 
+def dependents(eqns: Iterable[Any], sources: Iterable[Any], also: Callable[[Any], bool] = lambda e: False) -> set:
+    """The variables that depend on ``sources`` (and the outputs of the equations ``also`` names),
+    an equation counted as depending on all its operands (conservative): the package's one
+    forward walk over a jaxpr's dependencies."""
+    moving = set(sources)
+    for eqn in eqns:
+        if also(eqn) or any(not isinstance(v, Literal) and v in moving for v in eqn.invars):
+            moving.update(eqn.outvars)
+    return moving
+
+
+def needed_equations(eqns: Sequence[Any], wanted: Iterable[Any], keep: Callable[[Any], bool] = lambda e: False
+                     ) -> list:
+    """The equations the ``wanted`` variables depend on (and those ``keep`` keeps, with what they
+    depend on), in order: the package's one backward walk over a jaxpr's dependencies."""
+    needed, kept = {v for v in wanted if not isinstance(v, Literal)}, []
+    for eqn in reversed(eqns):
+        if keep(eqn) or any(v in needed for v in eqn.outvars):
+            kept.append(eqn)
+            needed.update(v for v in eqn.invars if not isinstance(v, Literal))
+    return kept[::-1]
+
+
 def evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], wanted: Sequence[Any] | None = None,
              rule: Rule | None = None) -> list:
     """The outputs of ``jaxpr`` at ``args`` (or the values of the ``wanted`` variables, running only
     the equations they need), each equation through ``rule`` where one is given."""
-    eqns = jaxpr.eqns
-    if wanted is not None:
-        needed, kept = {v for v in wanted if not isinstance(v, Literal)}, []
-        for eqn in reversed(eqns):
-            if any(v in needed for v in eqn.outvars):
-                kept.append(eqn)
-                needed.update(v for v in eqn.invars if not isinstance(v, Literal))
-        eqns = kept[::-1]
+    eqns = jaxpr.eqns if wanted is None else needed_equations(jaxpr.eqns, wanted)
     env = dict(zip(jaxpr.constvars, consts)) | dict(zip(jaxpr.invars, args))
     run_equations(eqns, env, rule)
     return [read(env, v) for v in (jaxpr.outvars if wanted is None else wanted)]
