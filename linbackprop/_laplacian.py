@@ -25,12 +25,14 @@ from ._graph import GraphError, Layer, Network, Row
 
 
 def forward_laplacian(net: Network, coordinates: Hashable | None = None) -> Network:
-    """``net`` with every state lifted to ``(U, ∇U, ΔU)`` w.r.t. the input ``coordinates`` (the
+    r"""``net`` with every state lifted to ``(U, ∇U, ΔU)`` w.r.t. the input ``coordinates`` (the
     first input by default), a [B, d] batch of points x: the lifted network takes the same
     inputs and returns ``(u, grad, lap)`` per output, ``grad`` with a trailing axis of length d
-    (∂u/∂x_k) and ``lap`` shaped like u (Σ_k ∂²u/∂x_k²). Other inputs are constants.
+    ($\partial u/\partial x_k$) and ``lap`` shaped like u ($\sum_k \partial^2 u/\partial x_k^2$). Other inputs are
+    constants.
 
-        U = Φ(θ, v),   ∇U = DΦ[∇v],   ΔU = DΦ[Δv] + Σ_k D²Φ[∂_k v, ∂_k v]
+    $$U = \Phi(\theta, v), \qquad \nabla U = D\Phi[\nabla v], \qquad
+    \Delta U = D\Phi[\Delta v] + \sum_k D^2\Phi[\partial_k v, \partial_k v]$$
 
     per layer from its own function (nested ``jax.jvp``), starting from (x, I, 0). Each layer
     must act on each example alone (a dense layer, a norm over features; not a batch norm): the

@@ -185,6 +185,31 @@ def test_public_names_document_their_parameters(name):
     assert "Returns:" in doc, name
 
 
+# A letter with a subscript or superscript written as plain text (U_i, H^{1/2}): on the API pages
+# it is text, or emphasis where two underscores pair up; as TeX ($U_i$) KaTeX renders it.
+PLAIN_MATH = re.compile(r"(?<![\w\\])[A-Za-zΛΦΘΓθλδμ∂]_(\{[^}]*\}|[A-Za-z0-9]{1,3})(?!\w)|\w\^[{(\w]")
+
+
+def _prose(doc: str) -> str:
+    """A docstring without its examples, code, TeX and link targets."""
+    doc = "\n".join(line for line in doc.splitlines() if not line.strip().startswith((">>>", "...")))
+    for pattern in (r"\$\$.*?\$\$", r"\$[^$]*\$", r"\\\(.*?\\\)", r"``.*?``", r"`[^`]*`", r"\]\[[^\]]*\]"):
+        doc = re.sub(pattern, "", doc, flags=re.S)
+    return doc
+
+
+@pytest.mark.parametrize("name", lbp.__all__)
+def test_public_docstrings_write_math_as_tex(name):
+    """Math with subscripts or superscripts in the public docstrings (and their methods') is TeX."""
+    obj = getattr(lbp, name)
+    docs = [(name, inspect.getdoc(obj) or "")]
+    if inspect.isclass(obj):
+        docs += [(f"{name}.{m}", inspect.getdoc(f) or "") for m, f in inspect.getmembers(obj)
+                 if not m.startswith("_") and (inspect.isfunction(f) or isinstance(f, property))]
+    plain = [(where, m.group(0)) for where, doc in docs for m in PLAIN_MATH.finditer(_prose(doc))]
+    assert not plain, plain
+
+
 def test_math_renders_offline_with_the_katex_shipped():
     """pymdownx.arithmatex (generic) keeps the math for KaTeX, whose script, stylesheet and fonts
     are files of the site (no CDN); the home page writes its equations as TeX."""

@@ -31,17 +31,18 @@ from ._split import add_trees, normalise_argnums
 
 def clipped_grad(losses: Callable, clip: float | jax.Array, argnums: int | Sequence[int] = 0, *,
                  engine: Engine = "auto", layers: Any = None) -> Callable:
-    """The DP-SGD sum of per-example gradients clipped to norm ``clip``, and the norms.
+    r"""The DP-SGD sum of per-example gradients clipped to norm ``clip``, and the norms.
 
     ``clipped_grad(losses, clip)(params, *args)`` returns ``(clipped, norms)``: ``clipped`` =
-    Σ_b min(1, clip / ‖g_b‖) g_b (shaped like the arguments ``argnums`` names: the sum before
-    noise; divide by the batch for a mean), ``norms`` = (‖g_b‖)_b, with g_b the gradient of
+    $\sum_b \min(1, \text{clip} / \lVert g_b \rVert)\, g_b$ (shaped like the arguments ``argnums`` names: the sum before
+    noise; divide by the batch for a mean), ``norms`` = $(\lVert g_b \rVert)_b$, with $g_b$ the gradient of
     ``losses(params, *args)[b]``. ``losses`` returns per-example losses, shape (B,), and, as for
     [`per_example_grads`][linbackprop.per_example_grads], the leading axis of every network state is
     the batch (layers that mix examples — batch statistics, attention across the batch — raise).
 
     Cost: one forward pass, one back substitution for all examples, the norms from the adjoints
-    (ghost norms ‖Σ_t a_t δ_tᵀ‖² = Σ_{t,s} (a_t·a_s)(δ_t·δ_s) where a block's per-example cotangent
+    (ghost norms $\lVert \sum_t a_t \delta_t^T \rVert^2 = \sum_{t,s} (a_t \cdot a_s)(\delta_t \cdot \delta_s)$
+    where a block's per-example cotangent
     is a sum of outer products — dense layers, a weight shared along a sequence, by several
     layers or used twice in one — each such block's product formed once per example where that is
     cheaper, other blocks' cotangents formed per example and squared), each layer's operands read

@@ -125,9 +125,9 @@ class GaussNewton(LinearOperator):
         return out[0] if self._single else tuple(out)
 
     def gram(self, vectors: Sequence[Any]) -> jax.Array:
-        """The k × k matrix [v_iᵀ G v_j] of k parameter-shaped vectors, from forward products only:
+        r"""The k × k matrix $[v_i^T G v_j]$ of k parameter-shaped vectors, from forward products only:
 
-            v_iᵀ G v_j = (J v_i)ᵀ H (J v_j)
+        $$v_i^T G v_j = (J v_i)^T H (J v_j)$$
 
         — the k products J v batched into one forward substitution (``vmap`` of the stored
         linearisation), then k products with H on the outputs; no back substitution. What
@@ -168,10 +168,10 @@ class GaussNewton(LinearOperator):
         return int(sum(np.prod(shape, dtype=np.int64) for shape, _ in self._outputs[1]))
 
     def factor(self) -> Any:
-        """K with G = Kᵀ K: C rows shaped like the arguments, stacked on a leading axis of length
+        r"""K with G = Kᵀ K: C rows shaped like the arguments, stacked on a leading axis of length
         C = ``outputs``. With H = V diag(h) Vᵀ (``eigh`` of the dense C × C Hessian of the loss
-        w.r.t. the outputs, C products with H), row c is J*(√h_c v_c): C back substitutions and ℳ,
-        all at once (``vmap``). H's negative part is dropped (h_c < 0 → 0): exact for squared
+        w.r.t. the outputs, C products with H), row c is $J^*(\sqrt{h_c}\, v_c)$: C back substitutions and ℳ,
+        all at once (``vmap``). H's negative part is dropped ($h_c < 0 \to 0$): exact for squared
         error and softmax cross-entropy, whose H is positive semi-definite. For least squares
         ½‖r‖² the rows are the residuals' Jacobian rows (in H's eigenbasis). Where C is below the
         number of parameters, (G + λI)⁻¹ g is exact at a C × C solve (Woodbury's identity:

@@ -18,29 +18,31 @@ from ._split import normalise_argnums, on_model
 
 def diag_ggn(fun: Callable, argnums: int | Sequence[int] = 0, *, engine: Engine = "auto", samples: int | None = None,
              key: jax.Array | None = None, layers: Any = None) -> Callable:
-    """The exact diagonal of G = J* H J, shaped like the arguments ``argnums`` names (or, with
+    r"""The exact diagonal of G = J* H J, shaped like the arguments ``argnums`` names (or, with
     ``samples=M`` and a PRNG ``key``, a Monte Carlo estimate from M back substitutions instead of C).
 
     ``fun`` returns a scalar loss that is a sum (or mean) of per-example terms, so that H is block
     diagonal over the examples (the leading axis of every state is the batch). Each example's
-    block H_b (C × C over its C output coordinates: C products with H, all examples at once) is
-    factored H_b = Σ_k λ_bk s_bk s_bkᵀ (``eigh``: exact for indefinite H too), and
+    block $H_b$ (C × C over its C output coordinates: C products with H, all examples at once) is
+    factored $H_b = \sum_k \lambda_{bk} s_{bk} s_{bk}^T$ (``eigh``: exact for indefinite H too), and
 
-        diag G = Σ_b Σ_k λ_bk (J_b* s_bk)²
+    $$\operatorname{diag} G = \sum_b \sum_k \lambda_{bk} (J_b^* s_{bk})^2$$
 
-    where J_b* s is ℳ on example b's rows of Λ = ℒ⁻* E* s: one back substitution for all examples
+    where $J_b^* s$ is ℳ on example b's rows of Λ = ℒ⁻* E* s: one back substitution for all examples
     per k (C in all, one after another: measured faster than one vmapped solve), then ℳ per
     example. Where a layer's per-example parameter cotangent is an outer product (dense layers:
-    W̄_bk = a_bᵀ δ_bk), Σ_k Σ_b λ_bk W̄_bk² is one matrix product (a²)ᵀ(Σ_k λ_k δ_k²) after the
+    $\bar W_{bk} = a_b^T \delta_{bk}$), $\sum_k \sum_b \lambda_{bk} \bar W_{bk}^2$ is one matrix product
+    $(a^2)^T(\sum_k \lambda_k \delta_k^2)$ after the
     C substitutions (BackPACK forms one per k); other cotangents are formed per example and
     squared. About C/3 + 2 gradients for dense layers (C back substitutions and one forward pass).
     Layers that mix examples raise a ``ValueError``.
 
-    The estimate draws z ~ N(0, I) per example and sample and back-substitutes s = R_b z, R_b
-    R_bᵀ = H_b (Cholesky; unbiased where H is positive semi-definite, as for squared error and
+    The estimate draws z ~ N(0, I) per example and sample and back-substitutes $s = R_b z$,
+    $R_b R_b^T = H_b$ (Cholesky; unbiased where H is positive semi-definite, as for squared error and
     softmax cross-entropy, whose float32 blocks a saturated softmax leaves indefinite by
     round-off are repaired to their exact diagonal; an indefinite block takes a positive
-    semi-definite surrogate above it): diag G ≈ (1/M) Σ_m Σ_b (J_b* s_bm)². Cheaper than the exact
+    semi-definite surrogate above it): $\operatorname{diag} G \approx \frac1M \sum_m \sum_b (J_b^* s_{bm})^2$.
+    Cheaper than the exact
     diagonal when the outputs have many coordinates (a language model's vocabulary).
 
     Args:
@@ -83,10 +85,11 @@ def diag_ggn(fun: Callable, argnums: int | Sequence[int] = 0, *, engine: Engine 
 
 def ggn_factor(fun: Callable, argnums: int | Sequence[int] = 0, *, rank: int | None = None, engine: Engine = "auto",
                layers: Any = None) -> Callable:
-    """K with G = Kᵀ K from per-example Jacobian rows, shaped like the arguments ``argnums``
+    r"""K with G = Kᵀ K from per-example Jacobian rows, shaped like the arguments ``argnums``
     names with a leading axis of r·B rows (r per example, B examples):
 
-        G = Σ_b J_b* H_b J_b = Σ_b Σ_k (J_b* √λ_bk s_bk)(J_b* √λ_bk s_bk)ᵀ,   H_b = Σ_k λ_bk s_bk s_bkᵀ
+    $$G = \sum_b J_b^* H_b J_b = \sum_b \sum_k (J_b^* \sqrt{\lambda_{bk}} s_{bk})(J_b^* \sqrt{\lambda_{bk}} s_{bk})^T,
+    \qquad H_b = \sum_k \lambda_{bk} s_{bk} s_{bk}^T$$
 
     ``fun`` returns a scalar loss that is a sum (or mean) over examples, so that H is block
     diagonal (each example's C × C block factored by ``eigh``, as in [`diag_ggn`][linbackprop.diag_ggn]; C
@@ -94,7 +97,7 @@ def ggn_factor(fun: Callable, argnums: int | Sequence[int] = 0, *, rank: int | N
     (k, b) is example b's gradient of the k-th column of its factor: one back substitution for
     all examples per k, then ℳ per example. ``rank=r`` keeps each example's r largest
     eigenvalues: exact where each example has at most r residuals — a least-squares loss
-    ½ Σ_b ‖r_b‖² with one residual per example (a physics-informed network's ½ (Δu + f)² at each
+    $\frac12 \sum_b \lVert r_b \rVert^2$ with one residual per example (a physics-informed network's ½ (Δu + f)² at each
     point) has rank 1, and its rows are then the residuals' Jacobian rows. H's negative part is
     dropped (exact for squared error and softmax cross-entropy).
 
@@ -107,7 +110,7 @@ def ggn_factor(fun: Callable, argnums: int | Sequence[int] = 0, *, rank: int | N
         fun: the scalar loss, a sum or mean over examples, of the arguments.
         argnums: the argument(s) the rows are over.
         rank: None (a row per output coordinate the loss reads) or r, each example's r
-            largest eigenvalues of H_b.
+            largest eigenvalues of $H_b$.
         engine: ``"loop"``, ``"unrolled"`` or ``"auto"``.
         layers: the classes or ``@lbp.layer`` functions whose calls are the layers of a model
             written as it is.

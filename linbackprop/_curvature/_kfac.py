@@ -79,10 +79,10 @@ jax.tree_util.register_static(BiasOf)
 def kfac_factors(fun: Callable, argnums: int | Sequence[int] = 0, *, engine: Engine = "auto",
                  samples: int | None = None, key: jax.Array | None = None, layers: Any = None,
                  approximation: Literal["expand", "reduce"] = "expand") -> Callable:
-    """K-FAC factors of G = J* H J, shaped like the arguments ``argnums`` names: a
+    r"""K-FAC factors of G = J* H J, shaped like the arguments ``argnums`` names: a
     [`Kronecker`][linbackprop.Kronecker] pair at each parameter leaf whose every use is a dense product (its
-    per-example cotangent x_bᵀ δ_b, a ``dot_general`` of one example's operands, contracted
-    positions of a sequence summed); a bias added after such a product (its cotangent Σ_t δ_t,
+    per-example cotangent $x_b^T \delta_b$, a ``dot_general`` of one example's operands, contracted
+    positions of a sequence summed); a bias added after such a product (its cotangent $\sum_t \delta_t$,
     x W + b) joins its weight's block, as in kfac-jax and curvlinops: the weight's λ-free factor
     is A = (1/N) Σ [x, 1]ᵀ[x, 1] (a column of zeros for uses without the bias) and the bias's
     entry is a [`BiasOf`][linbackprop.BiasOf] naming the weight. Every other leaf (norm scales
@@ -90,16 +90,19 @@ def kfac_factors(fun: Callable, argnums: int | Sequence[int] = 0, *, engine: Eng
     like the leaf, from the same back substitutions (as [`diag_ggn`][linbackprop.diag_ggn] would
     give it: no second curvature pass).
 
-        G_W ≈ A ⊗ Γ,   A = (1/N) Σ_b Σ_t x_btᵀ x_bt,   Γ = Σ_k Σ_b Σ_t λ_bk δ_btkᵀ δ_btk
+    $$G_W \approx A \otimes \Gamma, \qquad A = \frac1N \sum_b \sum_t x_{bt}^T x_{bt}, \qquad
+    \Gamma = \sum_k \sum_b \sum_t \lambda_{bk} \delta_{btk}^T \delta_{btk}$$
 
     over the examples b, the layers and positions t that use W (N terms: K-FAC "expand", for
     shared weights, RNNs and tied embeddings alike) and the columns of each example's factored H
-    (as [`diag_ggn`][linbackprop.diag_ggn]: λ_bk, s_bk from ``eigh``, δ_bk from one back substitution for all
+    (as [`diag_ggn`][linbackprop.diag_ggn]: $\lambda_{bk}$, $s_{bk}$ from ``eigh``, $\delta_{bk}$ from one back
+    substitution for all
     examples per k; with ``samples=M`` and a PRNG ``key``, M sampled columns instead). Exact for
     one example and one use. ``approximation="reduce"`` (Eschenhagen et al. 2023) sums each
-    example's R uses first, x̄_b = Σ_t x_bt and δ̄_bk = Σ_t δ_btk:
+    example's R uses first, $\bar x_b = \sum_t x_{bt}$ and $\bar\delta_{bk} = \sum_t \delta_{btk}$:
 
-        A = (1/(B R²)) Σ_b x̄_bᵀ x̄_b,   Γ = Σ_k Σ_b λ_bk δ̄_bkᵀ δ̄_bk
+    $$A = \frac{1}{B R^2} \sum_b \bar x_b^T \bar x_b, \qquad
+    \Gamma = \sum_k \sum_b \lambda_{bk} \bar\delta_{bk}^T \bar\delta_{bk}$$
 
     — for a weight shared where the loss is one term per example (pooled sequences, a PINN's
     operator), as "expand" is for one term per use. ``fun`` returns a scalar loss that is a sum (or mean) over examples;

@@ -22,13 +22,14 @@ from ._split import Split, add_trees, normalise_argnums, on_model
 
 def per_example_grads(fun: Callable, argnums: int | Sequence[int] = 0, *, engine: Engine = "auto",
                       layers: Any = None) -> Callable:
-    """The gradient of each example's loss, stacked on a leading axis — ``jax.jacrev(fun)``.
+    r"""The gradient of each example's loss, stacked on a leading axis — ``jax.jacrev(fun)``.
 
     ``fun`` returns per-example losses, shape (B,), and the leading axis of every network state
     (and of every row read of a stacked input) is the batch. One forward pass and ONE back
-    substitution ℒ*Λ = ∇_U Σ_b ℓ_b serve every example (row b of Λ is example b's adjoint, since
-    ℓ_b sees only row b of the outputs); then ℳ is applied to each example's rows alone,
-    (∂Φ_i/∂θ)* Λ_i[b] — the layer's VJP on one example — and shared and ``Row`` blocks sum the
+    substitution $ℒ^*Λ = \nabla_U \sum_b \ell_b$ serve every example (row b of Λ is example b's adjoint,
+    since $\ell_b$ sees only row b of the outputs); then ℳ is applied to each example's rows alone,
+    $(\partial\Phi_i/\partial\theta)^* \Lambda_i[b]$ — the layer's VJP on one example — and shared and ``Row``
+    blocks sum the
     contributions of every layer that uses them. Terms of ``fun`` that use the arguments
     directly are added per example (``jax.jacrev`` of them). Network calls with different
     batches (a PINN's interior and boundary points) each bring their own examples: ``fun``
@@ -83,12 +84,13 @@ def per_example_grads(fun: Callable, argnums: int | Sequence[int] = 0, *, engine
 
 def per_example_grad_norms(fun: Callable, argnums: int | Sequence[int] = 0, *, engine: Engine = "auto",
                            chunk: int = 16, layers: Any = None) -> Callable:
-    """The (B,) Euclidean norms of the per-example gradients (over every argument ``argnums``
+    r"""The (B,) Euclidean norms of the per-example gradients (over every argument ``argnums``
     names), as ``jnp.linalg.norm`` of [`per_example_grads`][linbackprop.per_example_grads]
     flattened — without forming the per-example gradients. After the one back substitution, a
-    block whose per-example cotangent is a sum of outer products Σ_t a_t δ_tᵀ (dense layers, a
+    block whose per-example cotangent is a sum of outer products $\sum_t a_t \delta_t^T$ (dense layers, a
     weight shared along a sequence or by several layers) gets its squared norm as the ghost norm
-    Σ_{t,s} (a_t·a_s)(δ_t·δ_s) (or the product formed once per example, whichever the shapes make
+    $\sum_{t,s} (a_t \cdot a_s)(\delta_t \cdot \delta_s)$ (or the product formed once per example, whichever the
+    shapes make
     cheaper); other blocks' cotangents are formed per example and squared. Where ``fun`` uses the
     arguments outside its networks too, or an argument leaf is more than one block, the
     per-example gradients are formed ``chunk`` examples at a time (``lax.map``), keeping only

@@ -146,14 +146,14 @@ def resolve(p: Hashable, theta: Mapping[Hashable, Any]) -> Any:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Layer:
-    """One layer U_name = fn(theta, *inputs) of a [`Network`][linbackprop.Network].
+    r"""One layer $U_{\text{name}}$ = ``fn(theta, *inputs)`` of a [`Network`][linbackprop.Network].
 
     Args:
         name: any hashable, unique among the network's inputs and layers.
         fn: ``fn(theta, *inputs) -> state``; ``theta`` is the tuple of the parameter blocks named
             in ``params`` (in that order), ``inputs`` the states named in ``reads``.
         reads: names of the states this layer reads (network inputs or other layers).
-        params: names of the parameter blocks this layer uses (S_i of the seed). A block may be
+        params: names of the parameter blocks this layer uses ($S_i$ of the seed). A block may be
             shared by several layers, or appear twice in one layer. ``Row(name, i)`` names row i
             of a stacked block.
 

@@ -54,12 +54,12 @@ def _topological_order(layers: Sequence[Layer], inputs: tuple[Hashable, ...]) ->
 
 
 class Network:
-    """A static DAG of layers: U_i = Φ_i(S_i(θ), U_j for j in reads(i)).
+    r"""A static DAG of layers: $U_i = \Phi_i(S_i(\theta), U_j \text{ for } j \in \text{reads}(i))$.
 
     Args:
         layers: [`Layer`][linbackprop.Layer] objects in any order; they are sorted topologically (ties keep
             the order given).
-        inputs: names of the input states (U_0 of the seed); several are allowed.
+        inputs: names of the input states ($U_0$ of the seed); several are allowed.
         outputs: a single name (``net(...)`` returns that state) or a sequence of names
             (``net(...)`` returns a tuple). A tuple that is itself the name of a state is that
             single name; write ``[name]`` for a 1-tuple of outputs. A [`Stack`][linbackprop.Stack] of names

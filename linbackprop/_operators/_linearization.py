@@ -16,7 +16,7 @@ from ._network_operators import ParamOperator, StateOperator
 
 
 class Linearization:
-    """The network linearised at (θ, U₀): its states and the operators ℒ and ℳ.
+    r"""The network linearised at (θ, U₀): its states and the operators ℒ and ℳ.
 
     ``L`` and ``M`` act on dicts; ``L.T.solve(g)`` is the back substitution of the adjoint
     equation, so ``lin.M.mv(lin.L.T.solve(grad_U))`` is the gradient ℳ (ℒ*)⁻¹ ∇_Uℓ.
@@ -25,7 +25,7 @@ class Linearization:
         net: the network.
         params: its parameter blocks, as given.
         states: every state U, ``{name: value}`` (the inputs included).
-        L: ℒ = I − D_UΦ, a [`StateOperator`][linbackprop.StateOperator].
+        L: ℒ = I − $D_U\Phi$, a [`StateOperator`][linbackprop.StateOperator].
         M: ℳ (ℳ* as ``M.T``), a [`ParamOperator`][linbackprop.ParamOperator].
 
     Examples:
@@ -81,10 +81,10 @@ class Linearization:
 
 
 def linearize(net: Network, params: Mapping, *inputs: Any) -> Linearization:
-    """Linearise ``net`` at ``params`` and ``inputs``: ``lin.states``, ``lin.L``, ``lin.M``.
+    r"""Linearise ``net`` at ``params`` and ``inputs``: ``lin.states``, ``lin.L``, ``lin.M``.
 
-    Each layer's Φ_i is linearised once (``jax.linearize``): ℒ = I − D_UΦ, unit lower block
-    triangular with the DAG as its pattern, and ℳ* = D_θΦ, as operators on dicts of states and
+    Each layer's $\Phi_i$ is linearised once (``jax.linearize``): ℒ = I − $D_U\Phi$, unit lower block
+    triangular with the DAG as its pattern, and ℳ* = $D_\theta\Phi$, as operators on dicts of states and
     of blocks.
 
     Args:

@@ -79,9 +79,9 @@ class _Operator(LinearOperator):
 
 
 class StateOperator(_Operator):
-    """ℒ = I − D_UΦ (unit lower block triangular), or its adjoint ℒ* with ``.T``.
+    r"""ℒ = I − $D_U\Phi$ (unit lower block triangular), or its adjoint ℒ* with ``.T``.
 
-    Block (i, j) is −∂Φ_i/∂U_j, stored only where layer i reads layer j: the pattern below the
+    Block (i, j) is $-\partial\Phi_i/\partial U_j$, stored only where layer i reads layer j: the pattern below the
     diagonal is the DAG.
 
     Attributes:
@@ -146,14 +146,14 @@ class StateOperator(_Operator):
         return self._dense(self.mv, self._lin.layer_states, self._plan.net.order)
 
     def block(self, i: Hashable, j: Hashable) -> Block:
-        """Block (i, j) as a linear map with its adjoint (ℒ* blocks with ``.T``).
+        r"""Block (i, j) as a linear map with its adjoint (ℒ* blocks with ``.T``).
 
         Args:
             i: the state of the block row (the layer whose inputs it differentiates).
             j: the state of the block column (one that layer reads).
 
         Returns:
-            ℐ on the diagonal, −∂Φ_i/∂U_j below it.
+            ℐ on the diagonal, $-\partial\Phi_i/\partial U_j$ below it.
 
         Raises:
             KeyError: layer ``i`` does not read ``j`` (the block is zero).
@@ -184,9 +184,10 @@ class StateOperator(_Operator):
 
 
 class ParamOperator(_Operator):
-    """ℳ : 𝒰 → Θ (the adjoint of ℳ* = D_θΦ), or ℳ* with ``.T``.
+    r"""ℳ : 𝒰 → Θ (the adjoint of ℳ* = $D_\theta\Phi$), or ℳ* with ``.T``.
 
-    ℳ Λ sums, for every block θ_k, (∂Φ_i/∂θ_k)* Λ_i over the layers i that use θ_k.
+    ℳ Λ sums, for every block $\theta_k$, $(\partial\Phi_i/\partial\theta_k)^* \Lambda_i$ over the layers i that use
+    $\theta_k$.
 
     Attributes:
         T: ℳ* for ℳ (and ℳ for ℳ*).
@@ -240,7 +241,8 @@ class ParamOperator(_Operator):
         return self._dense(self.mv, self._lin.layer_states, self._plan.net.order)
 
     def block(self, k: Hashable, i: Hashable) -> Block:
-        """Block (k, i) of ℳ: Λ_i ↦ (∂Φ_i/∂θ_k)* Λ_i (ℳ* blocks with ``.T``).
+        r"""Block (k, i) of ℳ: $\Lambda_i \mapsto (\partial\Phi_i/\partial\theta_k)^* \Lambda_i$ (ℳ* blocks with
+        ``.T``).
 
         Args:
             k: the parameter block.

@@ -16,9 +16,9 @@ from jax.flatten_util import ravel_pytree
 
 
 class LinearOperator(abc.ABC):
-    """A linear map between spaces of named vectors: the one operator type of linbackprop, in the
+    r"""A linear map between spaces of named vectors: the one operator type of linbackprop, in the
     spirit of lineax's ``AbstractLinearOperator``. ℒ, ℳ, their adjoints and each of their blocks
-    are ``LinearOperator``\\ s:
+    are ``LinearOperator`` objects:
 
     - ``mv(x)``: the product; ``T``: the adjoint (``op.T.T`` acts as ``op``);
     - ``solve(b)``: x with ``op.mv(x) == b``, where ``op`` is invertible (ℒ and ℒ* by forward and
@@ -109,10 +109,11 @@ def dense_matrix(fn: Callable[[Any], Any], example: Any) -> jax.Array:
 
 
 class Block(LinearOperator):
-    """One block of ℒ or ℳ*: a linear map together with its adjoint (as in the seed).
+    r"""One block of ℒ or ℳ*: a linear map together with its adjoint (as in the seed).
 
     ``block.mv(x)`` applies the block, ``block.T.mv(y)`` its adjoint: for ℒ block (i, j),
-    −∂Φ_i/∂U_j and its transpose; for ℳ block (k, i), Λ_i ↦ (∂Φ_i/∂θ_k)* Λ_i and ∂Φ_i/∂θ_k.
+    $-\partial\Phi_i/\partial U_j$ and its transpose; for ℳ block (k, i),
+    $\Lambda_i \mapsto (\partial\Phi_i/\partial\theta_k)^* \Lambda_i$ and $\partial\Phi_i/\partial\theta_k$.
 
     Attributes:
         T: the adjoint block.

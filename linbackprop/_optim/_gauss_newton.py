@@ -39,7 +39,7 @@ def scale_by_gauss_newton(damping: float | None = None, maxiter: int = 50, *, to
                           solver: Solver = "auto", adapt: bool = True, min_damping: float = 1e-8,
                           max_damping: float = 1e8, reject: bool = True, warm_start: bool = True,
                           damping_scale: float = 1e-3) -> optax.GradientTransformationExtraArgs:
-    """The damped Gauss–Newton direction d = (G + λI)⁻¹ g, with G from ``update(...,
+    r"""The damped Gauss–Newton direction d = (G + λI)⁻¹ g, with G from ``update(...,
     curvature=G)`` ([`gauss_newton`][linbackprop.gauss_newton]) or from its rows, ``update(..., rows=K)`` with
     G = KᵀK ([`ggn_factor`][linbackprop.ggn_factor]: the examples' Jacobian rows), and g the incoming updates
     (the gradient).
@@ -59,9 +59,9 @@ def scale_by_gauss_newton(damping: float | None = None, maxiter: int = 50, *, to
       ``"dense"`` from rows and ``"cg"`` from the operator (chosen from the shapes at trace time).
 
     The first λ (``damping=None``, the default) comes from G's scale, as Marquardt's
-    λ₀ = τ · max_i G_ii with τ = ``damping_scale``: from ``rows=`` the largest diagonal entry
-    exactly (the largest column norm² of K); from the operator its largest eigenvalue (≥ max_i
-    G_ii, the same scale), estimated from below by 5 power iterations from g (5 products with
+    $\lambda_0 = \tau \max_i G_{ii}$ with τ = ``damping_scale``: from ``rows=`` the largest diagonal
+    entry exactly (the largest column norm² of K); from the operator its largest eigenvalue
+    ($\ge \max_i G_{ii}$, the same scale), estimated from below by 5 power iterations from g (5 products with
     G, at the first step only). A float ``damping`` is λ₀ as given.
 
     Levenberg–Marquardt (``adapt``, where ``update`` is given ``value_fn``, called as
@@ -93,7 +93,7 @@ def scale_by_gauss_newton(damping: float | None = None, maxiter: int = 50, *, to
         max_damping: λ's ceiling.
         reject: zero a step that does not lower the loss.
         warm_start: start the conjugate gradients from the last direction.
-        damping_scale: τ of λ₀ = τ · max_i G_ii where ``damping`` is None (Marquardt's; 1e-3
+        damping_scale: τ of $\lambda_0 = \tau \max_i G_{ii}$ where ``damping`` is None (Marquardt's; 1e-3
             where the start is far from a minimum, 1e-6 near one).
 
     Returns:

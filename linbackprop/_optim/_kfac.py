@@ -18,16 +18,16 @@ from ._kronecker import apply, decompose
 
 
 class KfacState(NamedTuple):
-    """The state of [`kfac`][linbackprop.kfac].
+    r"""The state of [`kfac`][linbackprop.kfac].
 
     Attributes:
         count: the steps taken.
         damping: λ of the next step.
         sums: per block (a weight with its bias where ``factors`` joined them, or one leaf),
-            the decayed sums Σ_k decay^k F_(t−k) of its fresh curvature (a tuple of
+            the decayed sums $\sum_k \text{decay}^k F_{t-k}$ of its fresh curvature (a tuple of
             [`Kronecker`][linbackprop.Kronecker] terms, or a diagonal); None before the first
             update.
-        weight: Σ_k decay^k, so that ``sums / weight`` is the bias-corrected average (the
+        weight: $\sum_k \text{decay}^k$, so that ``sums / weight`` is the bias-corrected average (the
             first step's average is the first step's factors exactly).
         inverses: per block, the decomposition of the averaged curvature that the steps apply
             (recomputed every ``update_every`` steps); None before the first update.
@@ -59,7 +59,7 @@ def kfac(damping: float = 1e-3, decay: float = 0.95, update_every: int = 5, *, l
          momentum: float | None = None, adapt_damping: bool = True, damping_interval: int = 5,
          damping_decay: float = 0.95, min_damping: float = 1e-8, max_damping: float = 1e8,
          reject: bool = False, factors: Any = None) -> optax.GradientTransformationExtraArgs:
-    """K-FAC, the whole optimizer: its updates go to ``optax.apply_updates`` (as ``optax.adam``'s
+    r"""K-FAC, the whole optimizer: its updates go to ``optax.apply_updates`` (as ``optax.adam``'s
     do; [`scale_by_kfac`][linbackprop.scale_by_kfac] is the bare direction).
 
     Each ``update(grad, state, params, factors=..., curvature=G, value=..., value_fn=...)``:
@@ -68,7 +68,7 @@ def kfac(damping: float = 1e-3, decay: float = 0.95, update_every: int = 5, *, l
        [`kfac_factors`][linbackprop.kfac_factors] (a leaf's factors a
        [`Kronecker`][linbackprop.Kronecker] pair, or a tuple of pairs for a loss of several
        terms), averaged over the steps with ``decay`` and bias-corrected as kfac-jax's weighted
-       average \\(\\bar F_t = \\sum_k \\mathrm{decay}^k F_{t-k} / \\sum_k \\mathrm{decay}^k\\) (the
+       average \(\bar F_t = \sum_k \mathrm{decay}^k F_{t-k} / \sum_k \mathrm{decay}^k\) (the
        first step uses its own factors exactly). A bias marked [`BiasOf`][linbackprop.BiasOf]
        is preconditioned with its weight, as one block [W; b]. Other leaves without factors take
        a diagonal from ``diagonal=`` (``lbp.diag_ggn``).
@@ -78,7 +78,7 @@ def kfac(damping: float = 1e-3, decay: float = 0.95, update_every: int = 5, *, l
        decomposition is applied with the current λ). Two terms are inverted exactly as their
        damped sum (simultaneous diagonalisation), more by merging all but the first (see
        ``linbackprop._optim._kronecker``).
-    3. **Step size and momentum (KFAC\\*).** u = α Δ + μ δ, δ the previous update, with (α, μ)
+    3. **Step size and momentum (KFAC\*).** u = α Δ + μ δ, δ the previous update, with (α, μ)
        minimising the quadratic model m(u) = gᵀu + ½ uᵀ(G + λI)u over that plane: with
        C = G + λI, (α, μ) solves M (α, μ)ᵀ = −(gᵀΔ, gᵀδ)ᵀ, M = ((ΔᵀCΔ, ΔᵀCδ), (δᵀCΔ, δᵀCδ)),
        with the exact G products [`G.gram`][linbackprop.GaussNewton.gram]([Δ, δ]) (one forward

@@ -26,17 +26,19 @@ class ScaleByKfacState(NamedTuple):
 
 def scale_by_kfac(damping: float = 1e-3, decay: float = 0.95, update_every: int = 1
                   ) -> optax.GradientTransformationExtraArgs:
-    """K-FAC's preconditioned gradient from ``update(..., factors=lbp.kfac_factors(loss)(params,
+    r"""K-FAC's preconditioned gradient from ``update(..., factors=lbp.kfac_factors(loss)(params,
     *batch))``: per leaf W with factors A ⊗ Γ (averaged over steps),
 
-        d_W = (A + π√λ I)⁻¹ ḡ_W (Γ + √λ/π I)⁻¹,    π² = (tr A / dim A) / (tr Γ / dim Γ)
+    $$d_W = (A + \pi\sqrt\lambda\, I)^{-1}\, \bar g_W\, (\Gamma + \tfrac{\sqrt\lambda}{\pi} I)^{-1}, \qquad
+    \pi^2 = \frac{\operatorname{tr} A / \dim A}{\operatorname{tr} \Gamma / \dim \Gamma}$$
 
     (W read as the [dim A, dim Γ] matrix of [`Kronecker`][linbackprop.Kronecker], with its bias
     as one more row [W; b] where ``factors`` has a [`BiasOf`][linbackprop.BiasOf] at the bias;
     factored Tikhonov damping with Martens & Grosse's π), and for the leaves without factors
     (norms, lone vectors: None in ``factors``) the damped diagonal d = ḡ / (diag G + λ) from
     ``diagonal=lbp.diag_ggn(loss)(params, *batch)``. The factors are averaged with ``decay``
-    (F ← decay F + (1 − decay) F_new; the first step takes F_new); the inverses are recomputed
+    ($F \leftarrow \text{decay}\, F + (1 - \text{decay})\, F_{\text{new}}$; the first step takes
+    $F_{\text{new}}$); the inverses are recomputed
     every ``update_every`` steps (``eigh``-free: Cholesky of the damped factors) and held in
     between. For shared weights the factors say how
     uses count: ``lbp.kfac_factors(loss, approximation="expand")`` (every use a term, the default)
