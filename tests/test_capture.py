@@ -537,8 +537,9 @@ def gated_cell(p, h, x):
 
 def test_a_scan_over_a_sequence_reads_its_steps_as_rows_of_one_input():
     """``lax.scan`` over the inputs of a sequence, its loss reading every hidden state: the steps
-    read rows of one input (as a hand-built network's ``Row("xs", t)``), not one input per step;
-    gradients and Gauss–Newton products as plain JAX's."""
+    read rows of one input (as a hand-built network's ``Row("xs", t)``), not one input per step,
+    and the stacked states are one `Stack` output; gradients, per-example gradients (the batch on
+    the Stack's axis 1) and Gauss–Newton products as plain JAX's."""
     T, B, D, H = 5, 3, 2, 4
     k = jax.random.split(jax.random.key(7), 4)
     params = {"A": 0.5 * jax.random.normal(k[0], (H, H)), "B": jax.random.normal(k[1], (D, H)),
@@ -553,7 +554,18 @@ def test_a_scan_over_a_sequence_reads_its_steps_as_rows_of_one_input():
     cap = lbp.capture(loss, params, xs, layers=gated_cell)
     assert cap.net.inputs.count("xs") == 1 and len(cap.net.inputs) <= 2, cap.net.inputs
     assert [layer.reads[1] for layer in cap.net.layers] == [lbp.Row("xs", t) for t in range(T)]
+    # the stacked ys: one Stack output (one read of consecutive rows), not T outputs stacked after
+    assert cap.net.output_spec == (lbp.Stack([layer.name for layer in cap.net.layers]),)
     close(jax.jit(lbp.grad_by_solve(loss, layers=gated_cell))(params, xs), jax.jit(jax.grad(loss))(params, xs))
+
+    def batch_first(p, xs):  # [B, T, D]: the batch leads, as the per-example transforms need
+        _, hs = jax.lax.scan(lambda h, x: (gated_cell(p, h, x),) * 2, jnp.zeros((xs.shape[0], H)),
+                             jnp.swapaxes(xs, 0, 1))
+        return jnp.sum(hs**2, axis=(0, 2))
+
+    xs_b = jnp.swapaxes(xs, 0, 1)
+    close(jax.jit(lbp.per_example_grads(batch_first, layers=gated_cell))(params, xs_b),
+          jax.jacrev(batch_first)(params, xs_b))
     tangent = jax.tree.map(jnp.ones_like, params)
     close(jax.jit(lambda p: lbp.gauss_newton(loss, layers=gated_cell)(p, xs)[2].mv(tangent))(params),
           jax.jit(lambda p: jax.vjp(lambda q: losses_states(q, xs), p)[1](

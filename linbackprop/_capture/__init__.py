@@ -23,7 +23,8 @@ program. The Network is cached per captured program: tracing ``fun`` again with 
 finds the same Network, and the solve's caches hit.
 
 Modules: `_marks` (marking the calls), `_inlining` (the user's jits and scans flattened),
-`_program` (the jaxpr split into data / network / loss), `_rewrite` (``fun`` around the network).
+`_stacks` (stacked outputs read as one `Stack`), `_program` (the jaxpr split into data /
+network / loss), `_rewrite` (``fun`` around the network).
 """
 
 from ._marks import layer

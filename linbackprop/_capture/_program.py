@@ -16,6 +16,7 @@ from jax.extend.core import ClosedJaxpr, Literal
 
 from .._graph import Constant, Layer, Network, Row, dependents, needed_equations, read, run_equations
 from ._inlining import NoInput, ScanRows, inline_calls, marked_index
+from ._stacks import stacked_outputs
 
 
 # -- the captured program -----------------------------------------------------------------------------
@@ -238,7 +239,7 @@ def at_any_batch(full: Program, one: Program) -> Program:
 
     layers = [Layer(lay.name, merged(lay.fn, other.fn), reads=lay.reads, params=lay.params)
               for lay, other in zip(mine.layers, theirs.layers)]
-    outputs = mine.outputs[0] if mine.single_output else list(mine.outputs)
+    outputs = mine.output_spec[0] if mine.single_output else list(mine.output_spec)  # Stacks kept
     net = Network(layers, inputs=list(mine.inputs), outputs=outputs)
     return dataclasses.replace(full, net=net)
 
@@ -383,6 +384,7 @@ def build(closed: ClosedJaxpr, n_diff: int, block_names: Sequence[Hashable], cal
         dummy = NoInput()
         input_names, inputs = ["input"], {dummy: "input"}
         constvars, consts = [*constvars, dummy], [*consts, np.float32(0)]
+    after, output_vars = stacked_outputs(after, tuple(outvars), output_vars)
     names = list(output_vars)
     net = Network(layers, inputs=input_names, outputs=names[0] if len(names) == 1 else names)
     block_vars = tuple(next(v for v, b in block_of_var.items() if not isinstance(b, Row) and b == p)

@@ -15,7 +15,7 @@ import jax
 import numpy as np
 from jax.extend.core import Literal
 
-from .._graph import Constant
+from .._graph import Constant, Stack
 from .._options import settings_changed
 from ._marks import Capturing, Patched
 from ._program import NETWORKS, Capture, Program, at_any_batch, build, shared_value
@@ -190,7 +190,9 @@ def _at_one_example(program: Program, raw_keys: list[bool], flat: Callable, diff
     """``program`` whose layers also run on one example: ``fun`` traced again with each data
     argument whose leading axis is the batch (that of the first output state) sliced to one
     example, and each layer given both programs (`at_any_batch`)."""
-    first = program.output_vars[0][0].aval.shape  # the batch: the leading axis of the first output state
+    # the batch: the leading axis of the first output state (axis 1 of a Stack of states)
+    axis = 1 if isinstance(program.net.output_spec[0], Stack) else 0
+    first = program.output_vars[0][0].aval.shape[axis:]
     if not first or first[0] == 1:
         return program  # no batch axis (the transform says so), or one example already
     batch = first[0]
