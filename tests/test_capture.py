@@ -69,15 +69,16 @@ def test_capture_finds_the_blocks_the_glue_and_one_kind_for_repeated_blocks():
     assert [layer.name for layer in cap.net.layers] == ["block0", "glue0", "block1", "glue1", "block2", "glue2",
                                                         "block3"]
     assert set(cap.net.param_names) == {f"['blocks'][{i}]['{k}']" for i in range(4) for k in "Wb"}
-    # one function for the blocks that read a glue layer, one for the glue: one kind each
-    assert len({layer.fn for layer in cap.net.layers[2::2]}) == 1
+    # one function for the blocks (the first reads the input, the others a glue layer: both a
+    # state read whole), one for the glue: one kind each
+    assert len({layer.fn for layer in cap.net.layers[0::2]}) == 1
     assert len({layer.fn for layer in cap.net.layers[1::2]}) == 1
     lin = lbp.linearize(cap.net, cap.params, *cap.inputs)
     assert lin.L.pattern.shape == (7, 7)
     h = jnp.sin(x)
     for p in params["blocks"][:3]:
         h = jnp.sin(block(p, h))
-    close(cap.net(cap.params, *cap.inputs)[0], block(params["blocks"][3], h))
+    close(cap.net(cap.params, *cap.inputs), block(params["blocks"][3], h))  # one output: the state itself
 
 
 def test_program_size_does_not_grow_with_depth():

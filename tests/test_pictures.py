@@ -140,8 +140,8 @@ def test_legend_of_a_captured_loop_lists_a_kinds_blocks_as_patterns():
                          for _ in range(3)]}
     cap = lbp.capture(loss, params, jnp.ones((1, 2)), layers=(attn, feed))
     ax = lbp.plot_network(cap.net)
-    # kinds in order of first use: the first attn reads the input (a kind of its own), the others a state
+    # kinds in order of first use: the first attn, which reads the input, is of the others' kind
     assert [t.get_text() for t in ax.get_legend().get_texts()] == [
-        "feed ×3: ['blocks'][i][1] {['up'], ['down']}",
-        "attn ×2: ['blocks'][i][0] {['qkv']['kernel'], ['qkv']['bias'], ['out']}"]
+        "attn ×3: ['blocks'][i][0] {['qkv']['kernel'], ['qkv']['bias'], ['out']}",
+        "feed ×3: ['blocks'][i][1] {['up'], ['down']}"]
     matplotlib.pyplot.close(ax.figure)

@@ -35,8 +35,9 @@ class Capture:
         >>> dense = lbp.layer(lambda W, x: jnp.tanh(x @ W))
         >>> loss = lambda p, x: jnp.sum(dense(p, x))
         >>> cap = lbp.capture(loss, jnp.eye(2), jnp.ones((1, 2)), layers=dense)
-        >>> bool(jnp.allclose(cap.net(cap.params, *cap.inputs)[0], jnp.tanh(1.0)))
-        True
+        >>> out = cap.net(cap.params, *cap.inputs)  # one output: the state itself
+        >>> out.shape, bool(jnp.allclose(out, jnp.tanh(1.0)))
+        ((1, 2), True)
     """
 
     net: Network
@@ -78,7 +79,7 @@ class Program:
         outs = self.net({name: env[v] for name, v in zip(self.net.param_names, self.block_vars)}, *inputs)
         outs = (outs,) if self.net.single_output else outs
         for state, vars_ in zip(outs, self.output_vars):
-            env.update(zip(vars_, state))
+            env.update(zip(vars_, state if len(vars_) > 1 else (state,)))
         run_equations(self.after, env)
         return [read(env, a) for a in self.outvars]
 
@@ -128,7 +129,8 @@ class FromParam:
 
 @dataclasses.dataclass(frozen=True)
 class FromRead:
-    """A layer's operand: output ``j`` of the node it reads ``r``-th (a captured call's results)."""
+    """A layer's operand: output ``j`` of the node it reads ``r``-th, a node of several outputs (a
+    captured call's results)."""
 
     r: int
     j: int
@@ -138,8 +140,11 @@ class FromRead:
 
 
 @dataclasses.dataclass(frozen=True)
-class FromInput:
-    """A layer's operand: the network input it reads ``r``-th (data computed before the network)."""
+class FromState:
+    """A layer's operand: the state it reads ``r``-th, whole — a network input (data computed
+    before the network) or the output of a node with one output. One spec for both, so that a
+    chain's first step, which reads an input, is the same kind of layer as the steps after it,
+    which read the step before (an unrolled scan: one kind, not two)."""
 
     r: int
 
@@ -159,7 +164,7 @@ class FromConstant:
         return self.constant.value
 
 
-Operand = FromParam | FromRead | FromInput | FromConstant
+Operand = FromParam | FromRead | FromState | FromConstant
 
 
 def _unmarked(eqn: Any, args: list) -> list | None:
@@ -201,7 +206,8 @@ def _replay(specs: tuple, programs: dict[tuple, ClosedJaxpr], name: str) -> Call
                 f"{list(next(iter(programs)))}; it was called with {list(shapes)}. A layer "
                 "found in a model runs at the shapes fun was traced at (the transforms trace fun again for "
                 "other shapes): build the Network with lbp.Layer for functions of any shape.")
-        return tuple(jax.extend.core.jaxpr_as_fun(programs[shapes])(*values))
+        out = jax.extend.core.jaxpr_as_fun(programs[shapes])(*values)
+        return out[0] if len(out) == 1 else tuple(out)  # one output: the state itself
 
     fn.__name__ = fn.__qualname__ = name
     fn.__linbackprop_captured__ = True  # per-example checks say so in their errors
@@ -339,6 +345,7 @@ def build(closed: ClosedJaxpr, n_diff: int, block_names: Sequence[Hashable], cal
                  if np.ndim(c) and not isinstance(c, jax.core.Tracer)}  # arrays fun closes over
     layers = []
     output_vars: dict[Hashable, list] = {}
+    outputs_of: dict[str, int] = {}  # per node: how many outputs (one: its state is that value)
     for n, (name, node_eqns) in enumerate(nodes):
         defined = {o for e in node_eqns for o in e.outvars}
         operands, specs, params, reads = [], [], [], []
@@ -355,7 +362,7 @@ def build(closed: ClosedJaxpr, n_diff: int, block_names: Sequence[Hashable], cal
                     src, j = producer[a]
                     if src not in reads:
                         reads.append(src)
-                    specs.append(FromRead(reads.index(src), j))
+                    specs.append(FromState(reads.index(src)) if outputs_of[src] == 1 else FromRead(reads.index(src), j))
                 elif a in constants:
                     specs.append(FromConstant(constants[a]))
                 else:  # data: a value computed before the network, an argument, a traced constant
@@ -368,9 +375,10 @@ def build(closed: ClosedJaxpr, n_diff: int, block_names: Sequence[Hashable], cal
                     read = inputs[stacked] if t is None else Row(inputs[stacked], t)
                     if read not in reads:
                         reads.append(read)
-                    specs.append(FromInput(reads.index(read)))
+                    specs.append(FromState(reads.index(read)))
         outs = [o for e in node_eqns for o in e.outvars if not isinstance(o, jax.extend.core.DropVar)]
         outs = [o for o in outs if o in used_later or readers[o] - {n}] or outs[:1]
+        outputs_of[name] = len(outs)
         for j, o in enumerate(outs):
             producer[o] = (name, j)
         if any(o in used_later for o in outs):
@@ -389,6 +397,10 @@ def build(closed: ClosedJaxpr, n_diff: int, block_names: Sequence[Hashable], cal
     net = Network(layers, inputs=input_names, outputs=names[0] if len(names) == 1 else names)
     block_vars = tuple(next(v for v, b in block_of_var.items() if not isinstance(b, Row) and b == p)
                        for p in net.param_names)
+    # before the network, only what the network's inputs and the loss read: the steps of an
+    # unrolled scan read rows of its xs (Row inputs), which leaves the row slices unread
+    read_later = [*inputs, *(a for e in after for a in e.invars), *outvars]
+    before = tuple(needed_equations(before, [a for a in read_later if not isinstance(a, NoInput)]))
     return Program(net=net, before=before, after=after, invars=tuple(invars), constvars=tuple(constvars),
                    consts=tuple(consts), outvars=tuple(outvars), block_vars=block_vars,
                    input_atoms=tuple(inputs), output_vars=tuple(tuple(output_vars[n]) for n in names),
