@@ -188,8 +188,9 @@ def _sub_jaxprs(eqn: Any) -> list:
 def _at_one_example(program: Program, raw_keys: list[bool], flat: Callable, diff: list, rest: list,
                     entries: tuple, names: list, rest_names: list, n_other: int) -> Program:
     """``program`` whose layers also run on one example: ``fun`` traced again with each data
-    argument whose leading axis is the batch (that of the first output state) sliced to one
-    example, and each layer given both programs (`at_any_batch`)."""
+    argument whose leading axis is the batch (that of the first output state, axis 1 of a
+    `Stack`) sliced to one example — but a raw PRNG key (``raw_keys``, from how it flows) — and
+    each layer given both programs (`at_any_batch`)."""
     # the batch: the leading axis of the first output state (axis 1 of a Stack of states)
     axis = 1 if isinstance(program.net.output_spec[0], Stack) else 0
     first = program.output_vars[0][0].aval.shape[axis:]

@@ -24,7 +24,7 @@ def stacked_outputs(after: tuple, outvars: tuple, output_vars: dict[Hashable, li
     those states for each (its var: the stack's), the states themselves kept only where something
     else still reads them."""
     single = {vars_[0]: name for name, vars_ in output_vars.items() if len(vars_) == 1}
-    producer = {o: e for e in after for o in e.outvars}
+    producer = {o: n for n, e in enumerate(after) for o in e.outvars}  # var -> the index of its equation
     readers: dict = {}
     for n, e in enumerate(after):
         for a in e.invars:
@@ -37,8 +37,8 @@ def stacked_outputs(after: tuple, outvars: tuple, output_vars: dict[Hashable, li
             names, parts = [single.get(a) if not isinstance(a, Literal) else None for a in e.invars], []
         elif e.primitive.name == "concatenate" and e.params.get("dimension") == 0 and len(e.invars) > 1:
             # jnp.stack where JAX writes it as x[None] of each, concatenated
-            names = [_expanded_state(producer.get(a), single) for a in e.invars]
-            parts = [after.index(producer[a]) for a in e.invars if a in producer]
+            names = [_expanded_state(after[producer[a]] if a in producer else None, single) for a in e.invars]
+            parts = [producer[a] for a in e.invars if a in producer]
             if any(readers.get(a, set()) != {n} for a in e.invars):
                 continue
         else:

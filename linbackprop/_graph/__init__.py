@@ -30,7 +30,19 @@ from ._jaxprs import (
     read,
     run_equations,
 )
-from ._layer import GraphError, Layer, Row, Stack, block_of, call_layer, check_array_leaves, label, layer_theta, resolve
+from ._layer import (
+    GraphError,
+    Layer,
+    Row,
+    Stack,
+    block_of,
+    call_layer,
+    check_array_leaves,
+    label,
+    layer_theta,
+    not_an_array,
+    resolve,
+)
 from ._network import Network, stack_states
 
 __all__ = [
@@ -54,6 +66,7 @@ __all__ = [
     "layer_theta",
     "mesh_of",
     "needed_equations",
+    "not_an_array",
     "place",
     "read",
     "resolve",

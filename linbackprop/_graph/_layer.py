@@ -22,12 +22,17 @@ def is_array_leaf(x: Any) -> bool:
             or hasattr(x, "aval"))
 
 
+def not_an_array(x: Any, where: str) -> TypeError:
+    """The error for a leaf ``x`` of what ``where`` names that is not an array."""
+    return TypeError(f"{where} has a leaf of type {type(x).__name__} ({x!r}); states, inputs and "
+                     "parameter blocks must be arrays or pytrees of arrays.")
+
+
 def check_array_leaves(tree: Any, where: str) -> None:
     """A clear error for a leaf of ``tree`` (``where`` names it) that is not an array."""
     for x in jax.tree.leaves(tree):
         if not is_array_leaf(x):
-            raise TypeError(f"{where} has a leaf of type {type(x).__name__} ({x!r}); states, inputs and "
-                            "parameter blocks must be arrays or pytrees of arrays.")
+            raise not_an_array(x, where)
 
 
 class GraphError(ValueError):

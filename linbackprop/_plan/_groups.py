@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._graph import check_array_leaves, explicit_sharding, place, zeros_of
+from .._graph import explicit_sharding, not_an_array, place, zeros_of
 
 Aval = jax.ShapeDtypeStruct
 
@@ -25,8 +25,7 @@ def leaf_aval(x: Any, where: str) -> Aval:
         return Aval(np.shape(x), x.dtype, sharding=explicit_sharding(x), weak_type=bool(weak))
     if isinstance(x, (bool, int, float, complex)):
         return Aval((), jnp.result_type(x), weak_type=True)
-    check_array_leaves(x, where)  # raises: not an array
-    raise AssertionError(x)
+    raise not_an_array(x, where)
 
 
 def differentiable_dtype(dtype: Any) -> bool:
