@@ -6,6 +6,7 @@
     perf record -g python benchmarks/profile.py xla ours   # XLA alone, to sample (also: scan)
     python benchmarks/profile.py checkpoint-memory [--sweep 100 --seed 2 --transforms gradient vmap products]
     python benchmarks/profile.py engine-rule [--builds 2]  # loop or unrolled: compile and run time
+    python benchmarks/profile.py gram                      # G.gram's products: one by one or vmapped
 
 ``compile``: ``jit(grad_by_solve)`` of the GPT of ``examples/transformer_lm.py`` against
 ``jit(jax.grad)`` over ``lax.scan``, each phase of freshly built networks timed separately
@@ -31,6 +32,12 @@ networks of a few kinds and depths — a transformer with one layer per block (e
 head: three kinds), residual chains (one kind), a shallow network of distinct layers — and what
 ``engine="auto"`` picks for each (for the transformers also ``jax.grad`` over ``lax.scan``'s
 compile): the measurement behind ``Policy.loop_pays``.
+``gram``: ``G.gram([grad, v])`` (K-FAC's two products for its step size and momentum) after
+``gauss_newton``, its time less that of ``gauss_newton`` alone (interleaved medians), with the
+products one after another and vmapped as one substitution (``Policy.batched_products_cpu``), on
+the digits MLP of ``--rows kfac``, the Poisson PINNs of ``examples/pinn_poisson.py`` (float64),
+an RNN of 32 steps and a chain of 16 layers: the measurement behind
+``Policy.batched_products_pay``.
 """
 
 from __future__ import annotations
@@ -307,10 +314,40 @@ def checkpoint_memory(sweep: int, seed: int = 0, transforms: tuple[str, ...] = (
     print("\n".join(worse))
 
 
+def gram_products(repeats: int = 20) -> None:
+    from benchmarks.kfac_rows import digits_problem
+    from linbackprop._options import Policy
+    from linbackprop._options._settings import Settings, using
+
+    pinn = example("pinn_poisson")
+    cases = [("digits MLP 64-128-128-10, float32", *digits_problem())]
+    with jax.enable_x64(True):
+        for widths in ((64,), (64, 64, 48, 48)):
+            params, points, loss, _, _ = pinn.make_problem(widths)
+            cases.append((f"Poisson PINN 2-{'-'.join(map(str, widths))}-1, float64", loss, params, (points,)))
+    loss, (params, *rest), _, _ = rnn(32, 64, 32, every=True)
+    cases.append(("RNN 32 steps, width 64, batch 32", loss, params, tuple(rest)))
+    loss, (params, *rest), _, _ = chain(16, 64, 64)
+    cases.append(("chain 16 × 64, batch 64", loss, params, tuple(rest)))
+    for name, loss, params, rest in cases:
+        with jax.enable_x64(jax.tree.leaves(params)[0].dtype == jnp.float64):  # traced and run as made
+            v = jax.tree.map(lambda a: 0.3 * a + 0.01, params)
+            programs = [(jax.jit(lambda p, v, loss=loss, rest=rest: lbp.gauss_newton(loss)(p, *rest)[:2]), (params, v))]
+            for batched in (False, True):
+                def both(p, v, loss=loss, rest=rest):
+                    value, grad, G = lbp.gauss_newton(loss)(p, *rest)
+                    return value, grad, G.gram([grad, v])
+                with using(Settings(policy=Policy(batched_products_cpu=batched))):  # traced under the rule
+                    programs.append((jax.jit(both).lower(params, v).compile(), (params, v)))
+            base, one_by_one, batched = interleaved(programs, repeats)
+        print(f"{name}: gauss_newton {base * 1e3:.2f} ms; the two products one by one {(one_by_one - base) * 1e3:.2f} "
+              f"ms, vmapped {(batched - base) * 1e3:.2f} ms", flush=True)
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("what", choices=["compile", "gn-halves", "gn-temporaries", "xla", "engine-rule",
-                                         "checkpoint-memory"])
+                                         "checkpoint-memory", "gram"])
     parser.add_argument("which", nargs="?", choices=["ours", "scan"], default="ours", help="xla: whose program")
     parser.add_argument("--builds", type=int, default=6)
     parser.add_argument("--shape", type=int, nargs=3, default=(128, 128, 64))
@@ -330,5 +367,7 @@ if __name__ == "__main__":
         gauss_newton_halves(tuple(options.shape))
     elif options.what == "engine-rule":
         engine_rule(options.builds, options.only)
+    elif options.what == "gram":
+        gram_products()
     else:
         gauss_newton_temporaries()

@@ -205,6 +205,24 @@ def test_levenberg_marquardt_step_with_cg_under_jit():
     np.testing.assert_allclose(ravel_pytree(delta)[0], expected, rtol=1e-6, atol=1e-9)
 
 
+@pytest.mark.parametrize("batched", [False, True])
+def test_gram_is_the_dense_quadratic_form_one_by_one_and_batched(batched):
+    """G.gram([u, v, w]) = [aᵀ G b] against the dense J* H J, with the k products one after
+    another (CPU's rule) and vmapped as one substitution (the accelerators')."""
+    from linbackprop._options import Policy
+    from linbackprop._options._settings import Settings, using
+
+    losses, params, inputs = CASES["rnn-rows"]
+    loss = lambda p, *xs: jnp.sum(losses(p, *xs))
+    rng = np.random.default_rng(5)
+    vectors = [jax.tree.map(lambda x: jnp.asarray(rng.standard_normal(np.shape(x))), params) for _ in range(3)]
+    with using(Settings(policy=Policy(batched_products_cpu=batched))):
+        gram = jax.jit(lambda p, vs: lbp.gauss_newton(loss)(p, *inputs)[2].gram(vs))(params, vectors)
+    rows = np.stack([ravel_pytree(v)[0] for v in vectors])
+    expected = rows @ reference_ggn(losses, params, inputs) @ rows.T
+    np.testing.assert_allclose(gram, expected, rtol=1e-9, atol=1e-10)
+
+
 def test_gauss_newton_with_several_arguments_and_aux():
     losses, params, inputs = CASES["multi_input"]
     loss = lambda p, x, z: (jnp.sum(losses(p, x, z)), {"n": 1.0})

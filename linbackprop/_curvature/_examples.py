@@ -90,28 +90,7 @@ class Examples(NamedTuple):
         in fact it is a positive semi-definite surrogate above H (the exact ``samples=None``
         path keeps H's eigenvalues as they are). What is still not finite (a NaN in H) takes the
         square root of its diagonal's positive part."""
-        out = []
-        for h in self.blocks:
-            coords = h.shape[-1]
-            eps = jnp.finfo(h.dtype).eps
-            eye = jnp.eye(coords, dtype=h.dtype)
-
-            def factor(h: jax.Array) -> tuple[jax.Array, jax.Array]:
-                diagonal = jnp.diagonal(h, axis1=1, axis2=2)
-                largest = jnp.max(diagonal, axis=1)
-                batch_scale = jnp.max(jnp.where(jnp.isfinite(largest), largest, 0))  # a NaN block stays its own
-                shift = coords * eps * batch_scale + coords * jnp.sqrt(eps) * largest + jnp.finfo(h.dtype).tiny
-                chol = jnp.linalg.cholesky(h + shift[:, None, None] * eye)
-                return chol, jnp.all(jnp.isfinite(chol), axis=(1, 2))
-
-            chol, ok = factor(h)
-            off = jnp.sum(jnp.abs(h), axis=2) - jnp.abs(jnp.diagonal(h, axis1=1, axis2=2))
-            dominant = h + jax.vmap(jnp.diag)(jnp.maximum(off - jnp.diagonal(h, axis1=1, axis2=2), 0.0))
-            repaired, repaired_ok = jax.lax.cond(jnp.all(ok), lambda: (chol, ok), lambda: factor(dominant))
-            fallback = jax.vmap(jnp.diag)(jnp.sqrt(jnp.maximum(jnp.diagonal(h, axis1=1, axis2=2), 0.0)))
-            out.append(jnp.where(ok[:, None, None], chol,
-                                 jnp.where(repaired_ok[:, None, None], repaired, fallback)))
-        return out
+        return [jnp.moveaxis(_root(jnp.moveaxis(h, 0, -1)), -1, 0) for h in self.blocks]
 
     def of_call(self, call: int) -> int:
         """The group of a call (its position among all calls)."""
@@ -191,6 +170,54 @@ def _check_block_size(name: str, batch: int, coords: int, dtype: Any) -> None:
             "whole sequence, positions × vocabulary). Blocks per position are not supported yet; use "
             "lbp.gauss_newton's products (G.mv, G.gram), fewer output coordinates per example, or a smaller "
             "batch per call.")
+
+
+# up to this many coordinates a block's Cholesky factor is formed column by column over the whole
+# batch at once; LAPACK's is called once per example, which for thousands of small blocks costs
+# more than the factorisations (the digits MLP's 1,797 blocks of 10 × 10, CHANGELOG)
+SMALL_BLOCK = 32
+
+
+def _root(h: jax.Array) -> jax.Array:
+    """`Examples.roots` of one group's blocks, the examples on the last axis: h [C, C, B]
+    (every step below then one vectorised operation over all examples)."""
+    coords = h.shape[0]
+    eps = jnp.finfo(h.dtype).eps
+    eye = jnp.eye(coords, dtype=h.dtype)[:, :, None]
+    diagonal = jnp.diagonal(h, axis1=0, axis2=1).T  # [C, B]
+
+    def factor(h: jax.Array) -> tuple[jax.Array, jax.Array]:
+        largest = jnp.max(jnp.diagonal(h, axis1=0, axis2=1), axis=1)
+        batch_scale = jnp.max(jnp.where(jnp.isfinite(largest), largest, 0))  # a NaN block stays its own
+        shift = coords * eps * batch_scale + coords * jnp.sqrt(eps) * largest + jnp.finfo(h.dtype).tiny
+        chol = _cholesky(h + shift * eye)
+        return chol, jnp.all(jnp.isfinite(chol), axis=(0, 1))
+
+    chol, ok = factor(h)
+
+    def repair() -> tuple[jax.Array, jax.Array]:
+        off = jnp.sum(jnp.abs(h), axis=1) - jnp.abs(diagonal)
+        return factor(h + eye * jnp.maximum(off - diagonal, 0.0)[:, None, :])
+
+    repaired, repaired_ok = jax.lax.cond(jnp.all(ok), lambda: (chol, ok), repair)
+    fallback = eye * jnp.sqrt(jnp.maximum(diagonal, 0.0))[:, None, :]
+    return jnp.where(ok, chol, jnp.where(repaired_ok, repaired, fallback))
+
+
+def _cholesky(a: jax.Array) -> jax.Array:
+    """Lower L with L Lᵀ = a for symmetric matrices [C, C, B] (the examples last), NaN where one
+    is not positive definite (as ``jnp.linalg.cholesky``). Small blocks column by column in
+    Crout's order, each step over all examples at once."""
+    coords = a.shape[0]
+    if coords > SMALL_BLOCK:
+        return jnp.moveaxis(jnp.linalg.cholesky(jnp.moveaxis(a, -1, 0)), 0, -1)
+    columns: list[jax.Array] = []
+    for j in range(coords):
+        v = a[j:, j]
+        for done in columns:  # column j of h less what the earlier columns of L account for
+            v = v - done[j:] * done[j]
+        columns.append(jnp.concatenate([jnp.zeros((j, a.shape[-1]), a.dtype), v / jnp.sqrt(v[0])]))
+    return jnp.stack(columns, axis=1)
 
 
 def over_columns(share: Callable, examples: Examples, samples: int | None, key: Any, name: str) -> Any:

@@ -16,7 +16,7 @@ from jax.flatten_util import ravel_pytree
 from .._capture import rewrite
 from .._graph import stack_trees
 from .._operators import LinearOperator
-from .._options import Engine, ParamProducts, Schedule, plain
+from .._options import Engine, ParamProducts, Schedule, current, plain
 from .._solve import solve_mode
 from ._split import OnArguments, Split, add_trees, normalise_argnums
 
@@ -129,9 +129,10 @@ class GaussNewton(LinearOperator):
 
         $$v_i^T G v_j = (J v_i)^T H (J v_j)$$
 
-        — the k products J v batched into one forward substitution (``vmap`` of the stored
-        linearisation), then k products with H on the outputs; no back substitution. What
-        K-FAC's step size and momentum need (``lbp.kfac``: Δᵀ G Δ, Δᵀ G δ, δᵀ G δ).
+        — k products J v with the stored linearisation (forward substitutions: on CPU one per
+        vector, elsewhere one ``vmap``-batched for all k; docs/performance.md), then k products
+        with H on the outputs; no back substitution. What K-FAC's step size and momentum need
+        (``lbp.kfac``: Δᵀ G Δ, Δᵀ G δ, δᵀ G δ).
 
         Args:
             vectors: k pytrees shaped like the arguments G acts on (for several ``argnums``,
@@ -246,10 +247,13 @@ _gauss_newton_mv = jax.jit(lambda G, v: G.apply(v))
 
 @jax.jit
 def _gram(G: GaussNewton, vectors: tuple) -> jax.Array:
-    stacked = stack_trees(vectors)
     jvp = (lambda v: G._jvp(v)) if G._single else (lambda v: G._jvp(*v))
-    outs = jax.vmap(jvp)(stacked)  # [k, ...] per output leaf: one forward substitution for all k
-    curved = jax.vmap(G._hvp)(outs)
+    if current().policy.batched_products_pay(jax.default_backend()):
+        outs = jax.vmap(jvp)(stack_trees(vectors))  # [k, ...] per output leaf: one forward substitution for all k
+        curved = jax.vmap(G._hvp)(outs)
+    else:  # one substitution per vector, the results stacked as the vmap's
+        outs = stack_trees([jvp(v) for v in vectors])
+        curved = stack_trees([G._hvp(jax.tree.map(lambda x, n=n: x[n], outs)) for n in range(len(vectors))])
     rows = lambda tree: jnp.concatenate([x.reshape(x.shape[0], -1) for x in jax.tree.leaves(tree)], axis=1)
     j, hj = rows(outs), rows(curved)
     gram = j @ hj.T

@@ -81,8 +81,8 @@ def kfac(damping: float = 1e-3, decay: float = 0.95, update_every: int = 5, *, l
     3. **Step size and momentum (KFAC\*).** u = α Δ + μ δ, δ the previous update, with (α, μ)
        minimising the quadratic model m(u) = gᵀu + ½ uᵀ(G + λI)u over that plane: with
        C = G + λI, (α, μ) solves M (α, μ)ᵀ = −(gᵀΔ, gᵀδ)ᵀ, M = ((ΔᵀCΔ, ΔᵀCδ), (δᵀCΔ, δᵀCδ)),
-       with the exact G products [`G.gram`][linbackprop.GaussNewton.gram]([Δ, δ]) (one forward
-       substitution for both, no back substitution). The first step (no δ) takes
+       with the exact G products [`G.gram`][linbackprop.GaussNewton.gram]([Δ, δ]) (forward
+       substitutions only, no back substitution). The first step (no δ) takes
        α = −gᵀΔ / ΔᵀCΔ, μ = 0. A float ``learning_rate`` or ``momentum`` fixes that coefficient
        (the other, if adaptive, minimises the model with it fixed); ``learning_rate=1.0,
        momentum=0.0`` is exactly u = −(F̄ + λI)⁻¹ g.

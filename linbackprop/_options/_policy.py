@@ -68,6 +68,12 @@ class Policy:
             the layers, ``contracted_last`` against JAX's product, 2/4/8/16/31 rows: 512 layers of
             width 32 1.13/0.62/0.73/0.76/0.90, 128 of width 64 1.16/0.92/0.89/0.99/1.00, 256 of
             width 16 0.62/0.43/0.61/0.84/1.04).
+        batched_products_cpu, batched_products_elsewhere: ``G.gram``'s k products J v as one
+            forward substitution vmapped over the k vectors (the accelerators: fewer, larger
+            kernels; an estimate, not measured) or, on CPU, one after another (`batched_products_pay`; measured with
+            ``python benchmarks/profile.py gram``, k = 2, K-FAC's step size and momentum: the
+            digits MLP 2.3 → 1.5 ms, the Poisson PINN 2-64-1 10.2 → 1.4 ms, deep-wide 36 → 21
+            ms; an RNN and a chain the same either way).
     """
 
     loop_min_depth: int = 6
@@ -88,6 +94,8 @@ class Policy:
     carried_back_max_kept: float = 0.5
     contract_first_min_cpu: int = 4
     contract_first_max_cpu: int = 16
+    batched_products_cpu: bool = False
+    batched_products_elsewhere: bool = True
 
     def loop_pays(self, depth: int, kinds: int) -> bool:
         """Whether the substitutions pay as a loop over kinds (one compiled body for many steps)."""
@@ -130,6 +138,12 @@ class Policy:
         """The fewest and most rows whose outer products ℳΛ forms with the contracted axis moved
         last first on ``backend`` (None: never; see ``contract_first_max_cpu``)."""
         return (self.contract_first_min_cpu, self.contract_first_max_cpu) if backend == "cpu" else None
+
+    def batched_products_pay(self, backend: str) -> bool:
+        """Whether k products with one stored linearisation run as one vmapped substitution on
+        ``backend`` (see ``batched_products_elsewhere``; on CPU XLA's batched products are slower
+        than k plain ones)."""
+        return self.batched_products_cpu if backend == "cpu" else self.batched_products_elsewhere
 
     def norm_chunk(self, batch: int, example_bytes: int) -> int:
         """Examples per chunk for per-example norms that take ``example_bytes`` each: as many as
