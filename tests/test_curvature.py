@@ -466,13 +466,18 @@ def test_calls_whose_outputs_are_inputs_give_zeros_beside_the_others():
     close(lbp.diag_ggn(alone)(params, x), jax.tree.map(jnp.zeros_like, params))
 
 
-def test_sampling_roots_square_to_each_block_or_its_diagonally_dominant_repair():
+@pytest.mark.parametrize("small_block", [0, 6])
+def test_sampling_roots_square_to_each_block_or_its_diagonally_dominant_repair(small_block, monkeypatch):
     """``samples=M`` draws s = R z with R Rᵀ = H_b (Cholesky, a round-off shift) where the blocks
     are positive semi-definite; a block whose Cholesky fails is made diagonally dominant first
     (each diagonal entry raised to its row's off-diagonal sum): a float32 softmax cross-entropy
     block of a saturated softmax gets its exact diagonal back, an indefinite block a positive
-    semi-definite surrogate above it, the other blocks unchanged; a NaN block its diagonal's root."""
+    semi-definite surrogate above it, the other blocks unchanged; a NaN block its diagonal's root.
+    With LAPACK's Cholesky (``small_block`` 0) and the column-by-column one of small blocks."""
+    from linbackprop._curvature import _examples
     from linbackprop._curvature._examples import Examples
+
+    monkeypatch.setattr(_examples, "SMALL_BLOCK", small_block)
 
     rng = np.random.default_rng(5)
     m = rng.standard_normal((6, 4, 3))
