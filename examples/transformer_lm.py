@@ -13,6 +13,7 @@ loss curve to a PNG, samples text from the trained model, and times one training
 grad_by_solve against jax.grad of the same model written with lax.scan over the stacked blocks.
 
     python examples/transformer_lm.py [--steps 800] [--blocks 4] [--out transformer_lm.png]
+    python examples/transformer_lm.py --optimizer kfac --steps 200   # lbp.kfac instead of AdamW
 """
 
 from __future__ import annotations
@@ -22,7 +23,13 @@ import collections
 import importlib
 import inspect
 import math
+import os
+import sys
 import time
+
+if "kfac" in sys.argv:  # JAX 0.10's CPU runtime hangs on this K-FAC step (every thread waiting) unless
+    # XLA's concurrency-optimised scheduler is off; the newest JAX runs it either way
+    os.environ.setdefault("XLA_FLAGS", "--xla_cpu_enable_concurrency_optimized_scheduler=false")
 
 import jax
 import jax.numpy as jnp
@@ -151,7 +158,8 @@ def sample(net: lbp.Network, params: dict, prompt: np.ndarray, context: int, cou
 
 
 def main(steps: int = 800, blocks: int = 4, width: int = 64, context: int = 64, batch: int = 32, seed: int = 0,
-         out: str | None = "transformer_lm.png", progress: bool = True, repeats: int = 10) -> dict:
+         out: str | None = "transformer_lm.png", progress: bool = True, repeats: int = 10,
+         optimizer_name: str = "adamw") -> dict:
     text = corpus()
     chars = sorted(set(text))
     lookup = {c: i for i, c in enumerate(chars)}
@@ -181,11 +189,27 @@ def main(steps: int = 800, blocks: int = 4, width: int = 64, context: int = 64, 
     rng = np.random.default_rng(seed)
     batches = lambda: data[rng.integers(0, len(data) - context - 1, batch)[:, None] + np.arange(context + 1)]
     opt_state, losses = optimizer.init(params), []
+    if optimizer_name == "kfac":  # K-FAC: H's blocks per position, one sampled column per token
+        loss = lambda p, tokens: cross_entropy(net, p, tokens)
+        shapes = jax.eval_shape(lambda p, t: lbp.kfac_factors(loss, samples=1, key=jax.random.key(0))(p, t), params,
+                                batches())
+        kfac = lbp.kfac(factors=shapes)
+        opt_state = kfac.init(params)
+
+        @jax.jit
+        def step(p, s, tokens):
+            value, grad, G = lbp.gauss_newton(loss)(p, tokens)
+            key = jax.random.fold_in(jax.random.key(seed), s.count)
+            factors = lbp.kfac_factors(loss, samples=1, key=key)(p, tokens)
+            updates, s = kfac.update(grad, s, p, factors=factors, curvature=G, value=value, value_fn=G.value_at)
+            return optax.apply_updates(p, updates), s, value
+
     bar = range(steps)
     if progress:
         from tqdm import tqdm
 
-        bar = tqdm(bar, desc="training (grad_by_solve + optax.adamw)", unit="step")
+        what = "lbp.kfac" if optimizer_name == "kfac" else "grad_by_solve + optax.adamw"
+        bar = tqdm(bar, desc=f"training ({what})", unit="step")
     for _ in bar:
         params, opt_state, value = step(params, opt_state, batches())
         losses.append(float(value))
@@ -193,17 +217,27 @@ def main(steps: int = 800, blocks: int = 4, width: int = 64, context: int = 64, 
             bar.set_postfix(loss=f"{np.mean(losses[-10:]):.3f}")
     final = float(np.mean(losses[-20:]))
     print(f"loss: {losses[0]:.3f} → {final:.3f} nats (mean of the last 20 steps); unigram entropy {unigram:.3f}")
+    marks = sorted({max(10, steps * k // 4) for k in range(1, 5)} & set(range(10, steps + 1)))
+    print("by step (mean of the 10 before): " + ", ".join(f"{n}: {np.mean(losses[n - 10:n]):.3f}" for n in marks))
 
     held = batches()
     ours = jax.jit(lbp.grad_by_solve(lambda p: cross_entropy(net, p, held)))(params)
     theirs = jax.jit(jax.grad(lambda p: cross_entropy(scan_forward, p, held)))(params)
     difference = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs)))
-    times = median_step_times({"grad_by_solve": step, "jax.grad over lax.scan": reference},
-                              (params, opt_state, held), repeats)
-    print(f"one training step (median of {repeats}): grad_by_solve {1e3 * times['grad_by_solve']:.1f} ms, "
-          f"jax.grad over lax.scan {1e3 * times['jax.grad over lax.scan']:.1f} ms "
-          f"(ratio {times['grad_by_solve'] / times['jax.grad over lax.scan']:.2f}); "
-          f"max |Δgrad| {difference:.1e}")
+    if optimizer_name == "kfac":
+        times = median_step_times({"lbp.kfac": lambda p, s, t: step(p, s, t)}, (params, opt_state, held), repeats)
+        times |= median_step_times({"jax.grad over lax.scan": reference}, (params, optimizer.init(params), held),
+                                   repeats)
+        print(f"one training step (median of {repeats}): lbp.kfac {1e3 * times['lbp.kfac']:.1f} ms, "
+              f"jax.grad over lax.scan + adamw {1e3 * times['jax.grad over lax.scan']:.1f} ms; "
+              f"max |Δgrad| {difference:.1e}")
+    else:
+        times = median_step_times({"grad_by_solve": step, "jax.grad over lax.scan": reference},
+                                  (params, opt_state, held), repeats)
+        print(f"one training step (median of {repeats}): grad_by_solve {1e3 * times['grad_by_solve']:.1f} ms, "
+              f"jax.grad over lax.scan {1e3 * times['jax.grad over lax.scan']:.1f} ms "
+              f"(ratio {times['grad_by_solve'] / times['jax.grad over lax.scan']:.2f}); "
+              f"max |Δgrad| {difference:.1e}")
 
     prompt = np.array([lookup[c] for c in "Return the "], np.int32)
     generated = "".join(chars[i] for i in sample(net, params, prompt, context, 300, jax.random.PRNGKey(seed + 1)))
@@ -215,7 +249,8 @@ def main(steps: int = 800, blocks: int = 4, width: int = 64, context: int = 64, 
         import matplotlib.pyplot as plt
 
         fig, ax = plt.subplots(figsize=(6, 3.5))
-        ax.plot(losses, lw=0.7, label="training loss (grad_by_solve)")
+        ax.plot(losses, lw=0.7, label="training loss (" + ("lbp.kfac" if optimizer_name == "kfac" else "grad_by_solve")
+                + ")")
         ax.axhline(unigram, color="tab:red", ls="--", lw=1, label=f"unigram entropy {unigram:.2f}")
         ax.set(xlabel="step", ylabel="cross-entropy (nats)", title=f"character-level GPT, {len(net.layers)} layers")
         ax.legend()
@@ -237,6 +272,8 @@ if __name__ == "__main__":
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="transformer_lm.png", help="loss curve PNG ('' for none)")
     parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--optimizer", choices=("adamw", "kfac"), default="adamw",
+                        help="kfac: lbp.kfac with one sampled column per token (H's blocks per position)")
     parser.add_argument("--draw-network", type=int, metavar="BLOCKS",
                         help="only draw lbp.plot_network of a BLOCKS-block model to --out (docs/transformer.png: 12)")
     args = parser.parse_args()
@@ -251,4 +288,4 @@ if __name__ == "__main__":
         print(f"wrote {args.out}")
         raise SystemExit
     main(args.steps, args.blocks, args.width, args.context, args.batch, args.seed, args.out or None,
-         not args.no_progress)
+         not args.no_progress, optimizer_name=args.optimizer)

@@ -250,16 +250,64 @@ def test_factors_under_vmap_over_an_ensemble():
 
 def test_an_example_with_too_many_output_coordinates_is_refused_before_it_runs_out_of_memory(monkeypatch):
     """H is one dense block per example: a sequence model's example (positions × vocabulary
-    coordinates) made blocks of several GiB and the process was killed. Over the limit the
-    transforms refuse, naming the block's size."""
+    coordinates) made blocks of several GiB and the process was killed. The transforms take a
+    block per position where the loss is a sum over positions (here 1 × 1: exactly G's block),
+    and refuse over the limit, naming the blocks' size and, for whole blocks, why not per
+    position."""
     from linbackprop._curvature import _examples
 
     monkeypatch.setattr(_examples, "MAX_HESSIAN_BLOCK_BYTES", 4 * 6 * 6 * 8 - 1)  # just under 4 blocks of 6²
     net = lbp.Network([lbp.Layer("y", lambda th, x: x @ th[0], ("x",), ("W",))], ["x"], "y")
-    loss = lambda p, x: jnp.sum(net(p, x) ** 2)
-    params, x = {"W": jnp.ones((2, 6))}, jnp.ones((4, 2))
+    coupled = lambda p, x: jnp.sum(jnp.sum(net(p, x), axis=1) ** 2)  # H couples the 6 coordinates
+    params, x = {"W": jnp.ones((2, 6))}, jnp.arange(8.0).reshape(4, 2)
     for transform in (lbp.kfac_factors, lbp.diag_ggn):
-        with pytest.raises(ValueError, match=r"6 × 6 block per example \(4 examples"):
-            transform(loss)(params, x)
+        with pytest.raises(ValueError, match=r"6 × 6 block per example \(4 examples.*H couples positions"):
+            transform(coupled)(params, x)
+    separate = lambda p, x: jnp.sum(net(p, x) ** 2)  # one 1 × 1 block per coordinate
+    with pytest.raises(ValueError, match="ggn_factor needs each example's whole block"):
+        lbp.ggn_factor(separate)(params, x)
+    per_position = lbp.kfac_factors(separate)(params, x)["W"]
     monkeypatch.setattr(_examples, "MAX_HESSIAN_BLOCK_BYTES", 4 * 6 * 6 * 8)
-    assert lbp.kfac_factors(loss)(params, x)["W"].right.shape == (6, 6)
+    dense = lbp.kfac_factors(coupled)(params, x)["W"]  # whole blocks again: the same A, Γ of its own H
+    assert dense.right.shape == (6, 6)
+    close(per_position.left, x.T @ x / 4)  # A = (1/N) Σ x xᵀ, Γ = Σ_b H_b = 4 · 2I: A ⊗ Γ = Σ_b x xᵀ ⊗ 2I, G itself
+    close(per_position.right, 8 * jnp.eye(6))
+    monkeypatch.setattr(_examples, "MAX_HESSIAN_BLOCK_BYTES", 4 * 6 * 8 - 1)  # too small even per position
+    with pytest.raises(ValueError, match=r"6 blocks of 1 × 1 per example \(one per position\)"):
+        lbp.kfac_factors(separate)(params, x)
+
+
+def test_blocks_per_position_of_a_sequence_model_against_its_whole_blocks(monkeypatch):
+    """An RNN with a readout at every step (a Stack of logits, [T, B, V]: the batch on axis 1)
+    and cross-entropy summed over positions, its blocks per position: the GGN diagonal against
+    the dense J* H J of plain JAX, and K-FAC's factors as from each sequence's whole block, under
+    jit; sampled columns (each position's root) average to the diagonal."""
+    from linbackprop._curvature import _examples
+
+    rng = np.random.default_rng(4)
+    T, B, V, W = 4, 3, 5, 4
+    cell = lambda th, h, x: jnp.tanh(h @ th[0] + x @ th[1] + th[2])
+    layers = [lbp.Layer(f"h{t}", cell, (f"h{t - 1}", lbp.Row("xs", t - 1)), ("A", "B", "c")) for t in range(1, T + 1)]
+    layers += [lbp.Layer(f"o{t}", lambda th, h: h @ th[0], (f"h{t}",), ("O",)) for t in range(1, T + 1)]
+    net = lbp.Network(layers, ["h0", "xs"], lbp.Stack([f"o{t}" for t in range(1, T + 1)]))
+    r = lambda *shape: jnp.asarray(0.7 * rng.standard_normal(shape))
+    params = {"A": r(W, W), "B": r(2, W), "c": r(W), "O": r(W, V)}
+    h0, xs, targets = r(B, W), r(T, B, 2), jnp.asarray(rng.integers(0, V, (T, B)))
+    xent = lambda logits: -jnp.sum(jnp.take_along_axis(jax.nn.log_softmax(logits), targets[..., None], -1))
+    loss = lambda p, h0, xs: xent(net(p, h0, xs))
+    both = lambda loss: jax.jit(lambda p: (lbp.kfac_factors(loss)(p, h0, xs), lbp.diag_ggn(loss)(p, h0, xs)))
+    per_position = both(loss)(params)
+    monkeypatch.setattr(_examples, "_positions", lambda *_: "whole blocks asked for")
+    whole = both(lambda *a: loss(*a))(params)  # traced anew (jit's cache is keyed on the function)
+    flat, unravel = ravel_pytree(params)
+    outputs = lambda v: net(unravel(v), h0, xs)
+    jac = jax.jacfwd(lambda v: outputs(v).ravel())(flat)
+    hess = jax.hessian(lambda o: xent(o.reshape(T, B, V)))(outputs(flat).ravel())
+    close(ravel_pytree(per_position[1])[0], jnp.diag(jac.T @ hess @ jac), rtol=1e-9, atol=1e-12)
+    for name in ("A", "B", "O"):
+        close(per_position[0][name].left, whole[0][name].left)
+        close(per_position[0][name].right, whole[0][name].right)
+    close(per_position[0]["c"], whole[0]["c"])
+    sampled = jax.jit(lambda p: lbp.diag_ggn(loss, samples=400, key=jax.random.key(0))(p, h0, xs))(params)
+    estimate, target = ravel_pytree(sampled)[0], ravel_pytree(per_position[1])[0]
+    assert float(jnp.linalg.norm(estimate - target) / jnp.linalg.norm(target)) < 0.15

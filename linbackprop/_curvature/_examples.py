@@ -21,7 +21,7 @@ import numpy as np
 from .._engine import weighted_square_sum
 from .._graph import Stack
 from ._calls import Calls
-from ._separation import check_losses_keep_examples_apart
+from ._separation import check_hessian_keeps_positions_apart, check_losses_keep_examples_apart
 from ._split import Split
 
 
@@ -74,7 +74,8 @@ class Examples(NamedTuple):
 
     def eigen(self) -> tuple[list[jax.Array], list[jax.Array]]:
         """Per group, H_b = Σ_k λ_bk s_bk s_bkᵀ: eigenvalues [B_g, C_g] and eigenvectors
-        [B_g, C_g, C_g] (``eigh``: exact for indefinite H)."""
+        [B_g, C_g, C_g] (``eigh``: exact for indefinite H); for blocks per position
+        ([B_g, P, D, D], see `hessian_blocks`) each position's: [B_g, P, D] and [B_g, P, D, D]."""
         pairs = [jnp.linalg.eigh(h) for h in self.blocks]
         return [lam for lam, _ in pairs], [vecs for _, vecs in pairs]
 
@@ -89,8 +90,10 @@ class Examples(NamedTuple):
         saturates, while its off-diagonal products stay accurate. For a block that is indefinite
         in fact it is a positive semi-definite surrogate above H (the exact ``samples=None``
         path keeps H's eigenvalues as they are). What is still not finite (a NaN in H) takes the
-        square root of its diagonal's positive part."""
-        return [jnp.moveaxis(_root(jnp.moveaxis(h, 0, -1)), -1, 0) for h in self.blocks]
+        square root of its diagonal's positive part. Blocks per position: each position's root,
+        [B_g, P, D, D]."""
+        return [jnp.moveaxis(_root(jnp.moveaxis(h.reshape(-1, *h.shape[-2:]), 0, -1)), -1, 0).reshape(h.shape)
+                for h in self.blocks]  # blocks per position: each position's root
 
     def of_call(self, call: int) -> int:
         """The group of a call (its position among all calls)."""
@@ -101,12 +104,19 @@ class Examples(NamedTuple):
         return [per_group[self.of_call(c)] for c in range(sum(len(g) for g in self.groups))]
 
 
-def hessian_blocks(fun: Callable, args: tuple, nums: tuple[int, ...], engine: str, name: str
-                    ) -> tuple[Calls, Examples]:
+def hessian_blocks(fun: Callable, args: tuple, nums: tuple[int, ...], engine: str, name: str,
+                   per_position: bool = True) -> tuple[Calls, Examples]:
     """The forward pass of ``fun``'s network calls with residuals (`Calls`) and their examples
     with H's blocks factored (`Examples`). H is taken block diagonal over the examples: ``fun``
     is a sum (or mean) of terms that each read one example of one call — what the transforms
-    built on this assume."""
+    built on this assume.
+
+    With ``per_position`` (the transforms that sum over H's columns, `over_columns`), each
+    example's block is taken one block per position, [B, P, D, D], where the loss reads one
+    output of the group, [B, P, ...] with the batch first, and H does not couple positions (a sum
+    or mean of per-position losses, checked on random values: `_positions`) — a sequence model's
+    example is a whole sequence, positions × vocabulary, whose whole blocks took GiBs. Blocks
+    over `MAX_HESSIAN_BLOCK_BYTES` are refused, naming their size."""
     split = Split(fun, args, nums, False)
     calls = Calls(split, engine)
     loss = lambda o: split.loss(o, *split.diff)[0]
@@ -140,36 +150,73 @@ def hessian_blocks(fun: Callable, args: tuple, nums: tuple[int, ...], engine: st
     blocks = []
     for g, (group, batch, (flat, _)) in enumerate(zip(groups, batches, flats)):
         coords = flat.shape[1]
-        _check_block_size(name, batch, coords, flat.dtype)
-        basis = jnp.broadcast_to(jnp.eye(coords, dtype=flat.dtype)[:, None, :], (coords, batch, coords))
         zeros = [jnp.zeros((b, f.shape[1]), f.dtype) for b, (f, _) in zip(batches, flats)]
 
         def column(e, g=g, group=group, batch=batch, zeros=zeros):
             return _by_example(calls, batch, name, hvp(unflatten([e if i == g else z for i, z in enumerate(zeros)])),
                                only=group, read=read)[0]
 
-        h = jnp.moveaxis(jax.vmap(column)(basis), 0, 2)  # [C(j), B, C(i)] → [B, i, j]
-        blocks.append((h + jnp.swapaxes(h, 1, 2)) / 2)
+        layout = _positions(calls, batch, group, read, leaves, treedef, loss, name) if per_position else (
+            f"{name} needs each example's whole block")
+        if isinstance(layout, tuple):  # one block per position: D columns, e_j at every position at once
+            positions, coords = layout
+            _check_block_size(name, batch, coords, flat.dtype, positions)
+            basis = jnp.broadcast_to(jnp.eye(coords, dtype=flat.dtype)[:, None, None, :],
+                                     (coords, batch, positions, coords)).reshape(coords, batch, -1)
+            h = jnp.moveaxis(jax.vmap(column)(basis).reshape(coords, batch, positions, coords), 0, -1)
+        else:
+            _check_block_size(name, batch, coords, flat.dtype, why=layout)
+            basis = jnp.broadcast_to(jnp.eye(coords, dtype=flat.dtype)[:, None, :], (coords, batch, coords))
+            h = jnp.moveaxis(jax.vmap(column)(basis), 0, 2)  # [C(j), B, C(i)] → [B, i, j]
+        blocks.append((h + jnp.swapaxes(h, -1, -2)) / 2)
     return calls, Examples(groups, batches, blocks, unflatten)
 
 
 # H's blocks are dense per example, [B, C, C] with C every output coordinate of one example: a
 # sequence model's example is a whole sequence (C = positions × vocabulary: the transformer LM
 # example's 64 × 98 gave 32 blocks of 6,272², 4.7 GiB, and the process was killed). Above this the
-# transforms refuse, naming it.
+# blocks are taken per position where H allows it (79 MB there), else the transforms refuse.
 MAX_HESSIAN_BLOCK_BYTES = 2**30
 
 
-def _check_block_size(name: str, batch: int, coords: int, dtype: Any) -> None:
-    size = batch * coords * coords * np.dtype(dtype).itemsize
+def _block_bytes(batch: int, coords: int, positions: int, dtype: Any) -> int:
+    return batch * positions * coords * coords * np.dtype(dtype).itemsize
+
+
+def _check_block_size(name: str, batch: int, coords: int, dtype: Any, positions: int = 1, why: str = "") -> None:
+    size = _block_bytes(batch, coords, positions, dtype)
     if size > MAX_HESSIAN_BLOCK_BYTES:
+        what = f"{positions} blocks of {coords} × {coords} per example (one per position)" if positions > 1 else (
+            f"one dense {coords} × {coords} block per example")
         raise ValueError(
-            f"{name}: the loss's Hessian H is taken as one dense {coords} × {coords} block per example "
-            f"({batch} examples: {size / 2**30:.1f} GiB, over the {MAX_HESSIAN_BLOCK_BYTES / 2**30:g} GiB this "
-            f"transform builds): one example has {coords} output coordinates (a sequence model's example is a "
-            "whole sequence, positions × vocabulary). Blocks per position are not supported yet; use "
-            "lbp.gauss_newton's products (G.mv, G.gram), fewer output coordinates per example, or a smaller "
-            "batch per call.")
+            f"{name}: the loss's Hessian H is taken as {what} ({batch} examples: {size / 2**30:.1f} GiB, over the "
+            f"{MAX_HESSIAN_BLOCK_BYTES / 2**30:g} GiB this transform builds)" + (f", and {why}" if why else "")
+            + "; use lbp.gauss_newton's products (G.mv, G.gram), fewer output coordinates per example or position, "
+            "or a smaller batch per call.")
+
+
+def _positions(calls: Calls, batch: int, group: list[int], read: list[bool], leaves: list, treedef: Any,
+               loss: Callable, name: str) -> tuple[int, int] | str:
+    """(P, D) of blocks per position for a group, where they apply: the loss reads one output of
+    the group, [B, P, ...] with the batch first and P > 1, and H does not couple its positions
+    (a sum or mean of per-position terms); else why not. Each example's P blocks of D × D then
+    hold all of its whole C × C block but zeros (C = P · D), from D products with H instead of C:
+    a sequence model's example (positions × vocabulary) or a loss elementwise in the outputs."""
+    counts = [len(jax.tree.leaves(out)) for out in calls.outs]
+    starts = np.cumsum([0, *counts])
+    members = [n for c in group for n in range(starts[c], starts[c + 1])]
+    kept = [(n, ax) for n, ax in zip(members, _batch_axes(calls, batch, name, group)) if read[n]]
+    if len(kept) != 1:
+        return ("blocks per position need the loss to read one output of these calls, with the positions on the "
+                f"axis after the batch (it reads {len(kept)})")
+    n, axis = kept[0]
+    shape = np.shape(jnp.moveaxis(leaves[n], axis, 0))
+    if len(shape) < 2 or shape[1] < 2:
+        return f"the output it reads, {shape} with the batch first, has no positions"
+    coupled = check_hessian_keeps_positions_apart(lambda *xs: loss(treedef.unflatten(list(xs))), leaves, n, axis)
+    if coupled is not None:
+        return f"H couples positions of the output {shape} ({coupled}), so blocks per position do not apply"
+    return shape[1], int(np.prod(shape[2:], dtype=np.int64))
 
 
 # up to this many coordinates a block's Cholesky factor is formed column by column over the whole
@@ -231,7 +278,7 @@ def over_columns(share: Callable, examples: Examples, samples: int | None, key: 
     semi-definite (unbiased there; `Examples.roots` for the rest). One column (or sample) after
     another: a vmapped solve over the C columns has buffers C times as large, which outgrow the
     caches (slower: docs/performance.md)."""
-    coords = max(h.shape[1] for h in examples.blocks)
+    coords = max(int(np.prod(h.shape[1:-1])) for h in examples.blocks)  # C, or P · D per position
 
     def summed(one: Callable, ks: jax.Array) -> Any:
         init = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), jax.eval_shape(one, ks[0]))
@@ -241,8 +288,18 @@ def over_columns(share: Callable, examples: Examples, samples: int | None, key: 
         lam, vecs = examples.eigen()
 
         def column(k: jax.Array) -> Any:
-            s = [jnp.where(k < v.shape[2], v[:, :, jnp.minimum(k, v.shape[2] - 1)], 0) for v in vecs]
-            w = [jnp.where(k < x.shape[1], x[:, jnp.minimum(k, x.shape[1] - 1)], 0) for x in lam]
+            s, w = [], []
+            for x, v in zip(lam, vecs):
+                count = int(np.prod(x.shape[1:]))
+                at = jnp.minimum(k, count - 1)
+                if x.ndim == 2:
+                    s.append(jnp.where(k < count, v[:, :, at], 0))
+                    w.append(jnp.where(k < count, x[:, at], 0))
+                else:  # blocks per position: column (p, j) is position p's j-th eigenvector, zeros elsewhere
+                    p, j = at // x.shape[2], at % x.shape[2]
+                    here = (jnp.arange(x.shape[1]) == p)[None, :, None]
+                    s.append(jnp.where((k < count) & here, v[:, p, :, j][:, None, :], 0).reshape(x.shape[0], -1))
+                    w.append(jnp.where(k < count, x[:, p, j], 0))
             return share(s, w)
 
         return summed(column, jnp.arange(coords))
@@ -253,8 +310,8 @@ def over_columns(share: Callable, examples: Examples, samples: int | None, key: 
 
     def sample(k: jax.Array) -> Any:
         keys = jax.random.split(k, len(roots))
-        return share([jnp.einsum("bij,bj->bi", r, jax.random.normal(kk, r.shape[:2], r.dtype))
-                      for r, kk in zip(roots, keys)], ones)
+        return share([jnp.einsum("b...ij,b...j->b...i", r, jax.random.normal(kk, r.shape[:-1], r.dtype)).reshape(
+            r.shape[0], -1) for r, kk in zip(roots, keys)], ones)  # per position: each position's sample
 
     return jax.tree.map(lambda d: d / samples, summed(sample, jax.random.split(key, samples)))
 

@@ -140,7 +140,7 @@ def ggn_factor(fun: Callable, argnums: int | Sequence[int] = 0, *, rank: int | N
         raise ValueError(f"ggn_factor(rank={rank!r}): a positive int (the residuals per example), or None for all.")
 
     def run(*args: Any) -> Any:
-        calls, examples = hessian_blocks(fun, args, nums, engine, "ggn_factor")
+        calls, examples = hessian_blocks(fun, args, nums, engine, "ggn_factor", per_position=False)
         batches = examples.by_call(examples.batches)
         rows = []
         lams, vecses = examples.eigen()

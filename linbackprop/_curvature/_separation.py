@@ -142,3 +142,41 @@ def check_losses_keep_examples_apart(losses: Callable, outs: tuple, axes: list[l
                     f"normalisation of the outputs, a contrast between examples, or a loss that is not one per "
                     f"example). Write each loss from its own "
                     f"example's outputs, or use jax.jacrev(losses) / jax.vmap(jax.grad) of a per-example loss.")
+
+
+def check_hessian_keeps_positions_apart(loss: Callable, leaves: list, n: int, axis: int) -> str | None:
+    """Whether H = ∂²loss/∂(outputs)² couples positions of output leaf ``n`` (its batch on
+    ``axis``, the positions on the axis after it): None where it does not, else what was seen.
+
+    Checked on values drawn at random for the outputs and whatever the loss closes over: H r for
+    a random r on that leaf against the product with H's blocks per (example, position), found
+    from D products of the basis vectors e_j set at every position at once (what the blocks per
+    position are made of). They agree only where the loss is a sum of per-position terms."""
+    draw = _sampler()
+    closed = jax.make_jaxpr(loss)(*leaves)
+    with jax.ensure_compile_time_eval():
+        consts = [draw(c.aval) if isinstance(c, jax.core.Tracer) else c for c in closed.consts]
+        point = [draw(v.aval) for v in closed.jaxpr.invars]
+        grad = jax.grad(lambda xs: jax.core.eval_jaxpr(closed.jaxpr, consts, *xs)[0])
+
+        def hvp(t: jax.Array) -> jax.Array:  # H's product with t on leaf n (zeros elsewhere), leaf n's part
+            tangents = [t if m == n else jnp.zeros_like(x) for m, x in enumerate(point)]
+            return jax.jvp(grad, (point,), (tangents,))[1][n]
+
+        moved = jnp.moveaxis(point[n], axis, 0)
+        coords = int(np.prod(moved.shape[2:], dtype=np.int64))
+        seq = moved.reshape(*moved.shape[:2], coords)
+        basis = jnp.broadcast_to(jnp.eye(coords, dtype=seq.dtype)[:, None, None, :], (coords, *seq.shape))
+        back = lambda m: jnp.moveaxis(m.reshape(moved.shape), 0, axis)
+        flat = lambda m: jnp.moveaxis(m, axis, 0).reshape(seq.shape)
+        blocks = jax.vmap(lambda e: flat(hvp(back(e))))(basis)  # [j, B, P, i]
+        r = jnp.asarray(np.random.default_rng(1).standard_normal(seq.shape), seq.dtype)
+        expected = np.asarray(jnp.einsum("jbpi,bpj->bpi", blocks, r), np.float64)
+        found = np.asarray(flat(hvp(back(r))), np.float64)
+    scale = 1 + np.abs(expected).max()
+    tolerance = 1e-4 if np.finfo(seq.dtype).eps > 1e-10 else 1e-9
+    if np.allclose(found, expected, rtol=tolerance, atol=tolerance * scale):
+        return None
+    off = np.abs(found - expected).max(axis=2)
+    b, p = np.unravel_index(np.argmax(off), off.shape)
+    return f"at example {b}, position {p} H r differs from the per-position blocks' product by {off[b, p]:.2g}"
