@@ -12,8 +12,10 @@ medians.
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import os
+import time
 from collections.abc import Callable
 
 import jax
@@ -50,6 +52,11 @@ def digits_problem() -> tuple[Callable, dict, tuple]:
         return -jnp.mean(jnp.take_along_axis(logp, y[:, None], axis=1))
 
     return loss, params, (x, y)
+
+
+def _with_gram(value, grad, G, p):
+    """The step's products: two different vectors (the same one twice would be one product)."""
+    return value, grad, G.gram([grad, jax.tree.map(lambda a: 0.5 * a + 0.01, p)])
 
 
 def kfac_rows(repeats: int) -> list[tuple[str, str, str]]:
@@ -89,8 +96,8 @@ def kfac_rows(repeats: int) -> list[tuple[str, str, str]]:
              f"{t_kfac / t_adam:.1f} ({t_kfac * 1e3:.1f} / {t_adam * 1e3:.2f} ms)", "≤ 3")]
     key = jax.random.key(2)
     parts = {"`gauss_newton` (value, gradient, G)": lambda p: lbp.gauss_newton(loss)(p, *batch)[:2],
-             "`gauss_newton` and the two G products (`G.gram`)":
-                 lambda p: lbp.gauss_newton(loss)(p, *batch)[2].gram([p, p]),
+             "`gauss_newton` and the two G products (`G.gram` of the gradient and another vector)":
+                 lambda p: _with_gram(*lbp.gauss_newton(loss)(p, *batch), p),
              "`kfac_factors`, one sampled column": lambda p: lbp.kfac_factors(loss, samples=1, key=key)(p, *batch)}
     gradient = jax.jit(lambda p: lbp.grad_by_solve(loss)(p, *batch))
     for when, p in (("early", params), ("late", late)):
@@ -104,3 +111,39 @@ def kfac_rows(repeats: int) -> list[tuple[str, str, str]]:
     for row in rows:
         print(row, flush=True)
     return rows
+
+
+def side_by_side(steps: int = 100) -> dict:
+    """Our half of the training guide's side-by-side with kfac-jax (``python -m
+    benchmarks.kfac_rows --steps 100``; kfac-jax's half is ``benchmarks/kfac_jax_digits.py``,
+    in its own environment): the K-FAC step of the rows above with ``value_fn=G.value_at``, from
+    the same start, each step timed to completion; the loss every 10 steps and the median (and
+    mean) time per step after the first two (they compile)."""
+    loss, params, batch = digits_problem()
+    opt = lbp.kfac()
+
+    @jax.jit
+    def step(p, state, key):
+        key, sample = jax.random.split(key)
+        value, grad, G = lbp.gauss_newton(loss)(p, *batch)
+        factors = lbp.kfac_factors(loss, samples=1, key=sample)(p, *batch)
+        updates, state = opt.update(grad, state, p, factors=factors, curvature=G, value=value, value_fn=G.value_at)
+        return optax.apply_updates(p, updates), state, key
+
+    carry, times = (params, opt.init(params), jax.random.key(1)), []
+    for n in range(steps):
+        start = time.perf_counter()
+        carry = jax.block_until_ready(step(*carry))
+        times.append(time.perf_counter() - start)
+        if (n + 1) % 10 == 0:
+            print(f"step {n + 1:4d}: loss {float(loss(carry[0], *batch)):.3e}", flush=True)
+    late = sorted(times[2:])
+    median, mean = late[len(late) // 2], sum(late) / len(late)
+    print(f"lbp.kfac, jax {jax.__version__}: {median * 1e3:.2f} ms per step (median), {mean * 1e3:.2f} ms (mean)")
+    return {"ms_per_step": median * 1e3, "final_loss": float(loss(carry[0], *batch))}
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=side_by_side.__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=100)
+    side_by_side(parser.parse_args().steps)
