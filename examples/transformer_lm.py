@@ -192,7 +192,7 @@ def main(steps: int = 800, blocks: int = 4, width: int = 64, context: int = 64, 
     if optimizer_name == "kfac":  # K-FAC: H's blocks per position, one sampled column per token
         loss = lambda p, tokens: cross_entropy(net, p, tokens)
         shapes = jax.eval_shape(lambda p, t: lbp.kfac_factors(loss, samples=1, key=jax.random.key(0))(p, t), params,
-                                batches())
+                                np.zeros((batch, context + 1), np.int32))  # the averages' shapes: no batch drawn
         kfac = lbp.kfac(factors=shapes)
         opt_state = kfac.init(params)
 

@@ -130,9 +130,9 @@ class GaussNewton(LinearOperator):
         $$v_i^T G v_j = (J v_i)^T H (J v_j)$$
 
         — k products J v with the stored linearisation (forward substitutions: on CPU one per
-        vector, elsewhere one ``vmap``-batched for all k; docs/performance.md), then k products
-        with H on the outputs; no back substitution. What K-FAC's step size and momentum need
-        (``lbp.kfac``: Δᵀ G Δ, Δᵀ G δ, δᵀ G δ).
+        vector, elsewhere one ``vmap``-batched for all k; ``python benchmarks/profile.py gram``),
+        then k products with H on the outputs; no back substitution. What K-FAC's step size and
+        momentum need (``lbp.kfac``: Δᵀ G Δ, Δᵀ G δ, δᵀ G δ).
 
         Args:
             vectors: k pytrees shaped like the arguments G acts on (for several ``argnums``,

@@ -70,10 +70,10 @@ class Policy:
             width 16 0.62/0.43/0.61/0.84/1.04).
         batched_products_cpu, batched_products_elsewhere: ``G.gram``'s k products J v as one
             forward substitution vmapped over the k vectors (the accelerators: fewer, larger
-            kernels; an estimate, not measured) or, on CPU, one after another (`batched_products_pay`; measured with
-            ``python benchmarks/profile.py gram``, k = 2, K-FAC's step size and momentum: the
-            digits MLP 2.3 → 1.5 ms, the Poisson PINN 2-64-1 10.2 → 1.4 ms, deep-wide 36 → 21
-            ms; an RNN and a chain the same either way).
+            kernels; an estimate, not measured) or, on CPU, one after another
+            (`batched_products_pay`; measured with ``python benchmarks/profile.py gram``, k = 2,
+            K-FAC's step size and momentum: the digits MLP 2.3 → 1.5 ms, the Poisson PINN
+            2-64-1 10.2 → 1.4 ms, deep-wide 36 → 21 ms; an RNN and a chain the same either way).
     """
 
     loop_min_depth: int = 6
