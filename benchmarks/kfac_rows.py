@@ -54,6 +54,22 @@ def digits_problem() -> tuple[Callable, dict, tuple]:
     return loss, params, (x, y)
 
 
+def _kfac_step(loss: Callable, batch: tuple, opt, value_at: bool) -> Callable:
+    """The jitted K-FAC step: fresh factors from one sampled column per example, the gradient
+    with G, ``opt``'s update; the loss after the step from ``G.value_at`` or from ``loss``."""
+
+    @jax.jit
+    def step(p, state, key):
+        key, sample = jax.random.split(key)
+        value, grad, G = lbp.gauss_newton(loss)(p, *batch)
+        factors = lbp.kfac_factors(loss, samples=1, key=sample)(p, *batch)
+        value_fn = G.value_at if value_at else (lambda q, **_: loss(q, *batch))
+        updates, state = opt.update(grad, state, p, factors=factors, curvature=G, value=value, value_fn=value_fn)
+        return optax.apply_updates(p, updates), state, key
+
+    return step
+
+
 def _with_gram(value, grad, G, p):
     """The step's products: two different vectors (the same one twice would be one product)."""
     return value, grad, G.gram([grad, jax.tree.map(lambda a: 0.5 * a + 0.01, p)])
@@ -63,15 +79,7 @@ def kfac_rows(repeats: int) -> list[tuple[str, str, str]]:
     """The rows of the K-FAC table (medians of ``repeats`` runs taken in turn)."""
     loss, params, batch = digits_problem()
     opt = lbp.kfac()
-
-    @jax.jit
-    def kfac_step(p, state, key):
-        key, sample = jax.random.split(key)
-        value, grad, G = lbp.gauss_newton(loss)(p, *batch)
-        factors = lbp.kfac_factors(loss, samples=1, key=sample)(p, *batch)
-        updates, state = opt.update(grad, state, p, factors=factors, curvature=G, value=value,
-                                    value_fn=lambda q, **_: loss(q, *batch))
-        return optax.apply_updates(p, updates), state, key
+    kfac_step = _kfac_step(loss, batch, opt, value_at=False)
 
     (late, _, _), t_kfac = seconds_per_step(kfac_step, (params, opt.init(params), jax.random.key(1)), 98, warmup=2)
     kfac_loss = float(loss(late, *batch))
@@ -121,14 +129,7 @@ def side_by_side(steps: int = 100) -> dict:
     mean) time per step after the first two (they compile)."""
     loss, params, batch = digits_problem()
     opt = lbp.kfac()
-
-    @jax.jit
-    def step(p, state, key):
-        key, sample = jax.random.split(key)
-        value, grad, G = lbp.gauss_newton(loss)(p, *batch)
-        factors = lbp.kfac_factors(loss, samples=1, key=sample)(p, *batch)
-        updates, state = opt.update(grad, state, p, factors=factors, curvature=G, value=value, value_fn=G.value_at)
-        return optax.apply_updates(p, updates), state, key
+    step = _kfac_step(loss, batch, opt, value_at=True)
 
     carry, times = (params, opt.init(params), jax.random.key(1)), []
     for n in range(steps):

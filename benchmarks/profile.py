@@ -7,6 +7,7 @@
     python benchmarks/profile.py checkpoint-memory [--sweep 100 --seed 2 --transforms gradient vmap products]
     python benchmarks/profile.py engine-rule [--builds 2]  # loop or unrolled: compile and run time
     python benchmarks/profile.py gram                      # G.gram's products: one by one or vmapped
+    python benchmarks/profile.py roots                     # H's small blocks' Cholesky: LAPACK or ours
 
 ``compile``: ``jit(grad_by_solve)`` of the GPT of ``examples/transformer_lm.py`` against
 ``jit(jax.grad)`` over ``lax.scan``, each phase of freshly built networks timed separately
@@ -38,6 +39,10 @@ products one after another and vmapped as one substitution (``Policy.batched_pro
 the digits MLP of ``--rows kfac``, the Poisson PINNs of ``examples/pinn_poisson.py`` (float64),
 an RNN of 32 steps and a chain of 16 layers: the measurement behind
 ``Policy.batched_products_pay``.
+``roots``: the sampling roots of 1,797 random positive definite blocks (``Examples.roots``) of
+4, 6 and 10 coordinates with LAPACK's batched Cholesky (``SMALL_BLOCK`` 0) and with the one formed
+column by column over the examples, interleaved medians and each one's compile time: the
+measurement behind ``_curvature._examples.SMALL_BLOCK``.
 """
 
 from __future__ import annotations
@@ -344,10 +349,27 @@ def gram_products(repeats: int = 20) -> None:
               f"ms, vmapped {(batched - base) * 1e3:.2f} ms", flush=True)
 
 
+def small_roots(repeats: int = 30) -> None:
+    from linbackprop._curvature import _examples
+
+    for coords in (4, 6, 10):
+        x = jax.random.normal(jax.random.key(coords), (1797, coords, coords))
+        blocks = x @ jnp.swapaxes(x, 1, 2) / coords
+        programs = []
+        for small in (0, coords):
+            _examples.SMALL_BLOCK = small  # read while tracing
+            made, seconds = compiled(lambda h: _examples.Examples([[0]], [1797], [h], None).roots()[0], (blocks,))
+            programs.append(((made, (blocks,)), seconds))
+        _examples.SMALL_BLOCK = 6
+        lapack, ours = interleaved([p for p, _ in programs], repeats)
+        print(f"1,797 blocks of {coords} × {coords}: LAPACK {lapack * 1e3:.3f} ms (compile {programs[0][1]:.2f} s), "
+              f"column by column {ours * 1e3:.3f} ms (compile {programs[1][1]:.2f} s)", flush=True)
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("what", choices=["compile", "gn-halves", "gn-temporaries", "xla", "engine-rule",
-                                         "checkpoint-memory", "gram"])
+                                         "checkpoint-memory", "gram", "roots"])
     parser.add_argument("which", nargs="?", choices=["ours", "scan"], default="ours", help="xla: whose program")
     parser.add_argument("--builds", type=int, default=6)
     parser.add_argument("--shape", type=int, nargs=3, default=(128, 128, 64))
@@ -369,5 +391,7 @@ if __name__ == "__main__":
         engine_rule(options.builds, options.only)
     elif options.what == "gram":
         gram_products()
+    elif options.what == "roots":
+        small_roots()
     else:
         gauss_newton_temporaries()

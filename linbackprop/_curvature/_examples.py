@@ -202,10 +202,8 @@ def _positions(calls: Calls, batch: int, group: list[int], read: list[bool], lea
     (a sum or mean of per-position terms); else why not. Each example's P blocks of D × D then
     hold all of its whole C × C block but zeros (C = P · D), from D products with H instead of C:
     a sequence model's example (positions × vocabulary) or a loss elementwise in the outputs."""
-    counts = [len(jax.tree.leaves(out)) for out in calls.outs]
-    starts = np.cumsum([0, *counts])
-    members = [n for c in group for n in range(starts[c], starts[c + 1])]
-    kept = [(n, ax) for n, ax in zip(members, _batch_axes(calls, batch, name, group)) if read[n]]
+    kept = [(n, ax) for n, ax in zip(_leaf_indices(calls.outs, group), _batch_axes(calls, batch, name, group))
+            if read[n]]
     if len(kept) != 1:
         return ("blocks per position need the loss to read one output of these calls, with the positions on the "
                 f"axis after the batch (it reads {len(kept)})")
@@ -220,9 +218,9 @@ def _positions(calls: Calls, batch: int, group: list[int], read: list[bool], lea
 
 
 # up to this many coordinates a block's Cholesky factor is formed column by column over the whole
-# batch at once, where LAPACK is called once per example: 1,797 blocks of 4 × 4 0.23 → 0.07 ms, of
-# 6 × 6 0.40 → 0.15 ms; from about 10 the unrolled columns gain little and take long to compile
-# (0.57 s at 10, 3.9 s at 32, each slower than LAPACK from 20)
+# batch at once, where LAPACK is called once per example (`python benchmarks/profile.py roots`:
+# 1,797 blocks of 4 × 4 0.35 → 0.14 ms, of 6 × 6 0.66 → 0.32 ms); from about 10 the unrolled
+# columns gain less than they take to compile (1.3 s at 10; 3.9 s at 32, slower than LAPACK from 20)
 SMALL_BLOCK = 6
 
 
@@ -335,10 +333,8 @@ def _by_example(calls: Calls, batch: int, name: str, outs: Any = None, only: lis
     zeros (unless it reads none of these calls' leaves: then all are kept)."""
     outs = calls.outs if outs is None else outs
     members = range(len(calls.nets)) if only is None else only
-    counts = [len(jax.tree.leaves(out)) for out in outs]
-    starts = np.cumsum([0, *counts])
     leaves = [x for c in members for x in jax.tree.leaves(outs[c])]
-    kept = [True] * len(leaves) if read is None else [read[starts[c] + n] for c in members for n in range(counts[c])]
+    kept = [True] * len(leaves) if read is None else [read[n] for n in _leaf_indices(outs, members)]
     if not any(kept):
         kept = [True] * len(leaves)
     axes = _batch_axes(calls, batch, name, members)
@@ -352,6 +348,12 @@ def _by_example(calls: Calls, batch: int, name: str, outs: Any = None, only: lis
                 for x, s, ax, k in zip(leaves, shapes, axes, kept)]
 
     return jnp.concatenate(moved, axis=1), unflatten
+
+
+def _leaf_indices(outs: tuple, members: Any) -> list[int]:
+    """The positions, among the leaves of all the calls' outputs, of the calls ``members``' leaves."""
+    starts = np.cumsum([0, *(len(jax.tree.leaves(out)) for out in outs)])
+    return [n for c in members for n in range(starts[c], starts[c + 1])]
 
 
 def _batch_axes(calls: Calls, batch: int, name: str, members: Any = None) -> list[int]:

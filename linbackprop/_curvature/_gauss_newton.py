@@ -252,8 +252,8 @@ def _gram(G: GaussNewton, vectors: tuple) -> jax.Array:
         outs = jax.vmap(jvp)(stack_trees(vectors))  # [k, ...] per output leaf: one forward substitution for all k
         curved = jax.vmap(G._hvp)(outs)
     else:  # one substitution per vector, the results stacked as the vmap's
-        outs = stack_trees([jvp(v) for v in vectors])
-        curved = stack_trees([G._hvp(jax.tree.map(lambda x, n=n: x[n], outs)) for n in range(len(vectors))])
+        each = [jvp(v) for v in vectors]
+        outs, curved = stack_trees(each), stack_trees([G._hvp(o) for o in each])
     rows = lambda tree: jnp.concatenate([x.reshape(x.shape[0], -1) for x in jax.tree.leaves(tree)], axis=1)
     j, hj = rows(outs), rows(curved)
     gram = j @ hj.T

@@ -32,6 +32,18 @@ def _sampler() -> Callable[[Any], Any]:
     return sample
 
 
+def _at_random(fn: Callable, *args: Any) -> tuple[Callable, list[Any]]:
+    """``fn`` as a function of its flat arguments' leaves, evaluated eagerly with values drawn at
+    random for whatever it closes over that is a tracer (labels under ``jax.jit``: only their
+    shapes are known here), and random values for those leaves."""
+    draw = _sampler()
+    closed = jax.make_jaxpr(fn)(*args)
+    with jax.ensure_compile_time_eval():
+        consts = [draw(c.aval) if isinstance(c, jax.core.Tracer) else c for c in closed.consts]
+        values = [draw(v.aval) for v in closed.jaxpr.invars]
+    return (lambda *leaves: jax.core.eval_jaxpr(closed.jaxpr, consts, *leaves)[0]), values
+
+
 _checked: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -117,12 +129,9 @@ def check_losses_keep_examples_apart(losses: Callable, outs: tuple, axes: list[l
     close over (labels under ``jax.jit`` are tracers: only their shapes are known here): call c's
     first example perturbed along each output leaf's batch axis (``axes[c]``), no loss but that
     example's (``firsts[c]``, in call order) may change."""
-    draw = _sampler()
-    closed = jax.make_jaxpr(losses)(outs, *diff)
+    evaluate, args = _at_random(losses, outs, *diff)
     with jax.ensure_compile_time_eval():
-        consts = [draw(c.aval) if isinstance(c, jax.core.Tracer) else c for c in closed.consts]
-        args = [draw(v.aval) for v in closed.jaxpr.invars]
-        run = lambda a: np.asarray(jax.core.eval_jaxpr(closed.jaxpr, consts, *a)[0], np.float64)
+        run = lambda a: np.asarray(evaluate(*a), np.float64)
         base = run(args)
         start = 0
         for call, (leaf_axes, first) in enumerate(zip(axes, firsts)):
@@ -152,12 +161,9 @@ def check_hessian_keeps_positions_apart(loss: Callable, leaves: list, n: int, ax
     a random r on that leaf against the product with H's blocks per (example, position), found
     from D products of the basis vectors e_j set at every position at once (what the blocks per
     position are made of). They agree only where the loss is a sum of per-position terms."""
-    draw = _sampler()
-    closed = jax.make_jaxpr(loss)(*leaves)
+    evaluate, point = _at_random(loss, *leaves)
     with jax.ensure_compile_time_eval():
-        consts = [draw(c.aval) if isinstance(c, jax.core.Tracer) else c for c in closed.consts]
-        point = [draw(v.aval) for v in closed.jaxpr.invars]
-        grad = jax.grad(lambda xs: jax.core.eval_jaxpr(closed.jaxpr, consts, *xs)[0])
+        grad = jax.grad(lambda xs: evaluate(*xs))
 
         def hvp(t: jax.Array) -> jax.Array:  # H's product with t on leaf n (zeros elsewhere), leaf n's part
             tangents = [t if m == n else jnp.zeros_like(x) for m, x in enumerate(point)]
