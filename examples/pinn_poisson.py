@@ -30,6 +30,7 @@ and plotted against the seconds spent in the steps.
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import time
 
@@ -41,6 +42,25 @@ import optax
 import linbackprop as lbp
 
 jax.config.update("jax_enable_x64", True)
+
+
+def cpu_options() -> dict:
+    """XLA:CPU hands float64 dots to YNNPACK fusions, which ran this problem's steps 1.5–2× slower
+    than XLA's own loops (the K-FAC step on 2-64-1: 8.7 against 4.4 ms with JAX 0.10.2, 5.9
+    against 4.0 ms with 0.12); every method's step is compiled without them (docs/guides/
+    training.md, "float64 on the CPU"). An XLA without the option gets its defaults."""
+    options = {"xla_cpu_experimental_ynn_fusion_type": ""}
+    if jax.default_backend() != "cpu":
+        return {}
+    try:
+        jax.jit(lambda x: x + 1, compiler_options=options).lower(1.0).compile()
+    except jax.errors.JaxRuntimeError:  # "No such compile option": its defaults (printed)
+        return {}
+    return options
+
+
+CPU_OPTIONS = cpu_options()
+jit = functools.partial(jax.jit, compiler_options=CPU_OPTIONS or None)
 
 
 def exact(x: jax.Array) -> jax.Array:
@@ -106,7 +126,7 @@ def make_problem(widths: tuple[int, ...] = (64,), interior: int = 900, boundary:
     test = jax.random.uniform(keys[-1], (9000, 2), jnp.float64)
     scale = float(jnp.sqrt(jnp.mean(exact(test) ** 2)))
 
-    @jax.jit
+    @jit
     def error(p: dict) -> jax.Array:
         return jnp.sqrt(jnp.mean((net(p, test)[:, 0] - exact(test)) ** 2))
 
@@ -118,7 +138,7 @@ def engd(loss, params, points):
     (``ggn_factor(rank=1)``: one residual per point), Levenberg–Marquardt damped."""
     tx = optax.chain(lbp.scale_by_gauss_newton(damping=1e-3, min_damping=1e-12), optax.scale(-1.0))
 
-    @jax.jit
+    @jit
     def step(state):
         p, s = state
         value, grad = lbp.value_and_grad_by_solve(loss)(p, points)
@@ -136,7 +156,7 @@ def hessian_free(loss, params, points, maxiter: int = 50):
                                                tol=1e-10),
                      optax.scale(-1.0))
 
-    @jax.jit
+    @jit
     def step(state):
         p, s = state
         value, grad, G = lbp.gauss_newton(loss)(p, points)
@@ -148,10 +168,13 @@ def hessian_free(loss, params, points, maxiter: int = 50):
 
 def kfac(loss, params, points, approximation: str = "expand"):
     """KFAC* (``lbp.kfac``) on the loss of two calls (`two_call_loss`): a Kronecker pair per call."""
-    # inverses every step (kfac-pinns' T_inv = 1): on 2-64-1 better per second than every 5th
-    opt = lbp.kfac(damping=1e-3, decay=0.95, update_every=1, min_damping=1e-12)
+    # inverses every step (kfac-pinns' T_inv = 1): on 2-64-1 better per second than every 5th.
+    # Two terms take λ into each factor as √(λ/2) (π-scaled): the floor 1e-20 lets that reach
+    # ≈ 1e-10, kfac-pinns' damping of each factor; at 1e-12 (≈ 1e-6 a factor) K-FAC stalled
+    # near 5e-7 where 1e-20 went on to 2e-7 (60,000 steps each).
+    opt = lbp.kfac(damping=1e-3, decay=0.95, update_every=1, min_damping=1e-20)
 
-    @jax.jit
+    @jit
     def step(state):
         p, s = state
         value, grad, G = lbp.gauss_newton(loss)(p, points)
@@ -167,7 +190,7 @@ def kfac(loss, params, points, approximation: str = "expand"):
 def adam(loss, params, points, learning_rate: float):
     tx = optax.adam(learning_rate)
 
-    @jax.jit
+    @jit
     def step(state):
         p, s = state
         updates, s = tx.update(lbp.grad_by_solve(loss)(p, points), s, p)
@@ -215,7 +238,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     params, points, loss, error, scale = make_problem(widths)
     n = sum(x.size for x in jax.tree.leaves(params))
     methods = args.methods.split(",")
-    print(f"2-{'-'.join(map(str, widths))}-1: {n} parameters, {points.shape[0]} points, {args.seconds:g} s per method")
+    print(f"2-{'-'.join(map(str, widths))}-1: {n} parameters, {points.shape[0]} points, {args.seconds:g} s per method"
+          f" (jax {jax.__version__}, compiler options {CPU_OPTIONS or 'default'})")
     runs = {}
     if "engd" in methods:
         solver = "Woodbury" if points.shape[0] < n else "dense"

@@ -77,7 +77,9 @@ def kfac(damping: float = 1e-3, decay: float = 0.95, update_every: int = 5, *, l
        ``update_every``, so that no early single-batch estimate is held; between, the held
        decomposition is applied with the current λ). Two terms are inverted exactly as their
        damped sum (simultaneous diagonalisation), more by merging all but the first (see
-       ``linbackprop._optim._kronecker``).
+       ``linbackprop._optim._kronecker``); there λ enters each factor as √(λ/2) (π-scaled), so
+       the curvature is damped by about √λ times its scale, not λ: a problem that needs little
+       damping (a PINN near 10⁻⁷) lowers ``min_damping`` (10⁻²⁰ puts ≈ 10⁻¹⁰ on a factor).
     3. **Step size and momentum (KFAC\*).** u = α Δ + μ δ, δ the previous update, with (α, μ)
        minimising the quadratic model m(u) = gᵀu + ½ uᵀ(G + λI)u over that plane: with
        C = G + λI, (α, μ) solves M (α, μ)ᵀ = −(gᵀΔ, gᵀδ)ᵀ, M = ((ΔᵀCΔ, ΔᵀCδ), (δᵀCΔ, δᵀCδ)),
