@@ -8,6 +8,7 @@
     python benchmarks/profile.py engine-rule [--builds 2]  # loop or unrolled: compile and run time
     python benchmarks/profile.py gram                      # G.gram's products: one by one or vmapped
     python benchmarks/profile.py roots                     # H's small blocks' Cholesky: LAPACK or ours
+    python benchmarks/profile.py float64                   # the PINN's K-FAC step with/without YNNPACK
 
 ``compile``: ``jit(grad_by_solve)`` of the GPT of ``examples/transformer_lm.py`` against
 ``jit(jax.grad)`` over ``lax.scan``, each phase of freshly built networks timed separately
@@ -43,6 +44,10 @@ an RNN of 32 steps and a chain of 16 layers: the measurement behind
 4, 6 and 10 coordinates with LAPACK's batched Cholesky (``SMALL_BLOCK`` 0) and with the one formed
 column by column over the examples, interleaved medians and each one's compile time: the
 measurement behind ``_curvature._examples.SMALL_BLOCK``.
+``float64``: the parts of ``examples/pinn_poisson.py``'s K-FAC step on 2-64-1 (``gauss_newton``
+with the two G products, ``kfac_factors`` of the two-call loss, the whole ``lbp.kfac`` step), each
+compiled with XLA's defaults and with the example's ``CPU_OPTIONS`` (YNNPACK's dot fusions off),
+interleaved medians: the training guide's "float64 on the CPU".
 """
 
 from __future__ import annotations
@@ -366,10 +371,45 @@ def small_roots(repeats: int = 30) -> None:
               f"column by column {ours * 1e3:.3f} ms (compile {programs[1][1]:.2f} s)", flush=True)
 
 
+def float64_options(repeats: int = 30) -> None:
+    import optax
+
+    pinn = example("pinn_poisson")
+    if not pinn.CPU_OPTIONS:
+        print(f"jax {jax.__version__} on {jax.default_backend()}: the example keeps XLA's defaults")
+        return
+    with jax.enable_x64(True):
+        params, points, _, _, _ = pinn.make_problem((64,))
+        loss = pinn.two_call_loss((64,))
+        opt = lbp.kfac(damping=1e-3, update_every=1, min_damping=1e-20)
+        v = jax.tree.map(lambda a: 0.3 * a + 0.01, params)
+
+        def gram(p, v):
+            _, grad, G = lbp.gauss_newton(loss)(p, points)
+            return G.gram([grad, v])
+
+        def step(p, s):
+            value, grad, G = lbp.gauss_newton(loss)(p, points)
+            factors = lbp.kfac_factors(loss)(p, points)
+            updates, s = opt.update(grad, s, p, factors=factors, curvature=G, value=value,
+                                    value_fn=lambda q, **_: loss(q, points))
+            return optax.apply_updates(p, updates), s
+
+        state = jax.jit(step)(params, opt.init(params))[1]  # the state after the first update
+        parts = {"gauss_newton and the two G products": (gram, (params, v)),
+                 "kfac_factors (two calls)": (lambda p: lbp.kfac_factors(loss)(p, points), (params,)),
+                 "the whole lbp.kfac step": (step, (params, state))}
+        for name, (fn, args) in parts.items():
+            default, without = interleaved([(jax.jit(fn), args),
+                                            (jax.jit(fn, compiler_options=pinn.CPU_OPTIONS), args)], repeats)
+            print(f"{name}: {default * 1e3:.2f} ms default, {without * 1e3:.2f} ms without YNNPACK "
+                  f"(jax {jax.__version__})", flush=True)
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("what", choices=["compile", "gn-halves", "gn-temporaries", "xla", "engine-rule",
-                                         "checkpoint-memory", "gram", "roots"])
+                                         "checkpoint-memory", "gram", "roots", "float64"])
     parser.add_argument("which", nargs="?", choices=["ours", "scan"], default="ours", help="xla: whose program")
     parser.add_argument("--builds", type=int, default=6)
     parser.add_argument("--shape", type=int, nargs=3, default=(128, 128, 64))
@@ -393,5 +433,7 @@ if __name__ == "__main__":
         gram_products()
     elif options.what == "roots":
         small_roots()
+    elif options.what == "float64":
+        float64_options()
     else:
         gauss_newton_temporaries()

@@ -45,10 +45,11 @@ jax.config.update("jax_enable_x64", True)
 
 
 def cpu_options() -> dict:
-    """XLA:CPU hands float64 dots to YNNPACK fusions, which ran this problem's steps 1.5–2× slower
-    than XLA's own loops (the K-FAC step on 2-64-1: 8.7 against 4.4 ms with JAX 0.10.2, 5.9
-    against 4.0 ms with 0.12); every method's step is compiled without them (docs/guides/
-    training.md, "float64 on the CPU"). An XLA without the option gets its defaults."""
+    """XLA:CPU hands float64 dots to YNNPACK fusions, which ran this problem's steps 1.3–2× slower
+    than XLA's own loops (the K-FAC step on 2-64-1: 7.5 against 4.2 ms with JAX 0.10.2, 5.2
+    against 4.0 ms with 0.12; ``python benchmarks/profile.py float64``); every method's step is
+    compiled without them (docs/guides/training.md, "float64 on the CPU"). An XLA without the
+    option gets its defaults."""
     options = {"xla_cpu_experimental_ynn_fusion_type": ""}
     if jax.default_backend() != "cpu":
         return {}
