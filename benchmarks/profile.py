@@ -9,6 +9,7 @@
     python benchmarks/profile.py gram                      # G.gram's products: one by one or vmapped
     python benchmarks/profile.py roots                     # H's small blocks' Cholesky: LAPACK or ours
     python benchmarks/profile.py float64                   # the PINN's K-FAC step with/without YNNPACK
+    python benchmarks/profile.py woodbury                  # ENGD's Woodbury solve: Gram or QR form
 
 ``compile``: ``jit(grad_by_solve)`` of the GPT of ``examples/transformer_lm.py`` against
 ``jit(jax.grad)`` over ``lax.scan``, each phase of freshly built networks timed separately
@@ -48,11 +49,18 @@ measurement behind ``_curvature._examples.SMALL_BLOCK``.
 with the two G products, ``kfac_factors`` of the two-call loss, the whole ``lbp.kfac`` step), each
 compiled with XLA's defaults and with the example's ``CPU_OPTIONS`` (YNNPACK's dot fusions off),
 interleaved medians: the training guide's "float64 on the CPU".
+``woodbury``: the Woodbury solve (λI + KᵀK)⁻¹g on the deep-wide PINN's rows (``ggn_factor(rank=1)``
+at the initial parameters of 2-64-64-48-48-1: 1,020 × 9,873, float64): the Gram form with its
+iterative refinement (``woodbury_solve``) against the QR form, their times (interleaved medians)
+and relative residuals ‖g − (λI + KᵀK)x‖ / ‖g‖ at λ from 1e-2 to 1e-12, then the example's ENGD
+step compiled with XLA's defaults and with ``CPU_OPTIONS``: the measurement behind
+``_optim._gauss_newton.REFINEMENTS`` and the ENGD step's compile options in the example.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -406,10 +414,38 @@ def float64_options(repeats: int = 30) -> None:
                   f"(jax {jax.__version__})", flush=True)
 
 
+def woodbury(repeats: int = 7) -> None:
+    from jax.flatten_util import ravel_pytree
+
+    from linbackprop._optim._gauss_newton import _woodbury_qr, woodbury_solve
+
+    pinn = example("pinn_poisson")
+    with jax.enable_x64(True):
+        params, points, loss, _, _ = pinn.make_problem((64, 64, 48, 48))
+        rows = jax.jit(lambda p: lbp.ggn_factor(loss, rank=1)(p, points))(params)
+        k = jax.vmap(lambda r: ravel_pytree(r)[0])(rows)
+        g = ravel_pytree(jax.jit(lambda p: lbp.grad_by_solve(loss)(p, points))(params))[0]
+        gram, qr = jax.jit(woodbury_solve), jax.jit(_woodbury_qr)
+        residual = lambda x, lam: float(jnp.linalg.norm(g - lam * x - k.T @ (k @ x)) / jnp.linalg.norm(g))
+        print(f"rows {k.shape[0]} x {k.shape[1]}, ‖KKᵀ‖ {float(jnp.linalg.norm(k, 2)) ** 2:.3g}")
+        for lam in (1e-2, 1e-6, 1e-9, 1e-12):
+            print(f"λ {lam:.0e}: relative residual, Gram form {residual(gram(k, g, lam), lam):.1e}, "
+                  f"QR form {residual(qr(k, g, lam), lam):.1e}")
+        t_gram, t_qr = interleaved([(gram, (k, g, 1e-6)), (qr, (k, g, 1e-6))], repeats)
+        print(f"Gram form {t_gram * 1e3:.0f} ms, QR form {t_qr * 1e3:.0f} ms "
+              f"(OPENBLAS_NUM_THREADS={os.environ.get('OPENBLAS_NUM_THREADS', 'unset')})")
+        step, state = pinn.engd(loss, params, points)  # compiled with XLA's defaults (Woodbury)
+        options_step, _ = pinn.engd(loss, params, points, jit_step=pinn.jit)
+        state = jax.block_until_ready(step(state))
+        default, options = interleaved([(step, (state,)), (options_step, (state,))], repeats)
+        print(f"ENGD step, 2-64-64-48-48-1: {default * 1e3:.0f} ms with XLA's defaults, {options * 1e3:.0f} ms with "
+              f"{pinn.CPU_OPTIONS or 'the same (no options on this XLA)'} (jax {jax.__version__})")
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("what", choices=["compile", "gn-halves", "gn-temporaries", "xla", "engine-rule",
-                                         "checkpoint-memory", "gram", "roots", "float64"])
+                                         "checkpoint-memory", "gram", "roots", "float64", "woodbury"])
     parser.add_argument("which", nargs="?", choices=["ours", "scan"], default="ours", help="xla: whose program")
     parser.add_argument("--builds", type=int, default=6)
     parser.add_argument("--shape", type=int, nargs=3, default=(128, 128, 64))
@@ -435,5 +471,7 @@ if __name__ == "__main__":
         small_roots()
     elif options.what == "float64":
         float64_options()
+    elif options.what == "woodbury":
+        woodbury()
     else:
         gauss_newton_temporaries()

@@ -134,12 +134,20 @@ def make_problem(widths: tuple[int, ...] = (64,), interior: int = 900, boundary:
     return params, points, loss, error, scale
 
 
-def engd(loss, params, points):
+def engd(loss, params, points, jit_step=None):
     """Energy natural gradient: the exact (G + λI)⁻¹ g from the residuals' Jacobian rows
-    (``ggn_factor(rank=1)``: one residual per point), Levenberg–Marquardt damped."""
+    (``ggn_factor(rank=1)``: one residual per point), Levenberg–Marquardt damped. ``jit_step``:
+    how the step is compiled (by default as below)."""
     tx = optax.chain(lbp.scale_by_gauss_newton(damping=1e-3, min_damping=1e-12), optax.scale(-1.0))
+    # the Woodbury step's time is the Gram KKᵀ of the rows (1020 × 9873 on the deep-wide network),
+    # one large product, which YNNPACK's fusions do in about half the time of XLA's loops
+    # (`python benchmarks/profile.py woodbury`): XLA's defaults there, `CPU_OPTIONS` for the
+    # small dense solve of 2-64-1
+    if jit_step is None:
+        woodbury = points.shape[0] < sum(x.size for x in jax.tree.leaves(params))
+        jit_step = jax.jit if woodbury else jit
 
-    @jit
+    @jit_step
     def step(state):
         p, s = state
         value, grad = lbp.value_and_grad_by_solve(loss)(p, points)

@@ -108,6 +108,47 @@ def test_rank_one_rows_are_the_residual_jacobian():
     close(jnp.abs(rows), jnp.abs(jac), rtol=1e-9, atol=1e-12)  # each row up to eigh's sign
 
 
+def _ill_conditioned_rows(dtype=jnp.float64, rows=12, size=40, span=8):
+    """K [rows, size] with singular values from 1 down to 10^-span, and its SVD."""
+    rng = np.random.default_rng(3)
+    u, _ = np.linalg.qr(rng.standard_normal((rows, rows)))
+    v, _ = np.linalg.qr(rng.standard_normal((size, rows)))
+    sigma = np.logspace(0, -span, rows)
+    return jnp.asarray((u * sigma) @ v.T, dtype), sigma, v
+
+
+@pytest.mark.parametrize("lam", [1e-2, 1e-8, 1e-13])
+def test_woodbury_solve_is_exact_where_woodburys_formula_cancels(lam):
+    """float64: the Gram form with iterative refinement against the SVD's componentwise formula
+    V diag(1/(σ² + λ)) Vᵀg + (g − VVᵀg)/λ, where λ ≪ ‖KKᵀ‖ makes Woodbury's own subtraction
+    lose ε‖KKᵀ‖/λ; the QR form agrees."""
+    from linbackprop._optim._gauss_newton import _woodbury_qr, woodbury_solve
+
+    k, sigma, v = _ill_conditioned_rows()
+    g = jnp.asarray(np.random.default_rng(4).standard_normal(k.shape[1]))
+    inside = v.T @ np.asarray(g)
+    exact = v @ (inside / (sigma ** 2 + lam)) + (np.asarray(g) - v @ inside) / lam
+    got = jax.jit(woodbury_solve)(k, g, lam)
+    close(got, exact, rtol=1e-9, atol=1e-9 * np.abs(exact).max())
+    close(jax.jit(_woodbury_qr)(k, g, lam), exact, rtol=1e-6, atol=1e-6 * np.abs(exact).max())
+
+
+def test_woodbury_solve_takes_the_qr_where_there_is_no_cholesky_factor_and_in_float32():
+    """λ below KKᵀ's round-off with K of rank 6 < 12 rows: no Cholesky factor of λI + KKᵀ, so the QR
+    form (finite, the same numbers); float32 always the QR form."""
+    from linbackprop._optim._gauss_newton import _woodbury_qr, woodbury_solve
+
+    k, _, _ = _ill_conditioned_rows()
+    k = k.at[6:].set(k[:6])  # repeated rows: KKᵀ singular
+    g = jnp.asarray(np.random.default_rng(5).standard_normal(k.shape[1]))
+    lam = 1e-300
+    got = jax.jit(woodbury_solve)(k, g, lam)
+    assert np.all(np.isfinite(np.asarray(got)))
+    close(got, jax.jit(_woodbury_qr)(k, g, lam), rtol=0, atol=0)
+    k32, g32 = k.astype(jnp.float32), g.astype(jnp.float32)
+    close(jax.jit(woodbury_solve)(k32, g32, 1e-3), jax.jit(_woodbury_qr)(k32, g32, 1e-3), rtol=0, atol=0)
+
+
 def test_woodbury_on_a_model_as_it_is():
     """A plain JAX model with ``layers=``: the rows come back on the model's own parameters."""
     @lbp.layer

@@ -50,10 +50,10 @@ def scale_by_gauss_newton(damping: float | None = None, maxiter: int = 50, *, to
       ``maxiter`` products, relative tolerance ``tol``), started from the last direction
       (``warm_start``: consecutive directions are close, as in Hessian-free optimisation).
     - ``"woodbury"``: exact from R rows K (``rows=``, or [`GaussNewton.factor`][linbackprop.GaussNewton.factor] with
-      R the network's output coordinates): with Kᵀ = QR (thin QR), d = Q(RRᵀ + λI)⁻¹Qᵀg +
-      (g − QQᵀg)/λ — Woodbury's identity, an R × R Cholesky solve, written with the projection
-      so that float32 keeps its precision. Exact energy natural gradient (ENGD) where the
-      residuals are fewer than the parameters.
+      R the network's output coordinates), Woodbury's identity with an R × R Cholesky solve
+      (`woodbury_solve`: in float64 from the Gram KKᵀ with iterative refinement, in float32
+      from the thin QR of Kᵀ). Exact energy natural gradient (ENGD) where the residuals are
+      fewer than the parameters.
     - ``"dense"``: exact from KᵀK (``rows=``) or ``G.todense()`` (one product per parameter).
     - ``"auto"`` (default): ``"woodbury"`` where the rows are fewer than the parameters, else
       ``"dense"`` from rows and ``"cg"`` from the operator (chosen from the shapes at trace time).
@@ -219,26 +219,65 @@ class _Curvature:
             return jax.scipy.sparse.linalg.cg(damped, g, x0=start, maxiter=maxiter, tol=tol)[0]
         g_flat, unravel = ravel_pytree(g)
         if method == "woodbury":
-            # Kᵀ = QR: (λI + KᵀK)⁻¹ g = Q (RRᵀ + λI)⁻¹ Qᵀg + (g − QQᵀg)/λ. Woodbury's own form
-            # (g − Kᵀ(λI + KKᵀ)⁻¹Kg)/λ subtracts nearly equal vectors: in float32 its error grows
-            # with cond(KKᵀ)/λ; the projection's stays at round-off of g.
-            # Q is kept as LAPACK's Householder reflectors and applied (ormqr), never formed:
-            # forming it cost as much again as the factorisation (docs/performance.md).
             k = self.flat if self.flat is not None else _flat_rows(self.G.factor())
-            h, taus = jnp.linalg.qr(k.T, mode="raw")
-            reflectors = h.T  # [P, R]: R on and above the diagonal, the reflectors below
-            m = min(reflectors.shape)
-            r = jnp.triu(reflectors[:m])
-            apply_q = lambda c, transpose: jax.lax.linalg.ormqr(reflectors, taus, c[:, None], transpose=transpose)[:, 0]
-            inside = apply_q(g_flat, True)[:m]  # Qᵀg
-            small = r @ r.T + lam * jnp.eye(m, dtype=r.dtype)
-            solved = jax.scipy.linalg.cho_solve(jax.scipy.linalg.cho_factor(small), inside)
-            # Q (RRᵀ + λI)⁻¹ Qᵀg + (g − QQᵀg)/λ, both Q products in one
-            padded = jnp.zeros_like(g_flat).at[:m].set(solved - inside / lam)
-            return unravel(apply_q(padded, False) + g_flat / lam)
+            return unravel(woodbury_solve(k, g_flat, lam))
         dense = self.G.todense() if self.flat is None else self.flat.T @ self.flat
         matrix = dense + lam * jnp.eye(g_flat.size, dtype=g_flat.dtype)
         return unravel(jax.scipy.linalg.cho_solve(jax.scipy.linalg.cho_factor(matrix), g_flat))
+
+
+# steps of iterative refinement after the Gram form's first solve: each multiplies the error by
+# about ε·‖KKᵀ‖/λ; three left residuals below the QR form's at every λ from 1e-2 to 1e-12 on the
+# deep-wide PINN's rows (`python benchmarks/profile.py woodbury`; docs/performance.md)
+REFINEMENTS = 3
+
+
+def woodbury_solve(k: jax.Array, g: jax.Array, lam: jax.Array) -> jax.Array:
+    r"""(λI + KᵀK)⁻¹ g for R rows K [R, P], R < P, by Woodbury's identity
+
+    $$(\lambda I + K^T K)^{-1} g = \big(g - K^T (\lambda I + K K^T)^{-1} K g\big) / \lambda.$$
+
+    In float64 (and wider) from the Gram KKᵀ — one matrix product and an R × R Cholesky
+    factor — refined ``REFINEMENTS`` times, x ← x + W(g − λx − Kᵀ(Kx)) with W the formula
+    above on the same factor: the subtraction of nearly equal vectors loses about ε·‖KKᵀ‖/λ of
+    the components along K's large singular values, and each refinement multiplies that
+    error by the same factor. The QR of Kᵀ (`_woodbury_qr`) costs 3× as much on the
+    deep-wide PINN's 1,020 × 9,873 rows (its Householder panels are not matrix products)
+    and left larger residuals at every λ measured; it serves float32 (where ε·‖KKᵀ‖/λ
+    reaches 1 at λ ≈ 1e-7 ‖KKᵀ‖, and refining would not converge) and, under ``lax.cond``,
+    a λ so small that λI + KKᵀ is not positive definite in floating point (no Cholesky
+    factor: below ≈ ε ‖KKᵀ‖)."""
+    if jnp.finfo(g.dtype).bits < 64:
+        return _woodbury_qr(k, g, lam)
+    gram = k @ k.T + lam * jnp.eye(k.shape[0], dtype=k.dtype)
+    factor = jax.scipy.linalg.cho_factor(gram)
+
+    def refined() -> jax.Array:
+        inverse = lambda r: (r - k.T @ jax.scipy.linalg.cho_solve(factor, k @ r)) / lam
+        x = inverse(g)
+        for _ in range(REFINEMENTS):
+            x = x + inverse(g - lam * x - k.T @ (k @ x))
+        return x
+
+    return jax.lax.cond(jnp.all(jnp.isfinite(factor[0])), refined, lambda: _woodbury_qr(k, g, lam))
+
+
+def _woodbury_qr(k: jax.Array, g: jax.Array, lam: jax.Array) -> jax.Array:
+    """`woodbury_solve` from the thin QR Kᵀ = QR: Q(RRᵀ + λI)⁻¹Qᵀg + (g − QQᵀg)/λ, the
+    projection written out, so that float32 keeps its precision (Woodbury's own form subtracts
+    nearly equal vectors). Q is kept as LAPACK's Householder reflectors and applied (ormqr),
+    never formed: forming it cost as much again as the factorisation."""
+    h, taus = jnp.linalg.qr(k.T, mode="raw")
+    reflectors = h.T  # [P, R]: R on and above the diagonal, the reflectors below
+    m = min(reflectors.shape)
+    r = jnp.triu(reflectors[:m])
+    apply_q = lambda c, transpose: jax.lax.linalg.ormqr(reflectors, taus, c[:, None], transpose=transpose)[:, 0]
+    inside = apply_q(g, True)[:m]  # Qᵀg
+    small = r @ r.T + lam * jnp.eye(m, dtype=r.dtype)
+    solved = jax.scipy.linalg.cho_solve(jax.scipy.linalg.cho_factor(small), inside)
+    # Q (RRᵀ + λI)⁻¹ Qᵀg + (g − QQᵀg)/λ, both Q products in one
+    padded = jnp.zeros_like(g).at[:m].set(solved - inside / lam)
+    return apply_q(padded, False) + g / lam
 
 
 def _flat_rows(rows: Any) -> jax.Array:
