@@ -241,7 +241,7 @@ def woodbury_solve(k: jax.Array, g: jax.Array, lam: jax.Array) -> jax.Array:
     factor — refined ``REFINEMENTS`` times, x ← x + W(g − λx − Kᵀ(Kx)) with W the formula
     above on the same factor: the subtraction of nearly equal vectors loses about ε·‖KKᵀ‖/λ of
     the components along K's large singular values, and each refinement multiplies that
-    error by the same factor. The QR of Kᵀ (`_woodbury_qr`) costs 3× as much on the
+    error by the same factor. The QR of Kᵀ (`_woodbury_qr`) costs 2–3× as much on the
     deep-wide PINN's 1,020 × 9,873 rows (its Householder panels are not matrix products)
     and left larger residuals at every λ measured; it serves float32 (where ε·‖KKᵀ‖/λ
     reaches 1 at λ ≈ 1e-7 ‖KKᵀ‖, and refining would not converge) and, under ``lax.cond``,
