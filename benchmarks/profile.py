@@ -436,7 +436,6 @@ def woodbury(repeats: int = 7) -> None:
               f"(OPENBLAS_NUM_THREADS={os.environ.get('OPENBLAS_NUM_THREADS', 'unset')})")
         step, state = pinn.engd(loss, params, points)  # compiled with XLA's defaults (Woodbury)
         options_step, _ = pinn.engd(loss, params, points, jit_step=pinn.jit)
-        state = jax.block_until_ready(step(state))
         default, options = interleaved([(step, (state,)), (options_step, (state,))], repeats)
         print(f"ENGD step, 2-64-64-48-48-1: {default * 1e3:.0f} ms with XLA's defaults, {options * 1e3:.0f} ms with "
               f"{pinn.CPU_OPTIONS or 'the same (no options on this XLA)'} (jax {jax.__version__})")

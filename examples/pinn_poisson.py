@@ -248,7 +248,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     n = sum(x.size for x in jax.tree.leaves(params))
     methods = args.methods.split(",")
     print(f"2-{'-'.join(map(str, widths))}-1: {n} parameters, {points.shape[0]} points, {args.seconds:g} s per method"
-          f" (jax {jax.__version__}, compiler options {CPU_OPTIONS or 'default'})")
+          f" (jax {jax.__version__}, compiler options {CPU_OPTIONS or 'default'}"
+          f"{'; the Woodbury ENGD step with XLA defaults' if CPU_OPTIONS and points.shape[0] < n else ''})")
     runs = {}
     if "engd" in methods:
         solver = "Woodbury" if points.shape[0] < n else "dense"
