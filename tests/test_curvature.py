@@ -466,6 +466,57 @@ def test_calls_whose_outputs_are_inputs_give_zeros_beside_the_others():
     close(lbp.diag_ggn(alone)(params, x), jax.tree.map(jnp.zeros_like, params))
 
 
+def test_sampled_columns_have_each_block_as_covariance():
+    """``samples=M`` draws s_b with E[s_b s_bᵀ] = H_b: one rank-one term of a diagonally dominant
+    block (softmax cross-entropy's, mixed signs, one output) — each draw ±√W (e_i + σ_ij e_j) or
+    ±√W e_i, drawn as often as its weight |H_ij| or excess says, either sign alike (E[s] = 0),
+    the average s sᵀ near H_b — and
+    R_b z where a block is not dominant (then every coordinate is drawn, not at most two)."""
+    from linbackprop._curvature._examples import Examples
+
+    rng = np.random.default_rng(11)
+    count, coords = 5, 4
+    p = np.exp(3 * rng.standard_normal((count, coords)))
+    p /= p.sum(1, keepdims=True)
+    softmax = np.stack([np.diag(q) - np.outer(q, q) for q in p]) / count
+    m = rng.standard_normal((count, coords, coords))
+    mixed = m + np.swapaxes(m, 1, 2)
+    mixed += np.stack([np.diag(np.abs(b).sum(1) + rng.uniform(0, 1, coords)) for b in mixed])
+    dense = m @ np.swapaxes(m, 1, 2)  # positive definite, not dominant
+    assert np.any(np.diagonal(dense, axis1=1, axis2=2) < np.abs(dense).sum(2) - np.diagonal(dense, axis1=1, axis2=2))
+
+    def draws(blocks, n):
+        draw = Examples([[0]], [blocks.shape[0]], [jnp.asarray(blocks)], None).draws()
+        return np.asarray(jax.jit(jax.vmap(lambda k: draw(k)[0]))(jax.random.split(jax.random.key(3), n)))
+
+    for blocks in (softmax, mixed, np.abs(rng.standard_normal((count, 1, 1)))):
+        s = draws(blocks, 20000)
+        size = blocks.shape[-1]
+        for b in range(count):
+            h = blocks[b]
+            excess = np.diag(h) - (np.abs(h).sum(1) - np.abs(np.diag(h)))
+            total = (np.abs(h).sum() - np.abs(np.diag(h)).sum()) / 2 + np.maximum(excess, 0).sum()  # W
+            terms, hits = np.unique(s[:, b], axis=0, return_counts=True)
+            for v, hit in zip(terms, hits):  # each term drawn: √W (e_i + σ_ij e_j) or √W e_i
+                at = np.flatnonzero(v)
+                assert len(at) in (1, 2) and np.isclose(v[at[0]] ** 2, total, rtol=1e-12)
+                if len(at) == 2:
+                    i, j = at
+                    assert np.sign(v[i] * v[j]) == np.sign(h[i, j])
+                weight = abs(h[at[0], at[1]]) if len(at) == 2 else excess[at[0]]
+                chance = weight / total / 2  # P(±term) = w / 2W, within five binomial deviations
+                assert abs(hit / len(s) - chance) <= 5 * np.sqrt(chance * (1 - chance) / len(s)) + 1e-12
+            if blocks is softmax:  # a Laplacian's every draw has ‖s‖² = tr H
+                np.testing.assert_allclose(np.sum(s[:, b] ** 2, axis=1), np.trace(h), rtol=1e-12)
+            if size == 1:  # one output: its exact root every time
+                np.testing.assert_allclose(s[:, b, 0] ** 2, h[0, 0], rtol=1e-12)
+            np.testing.assert_allclose(np.einsum("ti,tj->ij", s[:, b], s[:, b]) / len(s), h,
+                                       atol=0.05 * np.abs(h).max())
+    s = draws(dense, 20000)
+    assert np.all(np.count_nonzero(s, axis=2) == coords)  # R_b z
+    np.testing.assert_allclose(np.einsum("tbi,tbj->bij", s, s) / len(s), dense, atol=0.06 * np.abs(dense).max())
+
+
 @pytest.mark.parametrize("small_block", [0, 6])
 def test_sampling_roots_square_to_each_block_or_its_diagonally_dominant_repair(small_block, monkeypatch):
     """``samples=M`` draws s = R z with R Rᵀ = H_b (Cholesky, a round-off shift) where the blocks

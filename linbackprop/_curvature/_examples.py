@@ -92,8 +92,31 @@ class Examples(NamedTuple):
         path keeps H's eigenvalues as they are). What is still not finite (a NaN in H) takes the
         square root of its diagonal's positive part. Blocks per position: each position's root,
         [B_g, P, D, D]."""
-        return [jnp.moveaxis(_root(jnp.moveaxis(h.reshape(-1, *h.shape[-2:]), 0, -1)), -1, 0).reshape(h.shape)
-                for h in self.blocks]  # blocks per position: each position's root
+        return [_roots_of(h) for h in self.blocks]  # blocks per position: each position's root
+
+    def draws(self) -> Callable[[jax.Array], list[jax.Array]]:
+        r"""``draw(key)``: per group one sample s_b of every example with E[s_b s_bᵀ] = H_b,
+        [B_g, C_g] (blocks per position: each position's, drawn independently, flattened).
+        Where the group's blocks are diagonally dominant — softmax cross-entropy's
+        c(diag p − ppᵀ) (off-diagonals ≤ 0, rows summing to 0), squared errors' c I, any one
+        output — H_b is a sum of rank-one terms read off its entries,
+
+        $$H = \sum_{i<j} |H_{ij}|\,(e_i + \sigma_{ij} e_j)(e_i + \sigma_{ij} e_j)^T
+              + \sum_i \Big(H_{ii} - \sum_{j \ne i} |H_{ij}|\Big)\, e_i e_i^T, \qquad
+              \sigma_{ij} = \operatorname{sign} H_{ij},$$
+
+        and s_b = ±√W_b v_t is one term t drawn with probability w_t / W_b (W_b the weights'
+        sum, v_t its vector) and a random sign (E[s_b] = 0, so samples of blocks that meet in
+        one product, the positions of a shared weight, do not correlate): one uniform per
+        example and no factorisation, as kfac-jax's one sampled label per example (s = √c (p −
+        e_y), y ~ p, for cross-entropy). A negative excess counts as 0 — round-off, as float32
+        cross-entropy's diagonal once the softmax saturates — where all of them together add
+        no more to the group's trace than the Cholesky's shifts δ_b I would (C Σ_b δ_b);
+        otherwise (`lax.cond`: one branch runs) s = R_b z, z ~ N(0, I), with the `roots`. For a
+        block with zero excess ‖s_b‖² = tr H_b at every draw (a Gaussian's varies), and one
+        output's sample is its exact root."""
+        groups = [_sampler_of(h) for h in self.blocks]
+        return lambda key: [draw(k) for draw, k in zip(groups, jax.random.split(key, len(groups)))]
 
     def of_call(self, call: int) -> int:
         """The group of a call (its position among all calls)."""
@@ -224,20 +247,72 @@ def _positions(calls: Calls, batch: int, group: list[int], read: list[bool], lea
 SMALL_BLOCK = 6
 
 
+def _roots_of(h: jax.Array) -> jax.Array:
+    """`Examples.roots` of one group's blocks [B, ..., C, C]."""
+    return jnp.moveaxis(_root(jnp.moveaxis(h.reshape(-1, *h.shape[-2:]), 0, -1)), -1, 0).reshape(h.shape)
+
+
+def _round_off(h: jax.Array) -> jax.Array:
+    """δ_b of `Examples.roots` for blocks h [N, C, C]: C ε · max_b' diag H_b' + C √ε · max diag
+    H_b (a NaN block does not set the batch's scale)."""
+    coords, eps = h.shape[-1], jnp.finfo(h.dtype).eps
+    largest = jnp.max(jnp.diagonal(h, axis1=-2, axis2=-1), axis=-1)
+    batch_scale = jnp.max(jnp.where(jnp.isfinite(largest), largest, 0))
+    return coords * eps * batch_scale + coords * jnp.sqrt(eps) * largest + jnp.finfo(h.dtype).tiny
+
+
+def _sampler_of(h: jax.Array) -> Callable[[jax.Array], jax.Array]:
+    """`Examples.draws` of one group's blocks h [B, ..., C, C]: ``draw(key)`` [B, ... · C]."""
+    batch, coords = h.shape[0], h.shape[-1]
+    flat = h.reshape(-1, coords, coords)
+    eye = jnp.eye(coords, dtype=bool)
+    magnitude = jnp.where(eye, 0, jnp.abs(flat))
+    excess = jnp.diagonal(flat, axis1=-2, axis2=-1) - jnp.sum(magnitude, axis=-1)
+    # the repair to dominance adds no more curvature to the group than the Cholesky's shift δ_b I would
+    dominant = jnp.sum(jnp.maximum(-excess, 0)) <= coords * jnp.sum(_round_off(flat))  # False for a NaN
+    # term (i, j), i < j, weighs |H_ij|; term (i, i) the excess; row i's terms w_i = Σ_j w_ij
+    weights = jnp.where(eye, jnp.maximum(excess, 0)[:, None, :], jnp.triu(magnitude, 1))
+    upto = jnp.triu(jnp.ones((coords, coords), h.dtype))  # x @ upto: running sums (XLA's cumsum is slower)
+    row_upto = jnp.sum(weights, axis=-1) @ upto
+    total = row_upto[:, -1]
+    roots = jax.lax.cond(dominant, lambda: jnp.zeros_like(flat), lambda: _roots_of(flat))  # only where needed
+
+    def by_terms(key: jax.Array) -> jax.Array:
+        # P(i, j) = w_ij / W by the inverse CDF in two stages: row i from the running row sums,
+        # then j from the row's running sums at the same uniform's remainder (uniform within row i)
+        # the uniform's first half draws +v_t, its second half −v_t: E[s] = 0, so samples of
+        # different blocks (positions, groups) that meet in one product do not correlate
+        doubled = jax.random.uniform(key, total.shape, h.dtype) * (2 * total)
+        flip = doubled >= total
+        u = jnp.where(flip, doubled - total, doubled)
+        i = jnp.minimum(jnp.sum(row_upto <= u[:, None], axis=-1), coords - 1)
+        before = jnp.take_along_axis(row_upto, i[:, None], axis=-1)[:, 0] - jnp.take_along_axis(
+            jnp.sum(weights, axis=-1), i[:, None], axis=-1)[:, 0]
+        row = jnp.take_along_axis(weights, i[:, None, None], axis=1)[:, 0]
+        j = jnp.clip(jnp.sum(row @ upto <= (u - before)[:, None], axis=-1), i, coords - 1)  # row i's terms: j ≥ i
+        sign = jnp.sign(jnp.take_along_axis(jnp.take_along_axis(flat, i[:, None, None], axis=1)[:, 0], j[:, None],
+                                            axis=-1)[:, 0])  # σ_ij
+        v = jax.nn.one_hot(i, coords, dtype=h.dtype) + jnp.where(i != j, sign, 0)[:, None] * jax.nn.one_hot(
+            j, coords, dtype=h.dtype)
+        return jnp.where(flip, -1, 1)[:, None] * jnp.sqrt(total)[:, None] * v
+
+    def by_roots(key: jax.Array) -> jax.Array:
+        return jnp.einsum("nij,nj->ni", roots, jax.random.normal(key, flat.shape[:-1], h.dtype))
+
+    return lambda key: jax.lax.cond(dominant, by_terms, by_roots, key).reshape(batch, -1)
+
+
 def _root(h: jax.Array) -> jax.Array:
     """`Examples.roots` of one group's blocks, the examples on the last axis: h [C, C, B]
     (each step below one vectorised operation over all examples: with the examples first, the
     shifts, checks and repairs of the 1,797 10 × 10 blocks of the digits MLP took 0.2–0.6 ms
     longer)."""
     coords = h.shape[0]
-    eps = jnp.finfo(h.dtype).eps
     eye = jnp.eye(coords, dtype=h.dtype)[:, :, None]
     diagonal = jnp.diagonal(h, axis1=0, axis2=1).T  # [C, B]
 
     def factor(h: jax.Array) -> tuple[jax.Array, jax.Array]:
-        largest = jnp.max(jnp.diagonal(h, axis1=0, axis2=1), axis=1)
-        batch_scale = jnp.max(jnp.where(jnp.isfinite(largest), largest, 0))  # a NaN block stays its own
-        shift = coords * eps * batch_scale + coords * jnp.sqrt(eps) * largest + jnp.finfo(h.dtype).tiny
+        shift = _round_off(jnp.moveaxis(h, -1, 0))
         chol = _cholesky(h + shift * eye)
         return chol, jnp.all(jnp.isfinite(chol), axis=(0, 1))
 
@@ -271,11 +346,11 @@ def _cholesky(a: jax.Array) -> jax.Array:
 def over_columns(share: Callable, examples: Examples, samples: int | None, key: Any, name: str) -> Any:
     """Σ_k share(s_k, w_k) over H's factor, s_k and w_k one [B_g, C_g] matrix and one [B_g]
     vector per group of examples: the eigenvectors s_k with weights λ_k (exact; a group with
-    fewer coordinates than k gives zeros), or with ``samples=M`` the mean over M samples s =
-    R_b z, z ~ N(0, I), weights 1, R_b R_bᵀ = H_b up to round-off where H_b is positive
-    semi-definite (unbiased there; `Examples.roots` for the rest). One column (or sample) after
-    another: a vmapped solve over the C columns has buffers C times as large, which outgrow the
-    caches (slower: docs/performance.md)."""
+    fewer coordinates than k gives zeros), or with ``samples=M`` the mean over M samples
+    s_b with E[s_b s_bᵀ] = H_b (`Examples.draws`: a rank-one term of a diagonally dominant
+    H_b, else R_b z; up to round-off where H_b is positive semi-definite, unbiased there),
+    weights 1. One column (or sample) after another: a vmapped solve over the C columns has
+    buffers C times as large, which outgrow the caches (slower: docs/performance.md)."""
     coords = max(int(np.prod(h.shape[1:-1])) for h in examples.blocks)  # C, or P · D per position
 
     def summed(one: Callable, ks: jax.Array) -> Any:
@@ -303,13 +378,11 @@ def over_columns(share: Callable, examples: Examples, samples: int | None, key: 
         return summed(column, jnp.arange(coords))
     if key is None:
         raise ValueError(f"{name}(samples=M) needs a PRNG key: {name}(fun, samples=M, key=jax.random.key(0)).")
-    roots = examples.roots()  # H_b⁺ = root rootᵀ
-    ones = [jnp.ones((r.shape[0],), r.dtype) for r in roots]
+    draw = examples.draws()
+    ones = [jnp.ones((b,), h.dtype) for b, h in zip(examples.batches, examples.blocks)]
 
     def sample(k: jax.Array) -> Any:
-        keys = jax.random.split(k, len(roots))
-        return share([jnp.einsum("b...ij,b...j->b...i", r, jax.random.normal(kk, r.shape[:-1], r.dtype)).reshape(
-            r.shape[0], -1) for r, kk in zip(roots, keys)], ones)  # per position: each position's sample
+        return share(draw(k), ones)
 
     return jax.tree.map(lambda d: d / samples, summed(sample, jax.random.split(key, samples)))
 
