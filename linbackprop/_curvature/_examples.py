@@ -265,36 +265,35 @@ def _sampler_of(h: jax.Array) -> Callable[[jax.Array], jax.Array]:
     """`Examples.draws` of one group's blocks h [B, ..., C, C]: ``draw(key)`` [B, ... · C]."""
     batch, coords = h.shape[0], h.shape[-1]
     flat = h.reshape(-1, coords, coords)
-    eye = jnp.eye(coords, dtype=bool)
-    magnitude = jnp.where(eye, 0, jnp.abs(flat))
+    at = jnp.arange(coords)
+    magnitude = jnp.where(at[:, None] == at, 0, jnp.abs(flat))
     excess = jnp.diagonal(flat, axis1=-2, axis2=-1) - jnp.sum(magnitude, axis=-1)
     # the repair to dominance adds no more curvature to the group than the Cholesky's shift δ_b I would
     dominant = jnp.sum(jnp.maximum(-excess, 0)) <= coords * jnp.sum(_round_off(flat))  # False for a NaN
-    # term (i, j), i < j, weighs |H_ij|; term (i, i) the excess; row i's terms w_i = Σ_j w_ij
-    weights = jnp.where(eye, jnp.maximum(excess, 0)[:, None, :], jnp.triu(magnitude, 1))
-    upto = jnp.triu(jnp.ones((coords, coords), h.dtype))  # x @ upto: running sums (XLA's cumsum is slower)
-    row_upto = jnp.sum(weights, axis=-1) @ upto
+    # the terms of row i: (i, j) for j > i weighing |H_ij|, and (i, i) the excess
+    spare = jnp.maximum(excess, 0)
+    row_weights = jnp.sum(jnp.where(at[:, None] < at, magnitude, 0), axis=-1) + spare
+    row_upto = jnp.cumsum(row_weights, axis=-1)
     total = row_upto[:, -1]
     roots = jax.lax.cond(dominant, lambda: jnp.zeros_like(flat), lambda: _roots_of(flat))  # only where needed
 
     def by_terms(key: jax.Array) -> jax.Array:
-        # P(i, j) = w_ij / W by the inverse CDF in two stages: row i from the running row sums,
-        # then j from the row's running sums at the same uniform's remainder (uniform within row i)
-        # the uniform's first half draws +v_t, its second half −v_t: E[s] = 0, so samples of
-        # different blocks (positions, groups) that meet in one product do not correlate
+        # P(term) = w / W by the inverse CDF in two stages — row i from the running row sums, then
+        # the term within row i at the same uniform's remainder (uniform there) — and the
+        # uniform's second half draws −v: E[s] = 0, so samples of blocks that meet in one
+        # product (positions of a shared weight, groups) do not correlate
         doubled = jax.random.uniform(key, total.shape, h.dtype) * (2 * total)
         flip = doubled >= total
         u = jnp.where(flip, doubled - total, doubled)
         i = jnp.minimum(jnp.sum(row_upto <= u[:, None], axis=-1), coords - 1)
-        before = jnp.take_along_axis(row_upto, i[:, None], axis=-1)[:, 0] - jnp.take_along_axis(
-            jnp.sum(weights, axis=-1), i[:, None], axis=-1)[:, 0]
-        row = jnp.take_along_axis(weights, i[:, None, None], axis=1)[:, 0]
-        j = jnp.clip(jnp.sum(row @ upto <= (u - before)[:, None], axis=-1), i, coords - 1)  # row i's terms: j ≥ i
-        sign = jnp.sign(jnp.take_along_axis(jnp.take_along_axis(flat, i[:, None, None], axis=1)[:, 0], j[:, None],
-                                            axis=-1)[:, 0])  # σ_ij
-        v = jax.nn.one_hot(i, coords, dtype=h.dtype) + jnp.where(i != j, sign, 0)[:, None] * jax.nn.one_hot(
-            j, coords, dtype=h.dtype)
-        return jnp.where(flip, -1, 1)[:, None] * jnp.sqrt(total)[:, None] * v
+        pick = lambda x: jnp.take_along_axis(x, i[:, None], axis=-1)[:, 0]
+        rest = u - pick(row_upto) + pick(row_weights)
+        row = jnp.take_along_axis(flat, i[:, None, None], axis=1)[:, 0]  # H_i·
+        terms = jnp.where(at > i[:, None], jnp.abs(row), jnp.where(at == i[:, None], pick(spare)[:, None], 0))
+        j = jnp.clip(jnp.sum(jnp.cumsum(terms, axis=-1) <= rest[:, None], axis=-1), i, coords - 1)
+        sign = jnp.where(i != j, jnp.sign(jnp.take_along_axis(row, j[:, None], axis=-1)[:, 0]), 0)  # σ_ij
+        v = (at == i[:, None]) + sign[:, None] * (at == j[:, None])
+        return (jnp.where(flip, -1, 1) * jnp.sqrt(total))[:, None] * v.astype(h.dtype)
 
     def by_roots(key: jax.Array) -> jax.Array:
         return jnp.einsum("nij,nj->ni", roots, jax.random.normal(key, flat.shape[:-1], h.dtype))
