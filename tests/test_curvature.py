@@ -470,7 +470,8 @@ def test_sampled_columns_have_each_block_as_covariance():
     """``samples=M`` draws s_b with E[s_b s_bᵀ] = H_b: one rank-one term of a diagonally dominant
     block (softmax cross-entropy's, mixed signs, one output) — each draw ±√W (e_i + σ_ij e_j) or
     ±√W e_i, drawn as often as its weight |H_ij| or excess says, either sign alike (E[s] = 0),
-    the average s sᵀ near H_b — and
+    the average s sᵀ near H_b; a float32 softmax block whose diagonal round-off broke its
+    dominance, as its dominant repair — and
     R_b z where a block is not dominant (then every coordinate is drawn, not at most two)."""
     from linbackprop._curvature._examples import Examples
 
@@ -512,6 +513,17 @@ def test_sampled_columns_have_each_block_as_covariance():
                 np.testing.assert_allclose(s[:, b, 0] ** 2, h[0, 0], rtol=1e-12)
             np.testing.assert_allclose(np.einsum("ti,tj->ij", s[:, b], s[:, b]) / len(s), h,
                                        atol=0.05 * np.abs(h).max())
+    # float32 cross-entropy of a saturated softmax: the diagonal's p_0 (1 − p_0) cancels below its
+    # row's off-diagonal sum, H + δI is indefinite (1ᵀH1 < 0), and the roots would raise it to
+    # dominance: the terms sample that, H's exact value
+    q = np.array([1 - 3e-9, 1e-9, 2e-9])
+    exact = np.diag(q) - np.outer(q, q)
+    computed = exact.copy()
+    computed[0, 0] = 1e-9
+    draw = Examples([[0]], [1], [jnp.asarray(computed[None], jnp.float32)], None).draws()
+    s = np.asarray(jax.jit(jax.vmap(lambda k: draw(k)[0]))(jax.random.split(jax.random.key(4), 20000)))
+    assert np.all(np.count_nonzero(s, axis=2) <= 2)
+    np.testing.assert_allclose(np.einsum("tbi,tbj->ij", s, s) / len(s), exact, atol=0.05 * np.abs(exact).max())
     s = draws(dense, 20000)
     assert np.all(np.count_nonzero(s, axis=2) == coords)  # R_b z
     np.testing.assert_allclose(np.einsum("tbi,tbj->bij", s, s) / len(s), dense, atol=0.06 * np.abs(dense).max())

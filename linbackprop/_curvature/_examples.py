@@ -110,9 +110,11 @@ class Examples(NamedTuple):
         one product, the positions of a shared weight, do not correlate): one uniform per
         example and no factorisation, as kfac-jax's one sampled label per example (s = √c (p −
         e_y), y ~ p, for cross-entropy). A negative excess counts as 0 — round-off, as float32
-        cross-entropy's diagonal once the softmax saturates — where all of them together add
-        no more to the group's trace than the Cholesky's shifts δ_b I would (C Σ_b δ_b);
-        otherwise (`lax.cond`: one branch runs) s = R_b z, z ~ N(0, I), with the `roots`. For a
+        cross-entropy's diagonal once the softmax saturates — where the `roots` would sample
+        nothing closer to H_b: where the excesses raised to 0 add no more to the trace than
+        their shift δ_b I (C δ_b), or where H_b + δ_b I is not positive definite (1ᵀH_b 1 < −C
+        δ_b, a Rayleigh quotient below −δ_b), which `roots` raises to dominance too. Otherwise
+        (`lax.cond`: one branch runs) s = R_b z, z ~ N(0, I), with the `roots`. For a
         block with zero excess ‖s_b‖² = tr H_b at every draw (a Gaussian's varies), and one
         output's sample is its exact root."""
         groups = [_sampler_of(h) for h in self.blocks]
@@ -268,8 +270,12 @@ def _sampler_of(h: jax.Array) -> Callable[[jax.Array], jax.Array]:
     at = jnp.arange(coords)
     magnitude = jnp.where(at[:, None] == at, 0, jnp.abs(flat))
     excess = jnp.diagonal(flat, axis1=-2, axis2=-1) - jnp.sum(magnitude, axis=-1)
-    # the repair to dominance adds no more curvature to the group than the Cholesky's shift δ_b I would
-    dominant = jnp.sum(jnp.maximum(-excess, 0)) <= coords * jnp.sum(_round_off(flat))  # False for a NaN
+    # a block's terms sample it raised to dominance (each negative excess taken as 0); where that
+    # adds no more to its trace than the Cholesky's shift δ_b I, or where H_b + δ_b I is not
+    # positive definite (1ᵀH_b 1 / C < −δ_b: `roots` would raise it to dominance as well), the
+    # terms sample what the roots would; else the group takes the roots (False for a NaN)
+    shift = coords * _round_off(flat)
+    dominant = jnp.all((jnp.sum(jnp.maximum(-excess, 0), axis=-1) <= shift) | (jnp.sum(flat, axis=(1, 2)) < -shift))
     # the terms of row i: (i, j) for j > i weighing |H_ij|, and (i, i) the excess
     spare = jnp.maximum(excess, 0)
     row_weights = jnp.sum(jnp.where(at[:, None] < at, magnitude, 0), axis=-1) + spare
