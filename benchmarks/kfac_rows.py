@@ -7,7 +7,9 @@ the two G products of the step size and momentum, the inverses every ``update_ev
 against a gradient + Adam step, both averaged over their whole runs (the late steps included:
 the factors' cost changes as the softmax saturates), then each part of the step against one
 gradient, early (the initial parameters) and late (after K-FAC's 100 steps), as interleaved
-medians.
+medians, with a floor: what those parts compute, written for this MLP alone in plain JAX
+(`plain_parts`). The two kinds of K-FAC step (applying the held decompositions; recomputing them
+and measuring the loss for the damping, every 5th) are also timed apart.
 """
 
 from __future__ import annotations
@@ -70,6 +72,45 @@ def _kfac_step(loss: Callable, batch: tuple, opt, value_at: bool) -> Callable:
     return step
 
 
+def plain_parts(params: dict, batch: tuple, key: jax.Array) -> tuple:
+    """What the step's parts compute, written for this MLP alone in plain JAX: the loss and its
+    gradient, one sampled label per example (kfac-jax's estimator: s = p − e_y, y ~ p) back
+    substituted to the pre-activations, A = Σ [x, 1]ᵀ[x, 1] and Γ = Σ sᵀs per layer, and the
+    2 × 2 Gram matrix of G's products with the gradient and another vector (two JVPs) — the
+    arithmetic of a K-FAC step without the update, for a floor to compare with."""
+    x, y = batch
+    depth = len(SIZES) - 1
+
+    def logits(p, shifts):
+        h = x
+        for i in range(depth):
+            z = h @ p[f"W{i}"] + p[f"b{i}"] + shifts[i]
+            h = jnp.tanh(z) if i < depth - 1 else z
+        return h
+
+    def inputs(p):
+        h, out = x, []
+        for i in range(depth):
+            out.append(jnp.concatenate([h, jnp.ones((x.shape[0], 1), h.dtype)], axis=1))
+            h = jnp.tanh(h @ p[f"W{i}"] + p[f"b{i}"]) if i < depth - 1 else h
+        return out
+
+    zeros = [jnp.zeros((x.shape[0], params[f"W{i}"].shape[1]), x.dtype) for i in range(depth)]
+    out, pullback = jax.vjp(lambda p: logits(p, zeros), params)
+    logp = jax.nn.log_softmax(out)
+    value = -jnp.mean(jnp.take_along_axis(logp, y[:, None], axis=1))
+    prob = jnp.exp(logp)
+    (grad,) = pullback((prob - jax.nn.one_hot(y, SIZES[-1])) / x.shape[0])
+    sampled = prob - jax.nn.one_hot(jax.random.categorical(key, logp), SIZES[-1])
+    (deltas,) = jax.vjp(lambda z: logits(params, z), zeros)[1](sampled)
+    factors = [(a.T @ a, d.T @ d) for a, d in zip(inputs(params), deltas)]
+    other = jax.tree.map(lambda a: 0.5 * a + 0.01, params)
+    tangents = jax.tree.map(lambda a, b: jnp.stack([a, b]), grad, other)
+    jv = jax.vmap(lambda t: jax.jvp(lambda q: logits(q, zeros), (params,), (t,))[1])(tangents)
+    hjv = prob * jv - prob * jnp.sum(prob * jv, axis=-1, keepdims=True)
+    return value, grad, factors, jnp.einsum("inj,knj->ik", jv, hjv) / x.shape[0]
+
+
 def _with_gram(value, grad, G, p):
     """The step's products: two different vectors (the same one twice would be one product)."""
     return value, grad, G.gram([grad, jax.tree.map(lambda a: 0.5 * a + 0.01, p)])
@@ -81,7 +122,8 @@ def kfac_rows(repeats: int) -> list[tuple[str, str, str]]:
     opt = lbp.kfac()
     kfac_step = _kfac_step(loss, batch, opt, value_at=False)
 
-    (late, _, _), t_kfac = seconds_per_step(kfac_step, (params, opt.init(params), jax.random.key(1)), 98, warmup=2)
+    (late, late_state, late_key), t_kfac = seconds_per_step(kfac_step, (params, opt.init(params), jax.random.key(1)),
+                                                            98, warmup=2)
     kfac_loss = float(loss(late, *batch))
 
     adam = []
@@ -95,18 +137,30 @@ def kfac_rows(repeats: int) -> list[tuple[str, str, str]]:
             return optax.apply_updates(p, updates), state
 
         (p, _), t_adam = seconds_per_step(adam_step, (params, tx.init(params)), 248, warmup=2)
-        adam.append((float(loss(p, *batch)), rate, t_adam))
-    best, rate, t_adam = min(adam)
+        adam.append((float(loss(p, *batch)), rate, t_adam, adam_step, tx))
+    best, rate, t_adam, adam_step, tx = min(adam, key=lambda run: run[:3])
     rows = [("digits MLP 64-128-128-10 (tanh, full batch, float32): `lbp.kfac` loss after 100 steps",
              f"{kfac_loss:.2e}", f"< {best:.2e} (Adam after 250 steps, best of rates "
                                  f"{', '.join(f'{r:g}' for r in ADAM_RATES)}: {rate:g})"),
             ("same, a K-FAC step / a gradient + Adam step (means over the runs)",
              f"{t_kfac / t_adam:.1f} ({t_kfac * 1e3:.1f} / {t_adam * 1e3:.2f} ms)", "≤ 3")]
+    # the two kinds of K-FAC step apart (interleaved medians, late): one that applies the held
+    # decompositions, and one that also recomputes them and measures the loss for the damping
+    count = lambda n: late_state._replace(count=jnp.asarray(n, late_state.count.dtype))
+    held, recomputed, adam_alone = interleaved([(kfac_step, (late, count(101), late_key)),
+                                                (kfac_step, (late, count(100), late_key)),
+                                                (adam_step, (late, tx.init(late)))], repeats)
+    for name, t in (("applying the held decompositions", held),
+                    ("recomputing them and measuring ρ (every 5th)", recomputed)):
+        rows.append((f"same, late: a K-FAC step {name} / a gradient + Adam step (interleaved medians)",
+                     f"{t / adam_alone:.1f} ({t * 1e3:.1f} / {adam_alone * 1e3:.2f} ms)", "—"))
     key = jax.random.key(2)
     parts = {"`gauss_newton` (value, gradient, G)": lambda p: lbp.gauss_newton(loss)(p, *batch)[:2],
              "`gauss_newton` and the two G products (`G.gram` of the gradient and another vector)":
                  lambda p: _with_gram(*lbp.gauss_newton(loss)(p, *batch), p),
              "`kfac_factors`, one sampled column": lambda p: lbp.kfac_factors(loss, samples=1, key=key)(p, *batch)}
+    parts["the same arithmetic in plain JAX: gradient, one sampled label per example (kfac-jax's estimator), "
+          "A and Γ, the two G products"] = lambda p: plain_parts(p, batch, key)
     gradient = jax.jit(lambda p: lbp.grad_by_solve(loss)(p, *batch))
     for when, p in (("early", params), ("late", late)):
         compiled = [jax.jit(f) for f in parts.values()]
