@@ -45,7 +45,7 @@ an RNN of 32 steps and a chain of 16 layers: the measurement behind
 ``roots``: the sampling roots of 1,797 random positive definite blocks (``Examples.roots``) of
 4, 6 and 10 coordinates with LAPACK's batched Cholesky (``SMALL_BLOCK`` 0) and with the one formed
 column by column over the examples, interleaved medians and each one's compile time: the
-measurement behind ``_curvature._examples.SMALL_BLOCK``.
+measurement behind ``_curvature._sampling.SMALL_BLOCK``.
 ``sampler``: ``kfac_factors(samples=1)`` on the digits MLP of ``--rows kfac`` with the samples
 drawn as ``Examples.draws`` draws them (one rank-one term of each diagonally dominant block)
 and as s = R z through the Cholesky roots of every block (``Examples.roots``, what it drew
@@ -369,17 +369,17 @@ def gram_products(repeats: int = 20) -> None:
 
 
 def small_roots(repeats: int = 30) -> None:
-    from linbackprop._curvature import _examples
+    from linbackprop._curvature import _examples, _sampling
 
     for coords in (4, 6, 10):
         x = jax.random.normal(jax.random.key(coords), (1797, coords, coords))
         blocks = x @ jnp.swapaxes(x, 1, 2) / coords
         programs = []
         for small in (0, coords):
-            _examples.SMALL_BLOCK = small  # read while tracing
+            _sampling.SMALL_BLOCK = small  # read while tracing
             made, seconds = compiled(lambda h: _examples.Examples([[0]], [1797], [h], None).roots()[0], (blocks,))
             programs.append(((made, (blocks,)), seconds))
-        _examples.SMALL_BLOCK = 6
+        _sampling.SMALL_BLOCK = 6
         lapack, ours = interleaved([p for p, _ in programs], repeats)
         print(f"1,797 blocks of {coords} × {coords}: LAPACK {lapack * 1e3:.3f} ms (compile {programs[0][1]:.2f} s), "
               f"column by column {ours * 1e3:.3f} ms (compile {programs[1][1]:.2f} s)", flush=True)
@@ -387,7 +387,7 @@ def small_roots(repeats: int = 30) -> None:
 
 def samplers(repeats: int = 40) -> None:
     from benchmarks.kfac_rows import _kfac_step, digits_problem
-    from linbackprop._curvature import _examples
+    from linbackprop._curvature import _examples, _sampling
 
     loss, params, batch = digits_problem()
     opt = lbp.kfac()
@@ -399,18 +399,18 @@ def samplers(repeats: int = 40) -> None:
 
     def by_roots(h):
         flat = h.reshape(-1, *h.shape[-2:])
-        roots = _examples._roots_of(flat)
+        roots = _sampling.block_roots(flat)
         return lambda k: jnp.einsum("nij,nj->ni", roots, jax.random.normal(k, flat.shape[:-1], h.dtype)).reshape(
             h.shape[0], -1)
 
     gradient = jax.jit(lambda p: lbp.grad_by_solve(loss)(p, *batch))
     terms = jax.jit(lambda p: lbp.kfac_factors(loss, samples=1, key=key)(p, *batch))
     terms(params)
-    drawn = _examples._sampler_of
-    _examples._sampler_of = by_roots  # read while tracing (a function of its own: a trace of its own)
+    drawn = _examples.block_sampler
+    _examples.block_sampler = by_roots  # read while tracing (a function of its own: a trace of its own)
     roots = jax.jit(lambda p: lbp.kfac_factors(loss, samples=1, key=key)(p, *batch))
     roots(params)
-    _examples._sampler_of = drawn
+    _examples.block_sampler = drawn
     for when, p in (("initial parameters", params), ("after 100 lbp.kfac steps", carry[0])):
         g, r, t = interleaved([(gradient, (p,)), (roots, (p,)), (terms, (p,))], repeats)
         print(f"digits MLP, {when}: kfac_factors(samples=1) {t * 1e3:.2f} ms with H's terms, {r * 1e3:.2f} ms "

@@ -537,10 +537,10 @@ def test_sampling_roots_square_to_each_block_or_its_diagonally_dominant_repair(s
     block of a saturated softmax gets its exact diagonal back, an indefinite block a positive
     semi-definite surrogate above it, the other blocks unchanged; a NaN block its diagonal's root.
     With LAPACK's Cholesky (``small_block`` 0) and the column-by-column one of small blocks."""
-    from linbackprop._curvature import _examples
+    from linbackprop._curvature import _sampling
     from linbackprop._curvature._examples import Examples
 
-    monkeypatch.setattr(_examples, "SMALL_BLOCK", small_block)
+    monkeypatch.setattr(_sampling, "SMALL_BLOCK", small_block)
 
     rng = np.random.default_rng(5)
     m = rng.standard_normal((6, 4, 3))

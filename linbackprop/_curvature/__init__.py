@@ -14,10 +14,10 @@ example, and ℳ is applied to each example's rows alone.
 
 Modules, lowest first: `_split` (``fun`` as model and loss), `_gauss_newton`, `_separation`
 (the checks that examples stay apart), `_ghost` (per-example norms), `_calls` (the calls'
-forward pass, adjoints and per-example products), `_examples` (what an example is: the set-up of
-every per-example transform, and H's blocks), `_per_example` (per-example gradients and norms),
-`_ggn` (the GGN diagonal and its factor), `_kfac` (K-FAC's factors), `_clipping` (DP-SGD's
-clipped sum).
+forward pass, adjoints and per-example products), `_sampling` (samples of H's per-example
+blocks), `_examples` (what an example is: the set-up of every per-example transform, and H's
+blocks), `_per_example` (per-example gradients and norms), `_ggn` (the GGN diagonal and its
+factor), `_kfac` (K-FAC's factors), `_clipping` (DP-SGD's clipped sum).
 """
 
 from ._clipping import clipped_grad
