@@ -1,7 +1,7 @@
 """Every public name has a docstring with an example, and the examples run (doctest)."""
 
 import doctest
-import importlib
+import importlib.util
 import inspect
 import os
 import re
@@ -221,6 +221,24 @@ def test_math_renders_offline_with_the_katex_shipped():
     fonts = set(re.findall(r"url\((fonts/[^)]+)\)", css))
     assert fonts and all((ROOT / "docs" / "javascripts" / "katex" / f).exists() for f in fonts), fonts
     assert "$$" in (ROOT / "docs" / "index.md").read_text()
+
+
+def test_every_example_links_to_its_source_page():
+    """The examples page links each script in examples/ to its page, which the hook
+    docs/hooks/example_pages.py makes from the script's source (the built site has it: no
+    repository address needed); the site build test renders them."""
+    spec = importlib.util.spec_from_file_location("example_pages", ROOT / "docs" / "hooks" / "example_pages.py")
+    hook = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hook)
+    made = hook.pages()
+    scripts = sorted((ROOT / "examples").glob("*.py"))
+    assert sorted(made) == [f"examples/{s.stem}.md" for s in scripts]
+    for script in scripts:
+        assert script.read_text() in made[f"examples/{script.stem}.md"]
+    listed = (ROOT / "docs" / "examples.md").read_text()
+    links = re.findall(r"\[`examples/(\w+)\.py`\]\(examples/(\w+)\.md\)", listed)
+    assert sorted(a for a, b in links if a == b) == [s.stem for s in scripts], links
+    assert "docs/hooks/example_pages.py" in (ROOT / "mkdocs.yml").read_text()
 
 
 def test_docstring_examples_fit_the_column():
