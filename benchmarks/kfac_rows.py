@@ -104,16 +104,21 @@ def plain_parts(params: dict, batch: tuple, key: jax.Array) -> tuple:
     sampled = prob - jax.nn.one_hot(jax.random.categorical(key, logp), SIZES[-1])
     (deltas,) = jax.vjp(lambda z: logits(params, z), zeros)[1](sampled)
     factors = [(a.T @ a, d.T @ d) for a, d in zip(inputs(params), deltas)]
-    other = jax.tree.map(lambda a: 0.5 * a + 0.01, params)
-    tangents = jax.tree.map(lambda a, b: jnp.stack([a, b]), grad, other)
+    tangents = jax.tree.map(lambda a, b: jnp.stack([a, b]), grad, _other_vector(params))
     jv = jax.vmap(lambda t: jax.jvp(lambda q: logits(q, zeros), (params,), (t,))[1])(tangents)
     hjv = prob * jv - prob * jnp.sum(prob * jv, axis=-1, keepdims=True)
     return value, grad, factors, jnp.einsum("inj,knj->ik", jv, hjv) / x.shape[0]
 
 
+def _other_vector(p: dict) -> dict:
+    """The second vector of the timed G products, beside the gradient (the same one twice
+    would be one product)."""
+    return jax.tree.map(lambda a: 0.5 * a + 0.01, p)
+
+
 def _with_gram(value, grad, G, p):
-    """The step's products: two different vectors (the same one twice would be one product)."""
-    return value, grad, G.gram([grad, jax.tree.map(lambda a: 0.5 * a + 0.01, p)])
+    """The step's products: G's Gram matrix of the gradient and `_other_vector`."""
+    return value, grad, G.gram([grad, _other_vector(p)])
 
 
 def kfac_rows(repeats: int) -> list[tuple[str, str, str]]:

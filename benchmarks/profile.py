@@ -42,15 +42,16 @@ products one after another and vmapped as one substitution (``Policy.batched_pro
 the digits MLP of ``--rows kfac``, the Poisson PINNs of ``examples/pinn_poisson.py`` (float64),
 an RNN of 32 steps and a chain of 16 layers: the measurement behind
 ``Policy.batched_products_pay``.
-``roots``: the sampling roots of 1,797 random positive definite blocks (``Examples.roots``) of
+``roots``: the sampling roots of 1,797 random positive definite blocks (``block_roots``) of
 4, 6 and 10 coordinates with LAPACK's batched Cholesky (``SMALL_BLOCK`` 0) and with the one formed
 column by column over the examples, interleaved medians and each one's compile time: the
 measurement behind ``_curvature._sampling.SMALL_BLOCK``.
 ``sampler``: ``kfac_factors(samples=1)`` on the digits MLP of ``--rows kfac`` with the samples
 drawn as ``Examples.draws`` draws them (one rank-one term of each diagonally dominant block)
-and as s = R z through the Cholesky roots of every block (``Examples.roots``, what it drew
-before), against a gradient, at the initial parameters and after 100 ``lbp.kfac`` steps
-(softmax saturated: float32 round-off sends blocks to the roots' repair), interleaved medians.
+and as s = R z through the Cholesky roots of every block (``block_roots``, what it drew before),
+against a gradient, at the initial parameters and after 100 ``lbp.kfac`` steps (softmax
+saturated: float32 round-off sends blocks to the roots' repair), interleaved medians; and each
+way's relative error of Γ from one sample against the exact factors (mean over 20 keys).
 ``float64``: the parts of ``examples/pinn_poisson.py``'s K-FAC step on 2-64-1 (``gauss_newton``
 with the two G products, ``kfac_factors`` of the two-call loss, the whole ``lbp.kfac`` step), each
 compiled with XLA's defaults and with the example's ``CPU_OPTIONS`` (YNNPACK's dot fusions off),
@@ -369,7 +370,7 @@ def gram_products(repeats: int = 20) -> None:
 
 
 def small_roots(repeats: int = 30) -> None:
-    from linbackprop._curvature import _examples, _sampling
+    from linbackprop._curvature import _sampling
 
     for coords in (4, 6, 10):
         x = jax.random.normal(jax.random.key(coords), (1797, coords, coords))
@@ -377,7 +378,7 @@ def small_roots(repeats: int = 30) -> None:
         programs = []
         for small in (0, coords):
             _sampling.SMALL_BLOCK = small  # read while tracing
-            made, seconds = compiled(lambda h: _examples.Examples([[0]], [1797], [h], None).roots()[0], (blocks,))
+            made, seconds = compiled(lambda h: _sampling.block_roots(h), (blocks,))  # a fresh trace each
             programs.append(((made, (blocks,)), seconds))
         _sampling.SMALL_BLOCK = 6
         lapack, ours = interleaved([p for p, _ in programs], repeats)
@@ -404,17 +405,28 @@ def samplers(repeats: int = 40) -> None:
             h.shape[0], -1)
 
     gradient = jax.jit(lambda p: lbp.grad_by_solve(loss)(p, *batch))
-    terms = jax.jit(lambda p: lbp.kfac_factors(loss, samples=1, key=key)(p, *batch))
-    terms(params)
+    exact = jax.jit(lambda p: lbp.kfac_factors(loss)(p, *batch))
+    terms = jax.jit(lambda p, k: lbp.kfac_factors(loss, samples=1, key=k)(p, *batch))
+    terms(params, key)
     drawn = _examples.block_sampler
     _examples.block_sampler = by_roots  # read while tracing (a function of its own: a trace of its own)
-    roots = jax.jit(lambda p: lbp.kfac_factors(loss, samples=1, key=key)(p, *batch))
-    roots(params)
+    roots = jax.jit(lambda p, k: lbp.kfac_factors(loss, samples=1, key=k)(p, *batch))
+    roots(params, key)
     _examples.block_sampler = drawn
+
+    def error(sampled, p) -> str:  # Γ's relative error from one sample, per weight, mean over 20 keys
+        reference = exact(p)
+        runs = [sampled(p, jax.random.key(100 + i)) for i in range(20)]
+        relative = lambda n: np.mean([float(jnp.linalg.norm(r[n].right - reference[n].right)) for r in runs]) / float(
+            jnp.linalg.norm(reference[n].right))
+        return ", ".join(f"{n} {relative(n):.2f}" for n, f in reference.items() if isinstance(f, lbp.Kronecker))
+
     for when, p in (("initial parameters", params), ("after 100 lbp.kfac steps", carry[0])):
-        g, r, t = interleaved([(gradient, (p,)), (roots, (p,)), (terms, (p,))], repeats)
+        g, r, t = interleaved([(gradient, (p,)), (roots, (p, key)), (terms, (p, key))], repeats)
         print(f"digits MLP, {when}: kfac_factors(samples=1) {t * 1e3:.2f} ms with H's terms, {r * 1e3:.2f} ms "
               f"through the Cholesky roots; a gradient {g * 1e3:.2f} ms", flush=True)
+        print(f"  Γ's relative error from one sample: H's terms {error(terms, p)}; the roots {error(roots, p)}",
+              flush=True)
 
 
 def float64_options(repeats: int = 30) -> None:

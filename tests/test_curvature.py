@@ -538,14 +538,13 @@ def test_sampling_roots_square_to_each_block_or_its_diagonally_dominant_repair(s
     semi-definite surrogate above it, the other blocks unchanged; a NaN block its diagonal's root.
     With LAPACK's Cholesky (``small_block`` 0) and the column-by-column one of small blocks."""
     from linbackprop._curvature import _sampling
-    from linbackprop._curvature._examples import Examples
 
     monkeypatch.setattr(_sampling, "SMALL_BLOCK", small_block)
 
     rng = np.random.default_rng(5)
     m = rng.standard_normal((6, 4, 3))
     psd = jnp.asarray(m @ np.swapaxes(m, 1, 2))  # rank 3 of 4: singular, positive semi-definite
-    roots = lambda blocks: np.asarray(Examples([[0]], [blocks.shape[0]], [blocks], None).roots()[0])
+    roots = lambda blocks: np.asarray(_sampling.block_roots(blocks))
     square = lambda r: r @ np.swapaxes(r, 1, 2)
     r = roots(psd)
     np.testing.assert_allclose(square(r), psd, rtol=1e-6, atol=1e-6)

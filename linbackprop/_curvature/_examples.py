@@ -21,7 +21,7 @@ import numpy as np
 from .._engine import weighted_square_sum
 from .._graph import Stack
 from ._calls import Calls
-from ._sampling import block_roots, block_sampler
+from ._sampling import block_sampler
 from ._separation import check_hessian_keeps_positions_apart, check_losses_keep_examples_apart
 from ._split import Split
 
@@ -79,11 +79,6 @@ class Examples(NamedTuple):
         ([B_g, P, D, D], see `hessian_blocks`) each position's: [B_g, P, D] and [B_g, P, D, D]."""
         pairs = [jnp.linalg.eigh(h) for h in self.blocks]
         return [lam for lam, _ in pairs], [vecs for _, vecs in pairs]
-
-    def roots(self) -> list[jax.Array]:
-        """Per group, R_b [B_g, C_g, C_g] with R_b R_bᵀ = H_b up to round-off (`block_roots`;
-        blocks per position: each position's root, [B_g, P, D, D])."""
-        return [block_roots(h) for h in self.blocks]
 
     def draws(self) -> Callable[[jax.Array], list[jax.Array]]:
         """``draw(key)``: per group one sample s_b of every example with E[s_b s_bᵀ] = H_b,
@@ -219,7 +214,7 @@ def over_columns(share: Callable, examples: Examples, samples: int | None, key: 
     vector per group of examples: the eigenvectors s_k with weights λ_k (exact; a group with
     fewer coordinates than k gives zeros), or with ``samples=M`` the mean over M samples
     s_b with E[s_b s_bᵀ] = H_b (`Examples.draws`: a rank-one term of a diagonally dominant
-    H_b, else R_b z; up to round-off where H_b is positive semi-definite, unbiased there),
+    H_b, else R_b z with R_b its Cholesky root; up to round-off where H_b is positive semi-definite, unbiased there),
     weights 1. One column (or sample) after another: a vmapped solve over the C columns has
     buffers C times as large, which outgrow the caches (slower: docs/performance.md)."""
     coords = max(int(np.prod(h.shape[1:-1])) for h in examples.blocks)  # C, or P · D per position
