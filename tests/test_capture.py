@@ -252,6 +252,41 @@ def test_layers_inside_a_jit_of_the_users_are_found():
         "block0", "block1", "block2"]
 
 
+@lbp.layer
+def dense(W, x):
+    return jnp.tanh(x @ W)
+
+
+@lbp.layer
+def dropout_dense(W, x, key):
+    return jnp.tanh(jnp.where(jax.random.bernoulli(key, 0.5, x.shape), 2 * x, 0.0) @ W)
+
+
+_jitted_dense = jax.jit(dense)
+_jitted_dropout = jax.jit(lambda W, x, key: dropout_dense(W, x, key))
+_JITTED_TWICE = {  # one jax.jit-ed block, called twice on different inputs (JAX keeps one trace of it)
+    "twice": lambda W, x1, x2, k1, k2: jnp.sum(_jitted_dense(W, x1)) + jnp.sum(_jitted_dense(W, 2 * x1) ** 2),
+    "siamese": lambda W, x1, x2, k1, k2: jnp.sum((_jitted_dense(W, x1) - _jitted_dense(W, x2)) ** 2),
+    "chain": lambda W, x1, x2, k1, k2: jnp.sum(_jitted_dense(0.5 * W, _jitted_dense(W, x1)) ** 2),
+    "dropout": lambda W, x1, x2, k1, k2: (jnp.sum(_jitted_dropout(W, x1, k1)) +
+                                         jnp.sum(_jitted_dropout(W, x1, k2) ** 2)),
+}
+
+
+@pytest.mark.parametrize("case", list(_JITTED_TWICE))
+def test_a_jitted_block_called_twice_is_two_layers(case):
+    """The fuzzer's wrong gradient: a jitted block called twice was inlined as two copies of one
+    trace sharing its variables (the second call's output read in both places)."""
+    fun = _JITTED_TWICE[case]
+    keys = jax.random.split(jax.random.PRNGKey(3), 5)
+    W_, x1, x2 = (jax.random.normal(k, (4, 4) if n == 0 else (3, 4)) for n, k in enumerate(keys[:3]))
+    args = (W_, x1, x2, keys[3], keys[4])
+    layers = dropout_dense if case == "dropout" else dense
+    close(lbp.value_and_grad_by_solve(fun, layers=layers)(*args), jax.value_and_grad(fun)(*args))
+    close(jax.jit(lbp.grad_by_solve(fun, layers=layers))(*args), jax.grad(fun)(*args))
+    assert len(lbp.capture(fun, *args, layers=layers).net.order) >= 2
+
+
 # -- stacked blocks iterated by a scan: Row layers of one kind ---------------------------------------
 def scanned_loss(p, x, y):
     h, _ = jax.lax.scan(lambda h, b: (block(b, h), None), x, p["blocks"])

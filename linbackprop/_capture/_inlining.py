@@ -54,17 +54,14 @@ def inline_calls(jaxpr: Any, consts: Sequence[Any], rows: ScanRows) -> tuple[lis
             continue
         if marked_index(eqn) is None and eqn.primitive.name in ("pjit", "jit") and \
                 _contains_marks(eqn.params["jaxpr"].jaxpr):
-            inner = eqn.params["jaxpr"]
-            sub, sub_constvars, sub_consts, sub_outvars = inline_calls(inner.jaxpr, inner.consts, rows)
+            # traced again, not copied: JAX keeps one trace of a jitted function, so two calls of it
+            # hold the same inner variables, and copies of one jaxpr would alias each other's values
+            sub, sub_constvars, sub_consts, outs = _traced(jax.extend.core.jaxpr_as_fun(eqn.params["jaxpr"]),
+                                                          eqn.invars, rows)
+            eqns += sub
             constvars += sub_constvars
             consts += sub_consts
-            bound = dict(zip(inner.jaxpr.invars, eqn.invars))
-            bind = lambda atoms: [a if isinstance(a, Literal) else bound.get(a, a) for a in atoms]
-            eqns += [e.replace(invars=bind(e.invars)) for e in sub]
-            rename.update(zip(eqn.outvars, bind(sub_outvars)))
-            # rows a scan inside the jit reads are rows of the jit's operands (a stack of blocks)
-            rows.rows.update({r: (bound.get(x, x), t) for r, (x, t) in rows.rows.items()})
-            rows.chains.update({v: bound.get(x, x) for v, x in rows.chains.items()})
+            rename.update(zip(eqn.outvars, outs))
             continue
         for sub in jax.extend.core.jaxprs_in_params(eqn.params):
             if _contains_marks(sub):
@@ -89,6 +86,9 @@ def _traced(fn: Callable, atoms: Sequence[Any], rows: ScanRows) -> tuple[list, l
     eqns, constvars, consts, outvars = inline_calls(closed.jaxpr, closed.consts, rows)
     bound = dict(zip(closed.jaxpr.invars, atoms))
     bind = lambda xs: [a if isinstance(a, Literal) else bound.get(a, a) for a in xs]
+    # rows a scan inside reads are rows of the atoms (a stack of blocks passed in)
+    rows.rows.update({r: (bound.get(x, x), t) for r, (x, t) in rows.rows.items()})
+    rows.chains.update({v: bound.get(x, x) for v, x in rows.chains.items()})
     return [e.replace(invars=bind(e.invars)) for e in eqns], constvars, consts, bind(outvars)
 
 
