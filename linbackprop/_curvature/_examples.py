@@ -66,12 +66,15 @@ class Examples(NamedTuple):
     b: one group); calls of different batch sizes (a PINN's interior and boundary points) each
     have their own examples, the groups' in call order. Per group: its calls (positions among
     all calls), B_g, and each example's C_g × C_g block of H [B_g, C_g, C_g]; ``unflatten``
-    maps one [B_g, C_g] matrix per group to cotangents of all the calls' outputs."""
+    maps one [B_g, C_g] matrix per group to cotangents of all the calls' outputs; ``gradients``
+    the loss's gradient in the outputs, ∂ℓ/∂(outputs), per group [B_g, C_g] (what a least-squares
+    loss's residuals are made from)."""
 
     groups: list[list[int]]
     batches: list[int]
     blocks: list[jax.Array]
     unflatten: Callable
+    gradients: list[jax.Array]
 
     def eigen(self) -> tuple[list[jax.Array], list[jax.Array]]:
         """Per group, H_b = Σ_k λ_bk s_bk s_bkᵀ: eigenvalues [B_g, C_g] and eigenvectors
@@ -138,7 +141,9 @@ def hessian_blocks(fun: Callable, args: tuple, nums: tuple[int, ...], engine: st
                     out[n] = next(at)
         return treedef.unflatten(out)
 
-    _, hvp = jax.linearize(jax.grad(loss), calls.outs)
+    g_outs, hvp = jax.linearize(jax.grad(loss), calls.outs)
+    gradients = [_by_example(calls, batch, name, g_outs, only=group, read=read)[0]
+                 for group, batch in zip(groups, batches)]
     blocks = []
     for g, (group, batch, (flat, _)) in enumerate(zip(groups, batches, flats)):
         coords = flat.shape[1]
@@ -161,7 +166,7 @@ def hessian_blocks(fun: Callable, args: tuple, nums: tuple[int, ...], engine: st
             basis = jnp.broadcast_to(jnp.eye(coords, dtype=flat.dtype)[:, None, :], (coords, batch, coords))
             h = jnp.moveaxis(jax.vmap(column)(basis), 0, 2)  # [C(j), B, C(i)] → [B, i, j]
         blocks.append((h + jnp.swapaxes(h, -1, -2)) / 2)
-    return calls, Examples(groups, batches, blocks, unflatten)
+    return calls, Examples(groups, batches, blocks, unflatten, gradients)
 
 
 # H's blocks are dense per example, [B, C, C] with C every output coordinate of one example: a

@@ -84,7 +84,7 @@ def diag_ggn(fun: Callable, argnums: int | Sequence[int] = 0, *, engine: Engine 
 
 
 def ggn_factor(fun: Callable, argnums: int | Sequence[int] = 0, *, rank: int | None = None, engine: Engine = "auto",
-               layers: Any = None) -> Callable:
+               layers: Any = None, residuals: bool = False) -> Callable:
     r"""K with G = Kᵀ K from per-example Jacobian rows, shaped like the arguments ``argnums``
     names with a leading axis of r·B rows (r per example, B examples):
 
@@ -114,10 +114,17 @@ def ggn_factor(fun: Callable, argnums: int | Sequence[int] = 0, *, rank: int | N
         engine: ``"loop"``, ``"unrolled"`` or ``"auto"``.
         layers: the classes or ``@lbp.layer`` functions whose calls are the layers of a model
             written as it is.
+        residuals: also return the residuals b, one per row, with g = Kᵀb where each example's
+            ∂ℓ/∂(outputs) lies in the kept eigenvectors' span (exact for a least-squares loss
+            $\frac12 \lVert r \rVert^2$ of rank-r examples, whose b is then r, scaled as the rows are):
+            $b_{bk} = s_{bk}^T \partial \ell_b / \sqrt{\lambda_{bk}}$ (0 where λ ≤ 0).
+            [`scale_by_gauss_newton`][linbackprop.scale_by_gauss_newton]'s ``update(...,
+            residuals=b)`` then forms its directions from b, never from g = Kᵀb, which keeps
+            the digits that the product Kᵀb loses along K's small singular values.
 
     Returns:
         A function of ``fun``'s arguments returning K: the arguments' pytree with a leading
-            axis of r·B rows on every leaf.
+            axis of r·B rows on every leaf; with ``residuals``, the pair (K, b), b of shape [r·B].
 
     Raises:
         ValueError: layers that mix examples, a state without the batch first, or a loss that
@@ -134,7 +141,8 @@ def ggn_factor(fun: Callable, argnums: int | Sequence[int] = 0, *, rank: int | N
         ((2, 2, 1), [[1.0, 0.0], [0.0, 2.0]])
     """
     if layers is not None:
-        return on_model(lambda f, a: ggn_factor(f, a, rank=rank, engine=engine), fun, argnums, layers)
+        return on_model(lambda f, a: ggn_factor(f, a, rank=rank, engine=engine, residuals=residuals), fun, argnums,
+                        layers, with_extra=residuals)
     nums, single = normalise_argnums(argnums)
     if rank is not None and (not isinstance(rank, int) or rank < 1):
         raise ValueError(f"ggn_factor(rank={rank!r}): a positive int (the residuals per example), or None for all.")
@@ -142,17 +150,21 @@ def ggn_factor(fun: Callable, argnums: int | Sequence[int] = 0, *, rank: int | N
     def run(*args: Any) -> Any:
         calls, examples = hessian_blocks(fun, args, nums, engine, "ggn_factor", per_position=False)
         batches = examples.by_call(examples.batches)
-        rows = []
+        rows, bs = [], []
         lams, vecses = examples.eigen()
         for g, (group, lam, vecs) in enumerate(zip(examples.groups, lams, vecses)):
             coords = lam.shape[1]
             keep = coords if rank is None else min(rank, coords)
             for k in range(coords - keep, coords):  # eigh's order is ascending: the largest last
+                positive = lam[:, k] > 0
+                root = jnp.sqrt(jnp.where(positive, lam[:, k], 1.0))
+                bs.append(jnp.where(positive, jnp.sum(vecs[:, :, k] * examples.gradients[g], axis=1) / root, 0.0))
                 s = [vecs[:, :, k] * jnp.sqrt(jnp.maximum(lam[:, k], 0.0))[:, None] if h == g
                      else jnp.zeros(x.shape, x.dtype) for h, x in enumerate(lams)]
                 adjoints = calls.adjoints(examples.unflatten(s), batches)
                 rows.append(calls.per_example(adjoints, examples.batches[g], only=group))
         out = jax.tree.map(lambda *r: jnp.concatenate(r, axis=0), *rows)
-        return out[0] if single else out
+        out = out[0] if single else out
+        return (out, jnp.concatenate(bs)) if residuals else out
 
     return run

@@ -74,15 +74,18 @@ class OnArguments:
 
 
 def on_model(transform: Callable, fun: Callable, argnums: int | Sequence[int], layers: Any,
-              to_arguments: bool = True) -> Callable:
+              to_arguments: bool = True, with_extra: bool = False) -> Callable:
     """``transform`` (a per-example or curvature transform taking ``(fun, argnums)``) of a model
     as it is: its network found with ``layers=`` (``_capture.rewrite``), the result given back in
-    the arguments' own types (``to_arguments``: params-shaped results)."""
+    the arguments' own types (``to_arguments``: params-shaped results; ``with_extra``: a pair
+    whose first entry is params-shaped, the second passed through)."""
     nums, single = normalise_argnums(argnums)
 
     def run(*args: Any) -> Any:
         found = rewrite(fun, args, nums, layers, per_example=True)
         result = transform(lambda *parts: found.fun(*parts)[0], tuple(range(len(nums))))(*found.args)
+        if with_extra:
+            return found.gradient(result[0], single), result[1]
         return found.gradient(result, single) if to_arguments else result
 
     return run

@@ -14,8 +14,10 @@ from jax.flatten_util import ravel_pytree
 
 from .._curvature import GaussNewton
 from ._arguments import accepted, params_dtype, shaped_as
+from ._spectral import directions, probed, spectral
 
-Solver = Literal["auto", "cg", "woodbury", "dense"]
+Solver = Literal["auto", "cg", "woodbury", "dense", "svd"]
+Step = Literal["lm", "probe"]
 
 
 class ScaleByGaussNewtonState(NamedTuple):
@@ -36,9 +38,11 @@ class ScaleByGaussNewtonState(NamedTuple):
 
 
 def scale_by_gauss_newton(damping: float | None = None, maxiter: int = 50, *, tol: float = 1e-5,
-                          solver: Solver = "auto", adapt: bool = True, min_damping: float = 1e-8,
+                          solver: Solver = "auto", adapt: bool = True, min_damping: float | None = None,
                           max_damping: float = 1e8, reject: bool = True, warm_start: bool = True,
-                          damping_scale: float = 1e-3) -> optax.GradientTransformationExtraArgs:
+                          damping_scale: float = 1e-3, step: Step = "lm", probes: int = 32, spread: float = 3.0,
+                          target: float = 0.1, momentum: float | None = None,
+                          probe_batch: int | None = 8) -> optax.GradientTransformationExtraArgs:
     r"""The damped Gauss–Newton direction d = (G + λI)⁻¹ g, with G from ``update(...,
     curvature=G)`` ([`gauss_newton`][linbackprop.gauss_newton]) or from its rows, ``update(..., rows=K)`` with
     G = KᵀK ([`ggn_factor`][linbackprop.ggn_factor]: the examples' Jacobian rows), and g the incoming updates
@@ -55,6 +59,12 @@ def scale_by_gauss_newton(damping: float | None = None, maxiter: int = 50, *, to
       from the thin QR of Kᵀ). Exact energy natural gradient (ENGD) where the residuals are
       fewer than the parameters.
     - ``"dense"``: exact from KᵀK (``rows=``) or ``G.todense()`` (one product per parameter).
+    - ``"svd"``: exact to round-off at every λ from the thin SVD of the rows K = U diag(s) Vᵀ
+      (`_spectral`): d = V (c / (s² + λ)) + g_⊥/λ, c = Vᵀg — or, given the residuals
+      (``update(..., rows=K, residuals=b)``, g = Kᵀb: ``lbp.ggn_factor(loss, rank=1,
+      residuals=True)``), c = s ⊙ Uᵀb, which never multiplies by K twice: the error is
+      κ(K)·ε, not the κ(K)²·ε of any form built on KᵀK or KKᵀ. Given residuals, every
+      rows solver takes this form.
     - ``"auto"`` (default): ``"woodbury"`` where the rows are fewer than the parameters, else
       ``"dense"`` from rows and ``"cg"`` from the operator (chosen from the shapes at trace time).
 
@@ -80,6 +90,23 @@ def scale_by_gauss_newton(damping: float | None = None, maxiter: int = 50, *, to
     next step is more damped). ``value=`` saves one call of ``value_fn`` at θ. Without
     ``value_fn`` λ stays fixed.
 
+    The probed step (``step="probe"``; needs ``rows=``, ``value_fn`` and ``params``): one SVD
+    of the rows serves ``probes`` damping values λ_c·10^t, t evenly spaced in [−``spread``,
+    ``spread``] around the carried λ_c; the loss at every candidate θ − d_j comes from
+    ``value_fn`` batched over them (``jax.lax.map`` in batches of ``probe_batch``), and with
+    the exact predicted decreases the gain ratios ρ_j. The step is the longest candidate (the
+    smallest λ) that lowers the loss with ρ_j ≥ ``target`` — the trust radius where the gain
+    ratio crosses the target, DSGNAR's rule on the probes — and its λ is the next centre;
+    where none qualifies the step is zeros and the grid moves up ``spread`` decades. Its λ has
+    no floor beyond round-off by default (``min_damping=None``): the directions are exact at any
+    λ. Give it the residuals: from g alone the directions along K's small singular values carry
+    g's round-off divided by s², and the steps stall orders of magnitude above the fit's
+    round-off (docs/guides/training.md, "Gauss–Newton to machine precision").
+
+    ``momentum=μ`` (SPRING, Goldshlager, Abrahamsen & Lin): the direction minimises
+    ‖Kd − b‖² + λ‖d − μ d_prev‖², i.e. d = μ d_prev + (G + λI)⁻¹(g − μ G d_prev), with d_prev
+    the last direction (in the state); for every solver and both steps.
+
     Chain it with ``optax.scale(-1.0)`` (a step θ − d) or a line search; optax's line searches hand
     every extra argument on to ``value_fn``, so give it a ``curvature=None`` parameter.
 
@@ -87,19 +114,26 @@ def scale_by_gauss_newton(damping: float | None = None, maxiter: int = 50, *, to
         damping: λ of the first step (for good without ``adapt``); None: τ · G's scale.
         maxiter: the most conjugate-gradient products per step (``"cg"``).
         tol: the conjugate gradients' relative tolerance.
-        solver: ``"cg"``, ``"woodbury"``, ``"dense"`` or ``"auto"``.
+        solver: ``"cg"``, ``"woodbury"``, ``"dense"``, ``"svd"`` or ``"auto"``.
         adapt: adapt λ by Levenberg–Marquardt where ``value_fn`` is given.
-        min_damping: λ's floor.
+        min_damping: λ's floor; None: 1e-8 for ``step="lm"``, round-off (1e-300) for ``"probe"``.
         max_damping: λ's ceiling.
         reject: zero a step that does not lower the loss.
         warm_start: start the conjugate gradients from the last direction.
         damping_scale: τ of $\lambda_0 = \tau \max_i G_{ii}$ where ``damping`` is None (Marquardt's; 1e-3
             where the start is far from a minimum, 1e-6 near one).
+        step: ``"lm"`` (Levenberg–Marquardt, as before) or ``"probe"`` (the probed step).
+        probes: how many damping values the probed step tries at once.
+        spread: the probes span λ_c·10^[−spread, spread].
+        target: the gain ratio a probed step needs.
+        momentum: SPRING's μ in [0, 1), or None (no momentum).
+        probe_batch: the probes' losses are computed this many at a time (``jax.lax.map``'s
+            ``batch_size``; None: one at a time).
 
     Returns:
         An ``optax.GradientTransformationExtraArgs`` whose ``update(grad, state, params, *,
-            curvature=None, rows=None, value=None, value_fn=None, **extra)`` returns the direction d
-            (not −d).
+            curvature=None, rows=None, residuals=None, value=None, value_fn=None, **extra)`` returns
+            the direction d (not −d).
 
     Raises:
         ValueError: an argument out of range, or a solver the given curvature cannot serve.
@@ -121,8 +155,17 @@ def scale_by_gauss_newton(damping: float | None = None, maxiter: int = 50, *, to
         >>> [round(float(w), 4) for w in fitted.ravel()]
         [0.1111, 0.7778]
     """
-    if solver not in ("auto", "cg", "woodbury", "dense"):
-        raise ValueError(f"scale_by_gauss_newton(solver={solver!r}): use 'auto', 'cg', 'woodbury' or 'dense'.")
+    if solver not in ("auto", "cg", "woodbury", "dense", "svd"):
+        raise ValueError(f"scale_by_gauss_newton(solver={solver!r}): use 'auto', 'cg', 'woodbury', 'dense' or 'svd'.")
+    if step not in ("lm", "probe"):
+        raise ValueError(f"scale_by_gauss_newton(step={step!r}): use 'lm' (Levenberg–Marquardt) or 'probe'.")
+    if step == "probe" and (not isinstance(probes, int) or probes < 2 or not spread > 0 or not 0 <= target < 1):
+        raise ValueError(f"scale_by_gauss_newton(step='probe'): needs probes ≥ 2 (got {probes!r}), spread > 0 "
+                         f"(got {spread!r}) and 0 ≤ target < 1 (got {target!r}).")
+    if momentum is not None and not 0 <= momentum < 1:
+        raise ValueError(f"scale_by_gauss_newton(momentum={momentum!r}): SPRING's μ is in [0, 1), or None.")
+    if min_damping is None:  # the probed step's directions are exact at any λ: no floor beyond round-off
+        min_damping = 1e-300 if step == "probe" else 1e-8
     if not 0 < min_damping <= max_damping or (damping is not None and not min_damping <= damping <= max_damping):
         raise ValueError(f"scale_by_gauss_newton: needs 0 < min_damping ({min_damping}) ≤ damping ({damping}) "
                          f"≤ max_damping ({max_damping}).")
@@ -138,7 +181,7 @@ def scale_by_gauss_newton(damping: float | None = None, maxiter: int = 50, *, to
                                        jnp.asarray(2, dtype))
 
     def update(updates: Any, state: ScaleByGaussNewtonState, params: Any = None, *,
-               curvature: GaussNewton | None = None, rows: Any = None, value: Any = None,
+               curvature: GaussNewton | None = None, rows: Any = None, residuals: Any = None, value: Any = None,
                value_fn: Callable | None = None, **extra: Any) -> tuple[Any, ScaleByGaussNewtonState]:
         if rows is None and not isinstance(curvature, GaussNewton):
             raise TypeError("scale_by_gauss_newton needs the Gauss–Newton matrix: "
@@ -146,14 +189,21 @@ def scale_by_gauss_newton(damping: float | None = None, maxiter: int = 50, *, to
                             "tx.update(grad, state, params, curvature=G), or its rows: rows=lbp.ggn_factor(loss)(...)"
                             + ("" if curvature is None else f" (got curvature of type {type(curvature).__name__})."))
         matrix = _Curvature(curvature, rows, updates)
+        if residuals is not None and (rows is None or jnp.shape(residuals) != (matrix.rows_count,)):
+            raise ValueError(f"scale_by_gauss_newton: residuals= needs rows= and one residual per row "
+                             f"({matrix.rows_count}), got shape {jnp.shape(residuals)}: "
+                             "rows, residuals = lbp.ggn_factor(loss, rank=1, residuals=True)(params, *batch).")
         lam = state.damping
-        if damping is None:  # λ₀ = τ · G's scale, measured at the first step only
-            lam = jax.lax.cond(state.count == 0,
+        if damping is None:  # λ₀ = τ · G's scale, measured at the first step whose λ is not finite (a NaN row)
+            lam = jax.lax.cond(~jnp.isfinite(lam),
                                lambda: jnp.clip(damping_scale * matrix.scale(updates), min_damping,
                                                 max_damping).astype(lam.dtype),
                                lambda: lam)
+        if step == "probe":
+            return _probe(matrix, updates, state, lam, params, residuals, value, value_fn, extra)
+        prior = None if momentum is None else optax.tree.scale(momentum, shaped_as(state.direction, updates))
         start = shaped_as(state.direction, updates) if warm_start else None
-        direction = matrix.solve(_chosen(solver, matrix), updates, lam, start, maxiter, tol)
+        direction = matrix.solve(_chosen(solver, matrix), updates, lam, start, maxiter, tol, residuals, prior)
         if value_fn is None or not adapt:
             return direction, ScaleByGaussNewtonState(lam, direction, state.count + 1, state.nu)
         if params is None:
@@ -165,12 +215,33 @@ def scale_by_gauss_newton(damping: float | None = None, maxiter: int = 50, *, to
         decreased = jnp.isfinite(after) & (after < before)
         rho = jnp.where(decreased, (before - after) / jnp.maximum(predicted, jnp.finfo(lam.dtype).tiny), -1.0)
         factor = jnp.where(decreased, jnp.maximum(1 / 3, 1 - (2 * rho - 1) ** 3), state.nu)
+        # a NaN λ (a non-finite first step's scale) is measured again at the next step
         lam = jnp.clip(lam * factor.astype(lam.dtype), min_damping, max_damping)
         # ν doubles with each failure in a row (kept finite: λ is clipped anyway)
         nu = jnp.where(decreased, 2, jnp.minimum(2 * state.nu, 2.0 ** 60)).astype(state.nu.dtype)
         if reject:
             direction = jax.tree.map(lambda d: jnp.where(decreased, d, jnp.zeros_like(d)), direction)
         return direction, ScaleByGaussNewtonState(lam, direction, state.count + 1, nu)
+
+    def _probe(matrix: _Curvature, g: Any, state: ScaleByGaussNewtonState, lam: jax.Array, params: Any,
+               residuals: Any, value: Any, value_fn: Callable | None,
+               extra: dict) -> tuple[Any, ScaleByGaussNewtonState]:
+        if matrix.flat is None or value_fn is None or params is None:
+            raise ValueError("scale_by_gauss_newton(step='probe') needs the rows, value_fn and params: "
+                             "tx.update(grad, state, params, rows=K, residuals=b, value_fn=lambda p: loss(p, *batch)) "
+                             "with K, b = lbp.ggn_factor(loss, rank=1, residuals=True)(params, *batch).")
+        g_flat, unravel = ravel_pytree(g)
+        prior = None if momentum is None else momentum * ravel_pytree(shaped_as(state.direction, g))[0]
+        kwargs = accepted(value_fn, extra)
+        before = value_fn(params, **kwargs) if value is None else value
+        value_of = lambda d: value_fn(optax.tree.sub(params, unravel(d)), **kwargs)
+        sp = spectral(matrix.flat, g_flat, residuals)
+        # the candidates' losses by lax.map in batches of probe_batch: a vmap over all of them ran
+        # the PINN's lifted network 3–4× slower on the CPU (batched products of batched weights)
+        values = lambda ds: jax.lax.map(value_of, ds, batch_size=probe_batch)
+        d, lam = probed(sp, lam, before, values, probes, spread, target, min_damping, max_damping, prior)
+        direction = unravel(d)
+        return direction, ScaleByGaussNewtonState(lam, direction, state.count + 1, state.nu)
 
     return optax.GradientTransformationExtraArgs(init, update)
 
@@ -212,12 +283,21 @@ class _Curvature:
             return optax.tree.vdot(v, self.G.mv(v))
         return jnp.sum((self.flat @ ravel_pytree(v)[0]) ** 2)
 
-    def solve(self, method: str, g: Any, lam: jax.Array, start: Any, maxiter: int, tol: float) -> Any:
-        """(G + λI)⁻¹ g by ``method``."""
+    def solve(self, method: str, g: Any, lam: jax.Array, start: Any, maxiter: int, tol: float,
+              residuals: jax.Array | None = None, prior: Any = None) -> Any:
+        """(G + λI)⁻¹ g by ``method``; with a ``prior`` p (SPRING's momentum), the minimiser of
+        ‖Kd − b‖² + λ‖d − p‖²: p + (G + λI)⁻¹(g − G p)."""
+        g_flat, unravel = ravel_pytree(g)
+        if method == "svd" or residuals is not None:
+            k = self.flat if self.flat is not None else _flat_rows(self.G.factor())
+            p = None if prior is None else ravel_pytree(prior)[0]
+            return unravel(directions(spectral(k, g_flat, residuals), lam[None], p)[0][0])
+        if prior is not None:
+            return optax.tree.add(prior, self.solve(method, optax.tree.sub(g, shaped_as(self.mv(prior), g)), lam,
+                                                    start, maxiter, tol))
         if method == "cg":
             damped = lambda v: optax.tree.add_scale(self.mv(v), lam, v)
             return jax.scipy.sparse.linalg.cg(damped, g, x0=start, maxiter=maxiter, tol=tol)[0]
-        g_flat, unravel = ravel_pytree(g)
         if method == "woodbury":
             k = self.flat if self.flat is not None else _flat_rows(self.G.factor())
             return unravel(woodbury_solve(k, g_flat, lam))
@@ -230,6 +310,10 @@ class _Curvature:
 # about ε·‖KKᵀ‖/λ; three left residuals below the QR form's at every λ from 1e-2 to 1e-12 on the
 # deep-wide PINN's rows (`python benchmarks/profile.py woodbury`; docs/performance.md)
 REFINEMENTS = 3
+# the Gram form only where ε·‖KKᵀ‖/λ ≤ 1/GRAM_MARGIN (‖KKᵀ‖ bounded by its trace): there the first
+# solve and three refinements bring the error to (1/GRAM_MARGIN)⁴ ≈ ε; below, refining amplifies
+# the error (22–97 % off at λ = 1e-10 with ‖KKᵀ‖ = 1e6) and the QR form serves
+GRAM_MARGIN = 1e4
 
 
 def woodbury_solve(k: jax.Array, g: jax.Array, lam: jax.Array) -> jax.Array:
@@ -245,12 +329,15 @@ def woodbury_solve(k: jax.Array, g: jax.Array, lam: jax.Array) -> jax.Array:
     deep-wide PINN's 1,020 × 9,873 rows (its Householder panels are not matrix products)
     and left larger residuals at every λ measured; it serves float32 (where ε·‖KKᵀ‖/λ
     reaches 1 at λ ≈ 1e-7 ‖KKᵀ‖, and refining would not converge) and, under ``lax.cond``,
-    a λ so small that λI + KKᵀ is not positive definite in floating point (no Cholesky
-    factor: below ≈ ε ‖KKᵀ‖)."""
+    every λ below ``GRAM_MARGIN`` · ε · tr(KKᵀ), where refining would amplify the error (and
+    λI + KKᵀ may have no Cholesky factor in floating point). ``solver="svd"`` is exact to
+    round-off at every λ (and from the residuals, to κ(K)'s round-off rather than κ(K)²'s)."""
     if jnp.finfo(g.dtype).bits < 64:
         return _woodbury_qr(k, g, lam)
-    gram = k @ k.T + lam * jnp.eye(k.shape[0], dtype=k.dtype)
+    bare = k @ k.T
+    gram = bare + lam * jnp.eye(k.shape[0], dtype=k.dtype)
     factor = jax.scipy.linalg.cho_factor(gram)
+    converges = lam >= GRAM_MARGIN * jnp.finfo(g.dtype).eps * jnp.trace(bare)
 
     def refined() -> jax.Array:
         inverse = lambda r: (r - k.T @ jax.scipy.linalg.cho_solve(factor, k @ r)) / lam
@@ -259,7 +346,7 @@ def woodbury_solve(k: jax.Array, g: jax.Array, lam: jax.Array) -> jax.Array:
             x = x + inverse(g - lam * x - k.T @ (k @ x))
         return x
 
-    return jax.lax.cond(jnp.all(jnp.isfinite(factor[0])), refined, lambda: _woodbury_qr(k, g, lam))
+    return jax.lax.cond(converges & jnp.all(jnp.isfinite(factor[0])), refined, lambda: _woodbury_qr(k, g, lam))
 
 
 def _woodbury_qr(k: jax.Array, g: jax.Array, lam: jax.Array) -> jax.Array:

@@ -1,0 +1,86 @@
+r"""Damped least-squares directions from one SVD of the rows, for every λ at once, and the
+probed step that picks among them.
+
+With K = U diag(s) Vᵀ (thin) and g = Kᵀb, the direction of the damped problem
+min ‖K d − b‖² + λ‖d − p‖² (p a prior: SPRING's momentum μ·d_prev, or 0) is
+
+$$d(\lambda) = V e + (p - V V^T p) + g_\perp / \lambda,\qquad
+  e = \frac{c + \lambda V^T p}{s^2 + \lambda},\qquad c = V^T g = s \odot U^T b,$$
+
+g_⊥ the part of g outside K's row space (zero where b is given, or where K has as many rows
+as columns). From b, c = s ⊙ Uᵀb never multiplies by K twice, so d keeps the digits that
+the Gram KKᵀ (or KᵀK) loses: κ(K), not κ(K)², bounds its error (Golub & Van Loan §5.3).
+The quadratic model's predicted decrease is exact in the same coordinates:
+
+$$\text{pred}(\lambda) = g^T d - \tfrac12 \lVert K d \rVert^2
+  = c^T e + g_\perp^T p + \lVert g_\perp \rVert^2/\lambda - \tfrac12 \lVert s \odot e \rVert^2 .$$
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+
+class Spectral(NamedTuple):
+    """K's thin SVD and g's coordinates in it: ``v`` [P, m] (K's right singular vectors), ``s``
+    [m], ``c`` = Vᵀg [m] (s ⊙ Uᵀb from residuals), ``rest`` = g − V c [P] (g outside K's rows)."""
+
+    u: jax.Array
+    s: jax.Array
+    v: jax.Array
+    c: jax.Array
+    rest: jax.Array
+
+
+def spectral(k: jax.Array, g: jax.Array, residuals: jax.Array | None = None) -> Spectral:
+    """K [R, P]'s thin SVD with g's coordinates: from the residuals b (g = Kᵀb) where given."""
+    u, s, vt = jnp.linalg.svd(k, full_matrices=False)
+    v = vt.T
+    if residuals is not None:
+        return Spectral(u, s, v, s * (u.T @ residuals), jnp.zeros_like(g))
+    c = v.T @ g
+    # with as many rows as parameters V is square: g has no part outside, only round-off
+    rest = g - v @ c if k.shape[0] < k.shape[1] else jnp.zeros_like(g)
+    return Spectral(u, s, v, c, rest)
+
+
+def directions(sp: Spectral, lams: jax.Array, prior: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """The damped directions d(λ) for each λ of ``lams`` [n] ([n, P]) and their predicted
+    decreases gᵀd − ½‖Kd‖² ([n]); ``prior`` p [P] (SPRING's μ·d_prev) or None."""
+    lams = lams[:, None]
+    w = jnp.zeros_like(sp.s) if prior is None else sp.v.T @ prior
+    e = (sp.c + lams * w) / (sp.s ** 2 + lams)  # [n, m]
+    outside = sp.rest[None, :] / lams
+    d = e @ sp.v.T + outside
+    predicted = e @ sp.c + jnp.sum(sp.rest ** 2) / lams[:, 0] - 0.5 * jnp.sum((sp.s * e) ** 2, axis=1)
+    if prior is not None:
+        d = d + (prior - sp.v @ w)[None, :]
+        predicted = predicted + jnp.vdot(sp.rest, prior)
+    return d, predicted
+
+
+def probed(sp: Spectral, center: jax.Array, before: jax.Array, values: Callable[[jax.Array], jax.Array],
+           probes: int, spread: float, target: float, floor: float, ceiling: float,
+           prior: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    r"""The probed step: ``probes`` damping values λ_j = λ_c · 10^t, t evenly spaced in
+    [−``spread``, ``spread``] (clipped to [``floor``, ``ceiling``]), their directions from the one
+    SVD, the loss at every θ − d_j by one batched call ``values(d)`` ([n, P] → [n]), and the gain
+    ratios ρ_j = (f(θ) − f(θ − d_j)) / pred_j. The step is the longest candidate (the smallest
+    λ) that lowers the loss with ρ_j ≥ ``target``: the trust radius where the gain ratio crosses
+    the target, as DSGNAR picks it (there by interpolating ρ between its probes), and its λ the
+    next centre. Where none is accepted, no step (zeros) and the grid moves up by ``spread``
+    decades. Returns (the step [P], the next centre)."""
+    lams = jnp.clip(center * 10.0 ** jnp.linspace(-spread, spread, probes, dtype=sp.s.dtype), floor, ceiling)
+    d, predicted = directions(sp, lams, prior)
+    after = values(d)
+    rho = (before - after) / jnp.where(predicted > 0, predicted, 1.0)
+    accepted = jnp.isfinite(after) & (predicted > 0) & (after < before) & (rho >= target)
+    best = jnp.argmin(jnp.where(accepted, jnp.arange(probes), probes))  # the smallest λ: the longest step
+    found = jnp.any(accepted)
+    step = jnp.where(found, d[best], jnp.zeros_like(d[0]))
+    center = jnp.where(found, lams[best], jnp.clip(center * 10.0 ** spread, floor, ceiling))
+    return step, center
