@@ -298,6 +298,26 @@ def test_losses_that_mix_examples_raise():
     close(jax.jit(lbp.per_example_grads(shifted))(p, x), jax.jacrev(shifted)(p, x))
 
 
+
+def test_a_loss_whose_hessian_couples_examples_is_refused_by_the_blockwise_curvature():
+    """#63: loss = (Σ outputs)² has H = 2·11ᵀ; diag_ggn gave [17.29, 14.40, 5.27] where the dense
+    diag(JᵀHJ) is [3.09, 10.68, 5.15], with no error. diag_ggn, ggn_factor and kfac_factors
+    (hence lbp.kfac) refuse it, with and without jit; a sum of per-example terms of the same
+    network stays exact against the dense GGN, and so do two calls of different batches (a PINN)."""
+    net = lbp.Network([lbp.Layer("y", lambda th, x: jnp.tanh(x @ th[0]), ("x",), ("W",))], ["x"], "y")
+    rng = np.random.default_rng(9)
+    p, x = {"W": jnp.asarray(rng.standard_normal((3, 1)))}, jnp.asarray(rng.standard_normal((4, 3)))
+    coupled = lambda p, x: jnp.sum(net(p, x)) ** 2
+    jac = jax.jacrev(lambda w: net({"W": w}, x)[:, 0])(p["W"]).reshape(4, 3)
+    dense = jac.T @ (2 * jnp.ones((4, 4))) @ jac
+    close(jax.jit(lbp.gauss_newton(coupled))(p, x)[2].todense(), dense)  # G's products: exact for any H
+    for transform in (lbp.diag_ggn, lbp.ggn_factor, lbp.kfac_factors):
+        for wrap in (lambda f: f, jax.jit):
+            with pytest.raises(ValueError, match="this loss couples them"):
+                wrap(transform(coupled))(p, x)
+    apart = lambda p, x: jnp.sum(net(p, x) ** 2) + 0.5 * jnp.mean(net(p, x[:3]) ** 4)
+    _, _, G = jax.jit(lbp.gauss_newton(apart))(p, x)
+    close(jax.jit(lbp.diag_ggn(apart))(p, x)["W"].ravel(), jnp.diag(G.todense()))
 def test_batch_not_leading_raises():
     case = REGISTRY["seed"]()  # states are (features, examples)
     losses = lambda p, u: jnp.sum(case.net(p, u) ** 2, axis=0)

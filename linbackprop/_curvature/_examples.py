@@ -22,7 +22,11 @@ from .._engine import weighted_square_sum
 from .._graph import Stack
 from ._calls import Calls
 from ._sampling import block_sampler
-from ._separation import check_hessian_keeps_positions_apart, check_losses_keep_examples_apart
+from ._separation import (
+    check_hessian_keeps_examples_apart,
+    check_hessian_keeps_positions_apart,
+    check_losses_keep_examples_apart,
+)
 from ._split import Split
 
 
@@ -128,6 +132,11 @@ def hessian_blocks(fun: Callable, args: tuple, nums: tuple[int, ...], engine: st
     batches = [sizes[g[0]] for g in groups]
     leaves, treedef = jax.tree.flatten(calls.outs)
     read = _read_by(loss, leaves, treedef)
+    leaf_axes, leaf_groups = [0] * len(leaves), [0] * len(leaves)
+    for g, (group, batch) in enumerate(zip(groups, batches)):
+        for n, ax in zip(_leaf_indices(calls.outs, group), _batch_axes(calls, batch, name, group)):
+            leaf_axes[n], leaf_groups[n] = ax, g
+    check_hessian_keeps_examples_apart(lambda *xs: loss(treedef.unflatten(xs)), leaves, leaf_axes, leaf_groups, name)
     flats = [_by_example(calls, b, name, only=g, read=read) for g, b in zip(groups, batches)]
     owner = [c for c, out in enumerate(calls.outs) for _ in jax.tree.leaves(out)]  # each leaf's call
 

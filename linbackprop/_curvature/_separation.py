@@ -186,3 +186,36 @@ def check_hessian_keeps_positions_apart(loss: Callable, leaves: list, n: int, ax
     off = np.abs(found - expected).max(axis=2)
     b, p = np.unravel_index(np.argmax(off), off.shape)
     return f"at example {b}, position {p} H r differs from the per-position blocks' product by {off[b, p]:.2g}"
+
+
+def check_hessian_keeps_examples_apart(loss: Callable, leaves: list, axes: list[int], groups: list[int],
+                                       name: str) -> None:
+    """Raise where H = ∂²loss/∂(outputs)² couples examples (a function of the batch's sum, the
+    outputs normalised over the batch, a contrastive loss): the transforms built on H's blocks
+    per example (``diag_ggn``, ``ggn_factor``, ``kfac_factors``) would be silently wrong.
+
+    Checked on values drawn at random for the outputs and whatever the loss closes over: the
+    first example of each group of calls moved (output leaf n's batch on ``axes[n]``, its group
+    ``groups[n]``), no other example's part of ∂loss/∂(outputs) may change — it does not where
+    the loss is a sum of per-example terms, whatever those are."""
+    evaluate, point = _at_random(loss, *leaves)
+    with jax.ensure_compile_time_eval():
+        grad = jax.grad(lambda xs: evaluate(*xs))
+        base = [np.asarray(x, np.float64) for x in grad(point)]
+        for group in sorted(set(groups)):
+            moved = [x.at[(slice(None),) * ax + (0,)].add(1.0)
+                     if groups[n] == group and np.issubdtype(x.dtype, np.inexact) and x.ndim > ax else x
+                     for n, (x, ax) in enumerate(zip(point, axes))]
+            for n, (after, before) in enumerate(zip(grad(moved), base)):
+                after = np.asarray(after, np.float64)
+                tolerance = 1e-4 if np.finfo(np.asarray(point[n]).dtype).eps > 1e-10 else 1e-9
+                changed = np.abs(after - before) > tolerance * (1 + np.abs(before).max(initial=0.0))
+                if groups[n] == group and changed.ndim > axes[n]:
+                    changed[(slice(None),) * axes[n] + (0,)] = False  # example 0's own part may change
+                if np.any(changed):
+                    raise ValueError(
+                        f"{name} takes the loss's Hessian H in the outputs block diagonal over the examples, and "
+                        f"this loss couples them: moving example 0's outputs changes ∂loss/∂(outputs) of other "
+                        f"examples (a function of the batch's sum or mean of the outputs, outputs normalised over "
+                        f"the batch, a contrastive loss). Write the loss as a sum (or mean) of per-example terms, "
+                        f"or use lbp.gauss_newton's products (G.mv, G.todense()), exact for any H.")
