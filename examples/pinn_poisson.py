@@ -230,14 +230,16 @@ def adam(loss, params, points, learning_rate: float):
     return step, (params, tx.init(params))
 
 
-def run(step, state, error, seconds: float, overhead: float = 0.05) -> tuple[np.ndarray, np.ndarray, int]:
+def run(step, state, error, seconds: float, overhead: float = 0.05) -> tuple[np.ndarray, np.ndarray, int, float]:
     """Steps for ``seconds`` of step time (after compiling): (seconds, L2 error) after some of the
-    steps, and how many steps.
+    steps, how many steps, and the seconds the first call took (compiling, excluded from the budget).
 
     The error is measured after a step once the step time since the last measurement is at least
     its own cost over ``overhead``, and after the last step: a cheap step (Adam's) is not measured
     after each one, so the wall time stays near the budget instead of doubling."""
+    began = time.perf_counter()
     state = jax.block_until_ready(step(state))  # compile
+    compiled = time.perf_counter() - began
     error(state[0]).block_until_ready()  # compile
     start = time.perf_counter()
     times, errors = [0.0], [float(error(state[0]))]
@@ -253,7 +255,7 @@ def run(step, state, error, seconds: float, overhead: float = 0.05) -> tuple[np.
             times.append(spent)
             errors.append(float(error(state[0])))
             cost, measured = time.perf_counter() - start, spent
-    return np.array(times), np.array(errors), steps
+    return np.array(times), np.array(errors), steps, compiled
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
@@ -289,9 +291,11 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             runs[f"Adam, lr {lr:g}"] = lambda lr=lr: adam(loss, params, points, lr)
     curves, result = {}, {}
     for name, make in runs.items():
-        times, errors, steps = run(*make(), error, args.seconds)
+        times, errors, steps, compiled = run(*make(), error, args.seconds)
         curves[name], result[name] = (times, errors), float(np.nanmin(errors))
-        print(f"{name:24s} {steps:7d} steps  L2 error {result[name]:.2e}  relative {result[name] / scale:.2e}",
+        at = {s: float(np.nanmin(errors[times <= s])) for s in (10.0, 30.0) if s < args.seconds}
+        print(f"{name:26s} {steps:7d} steps  L2 error {result[name]:.2e}  relative {result[name] / scale:.2e}"
+              f"  compile {compiled:.1f} s" + "".join(f"  ({e:.2e} at {s:g} s)" for s, e in at.items()),
               flush=True)
     if args.out:
         import matplotlib

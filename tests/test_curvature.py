@@ -299,6 +299,20 @@ def test_losses_that_mix_examples_raise():
 
 
 
+def test_two_calls_of_equal_batches_whose_losses_count_each_calls_examples():
+    """#63: concatenate([f(net(p, xi)), g(net(p, xb))]) worked with batches 4 and 3 and raised with
+    4 and 4 (taken as one batch shared by both calls): 8 losses say each call's own examples."""
+    net = lbp.Network([lbp.Layer("y", lambda th, x: jnp.tanh(x @ th[0]), ("x",), ("W",))], ["x"], "y")
+    rng = np.random.default_rng(10)
+    p = {"W": jnp.asarray(rng.standard_normal((3, 2)))}
+    losses = lambda p, xi, xb: jnp.concatenate([jnp.sum(net(p, xi) ** 2, 1), jnp.sum(jnp.sin(net(p, xb)), 1)])
+    for other in (3, 4):
+        xi, xb = jnp.asarray(rng.standard_normal((4, 3))), jnp.asarray(rng.standard_normal((other, 3)))
+        ref = jax.jacrev(losses)(p, xi, xb)
+        close(jax.jit(lbp.per_example_grads(losses))(p, xi, xb), ref)
+        close(jax.jit(lbp.per_example_grad_norms(losses))(p, xi, xb), jnp.sqrt(jnp.sum(ref["W"] ** 2, axis=(1, 2))))
+
+
 def test_a_loss_whose_hessian_couples_examples_is_refused_by_the_blockwise_curvature():
     """#63: loss = (Σ outputs)² has H = 2·11ᵀ; diag_ggn gave [17.29, 14.40, 5.27] where the dense
     diag(JᵀHJ) is [3.09, 10.68, 5.15], with no error. diag_ggn, ggn_factor and kfac_factors

@@ -144,9 +144,12 @@ def test_gauss_newton_example_beats_adam(tmp_path):
 
 
 def test_pinn_example_engd_beats_adam(tmp_path):
-    """The Poisson PINN: exact ENGD (the residuals' rows) far below the best Adam on one budget."""
+    """The Poisson PINN: exact ENGD and the probed Gauss–Newton step (the residuals' rows) far below
+    the best Adam on one budget."""
     png = tmp_path / "pinn.png"
-    result = load("pinn_poisson").main(["--seconds", "3", "--widths", "16", "--methods", "engd,adam",
+    result = load("pinn_poisson").main(["--seconds", "3", "--widths", "16", "--methods", "probe,engd,adam",
                                         "--out", str(png)])
-    assert result["ENGD (dense)"] * 10 < min(v for k, v in result.items() if k.startswith("Adam"))
+    adam = min(v for k, v in result.items() if k.startswith("Adam"))
+    assert result["ENGD (dense)"] * 10 < adam
+    assert result["Gauss–Newton, probed (SVD)"] * 10 < adam
     assert png.stat().st_size > 10_000

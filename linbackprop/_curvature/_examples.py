@@ -39,7 +39,9 @@ def per_example_setup(fun: Callable, args: tuple, nums: tuple[int, ...], engine:
     batch = jnp.shape(losses(calls.outs, *split.diff))[0]
     g_outs = jax.grad(lambda o: jnp.sum(losses(o, *split.diff)))(calls.outs)
     sizes = calls.batches()
-    if len(set(sizes)) <= 1:  # one batch: row b of every call is example b
+    # one batch, row b of every call example b — unless the losses count each call's examples
+    # (two calls of 4 giving 8 losses: each call's own examples, as with batches of 4 and 3)
+    if len(set(sizes)) <= 1 and not (len(sizes) > 1 and batch == sum(sizes)):
         lams = calls.adjoints(g_outs, batch)  # checks the layers first
         check_losses_keep_examples_apart(losses, calls.outs, calls.batch_axes(), split.diff, [0] * len(sizes))
         return split, calls, losses, batch, lams
