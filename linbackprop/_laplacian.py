@@ -24,12 +24,15 @@ import jax.numpy as jnp
 from ._graph import GraphError, Layer, Network, Row
 
 
-def forward_laplacian(net: Network, coordinates: Hashable | None = None) -> Network:
+def forward_laplacian(net: Network, coordinates: Hashable | None = None,
+                      second: tuple[float, ...] | None = None) -> Network:
     r"""``net`` with every state lifted to ``(U, ∇U, ΔU)`` w.r.t. the input ``coordinates`` (the
     first input by default), a [B, d] batch of points x: the lifted network takes the same
     inputs and returns ``(u, grad, lap)`` per output, ``grad`` with a trailing axis of length d
     ($\partial u/\partial x_k$) and ``lap`` shaped like u ($\sum_k \partial^2 u/\partial x_k^2$). Other inputs are
-    constants.
+    constants. With ``second=(c_1, …, c_d)``, ``lap`` is the chosen second derivatives
+    $\sum_k c_k \partial^2 u/\partial x_k^2$ instead: ``second=(1, 0)`` on points (x, t) gives
+    u_xx beside (u_x, u_t) — what Burgers' u_t + u u_x − ν u_xx reads.
 
     $$U = \Phi(\theta, v), \qquad \nabla U = D\Phi[\nabla v], \qquad
     \Delta U = D\Phi[\Delta v] + \sum_k D^2\Phi[\partial_k v, \partial_k v]$$
@@ -44,6 +47,8 @@ def forward_laplacian(net: Network, coordinates: Hashable | None = None) -> Netw
     Args:
         net: the network; each layer acting on each example alone.
         coordinates: the input holding the [B, d] points (the first input if None).
+        second: the weights c_k of the second derivatives summed into ``lap`` (None: all ones,
+            the Laplacian); their length is d.
 
     Returns:
         The lifted [`Network`][linbackprop.Network]: the same inputs, ``(u, grad, lap)`` per
@@ -71,7 +76,8 @@ def forward_laplacian(net: Network, coordinates: Hashable | None = None) -> Netw
     if any(layer.name == start for layer in net.layers):
         raise GraphError(f"forward_laplacian: a layer is already named {start!r}; rename it.")
     lifted = {start, *(layer.name for layer in net.layers)}
-    layers = [Layer(start, _lift_coordinates, (coordinates,))]
+    weights = None if second is None else tuple(float(c) for c in second)
+    layers = [Layer(start, _lift_coordinates if weights is None else _coordinates_of(len(weights)), (coordinates,))]
     for layer in net.layers:
         for read in layer.reads:
             if isinstance(read, Row) and read.block == coordinates:
@@ -82,7 +88,7 @@ def forward_laplacian(net: Network, coordinates: Hashable | None = None) -> Netw
         if not any(mask):
             raise GraphError(f"forward_laplacian: layer {layer.name!r} reads no state that depends on the coordinates "
                              f"{coordinates!r}; make it read them or a layer that does.")
-        layers.append(Layer(layer.name, _lifted(layer.fn, mask), reads, layer.params))
+        layers.append(Layer(layer.name, _lifted(layer.fn, mask, weights), reads, layer.params))
     spec = net.output_spec
     for item in spec:
         for name in getattr(item, "names", (item,)):
@@ -101,10 +107,23 @@ def _lift_coordinates(theta: tuple, x: jax.Array) -> tuple[jax.Array, jax.Array,
     return x, eye, jnp.zeros_like(x)
 
 
+@functools.lru_cache(maxsize=64)
+def _coordinates_of(d: int) -> Callable:
+    """`_lift_coordinates` that checks the points have the d coordinates ``second=`` weights."""
+
+    def lift(theta: tuple, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        if jnp.ndim(x) == 2 and x.shape[-1] != d:
+            raise ValueError(f"forward_laplacian(second=...): {d} weights for points of {x.shape[-1]} coordinates.")
+        return _lift_coordinates(theta, x)
+
+    return lift
+
+
 @functools.lru_cache(maxsize=1024)
-def _lifted(fn: Callable, mask: tuple[bool, ...]) -> Callable:
-    """The layer function on lifted inputs (triples where ``mask`` is True, constants elsewhere).
-    Cached: one original function gives one lifted function (kinds stay merged)."""
+def _lifted(fn: Callable, mask: tuple[bool, ...], weights: tuple[float, ...] | None = None) -> Callable:
+    """The layer function on lifted inputs (triples where ``mask`` is True, constants elsewhere);
+    ``weights``: c_k of the second derivatives summed (None: all ones). Cached: one original
+    function gives one lifted function (kinds stay merged)."""
 
     def lifted(theta: tuple, *inputs: Any) -> tuple[Any, Any, Any]:
         values = [v[0] if m else v for v, m in zip(inputs, mask)]
@@ -121,13 +140,13 @@ def _lifted(fn: Callable, mask: tuple[bool, ...]) -> Callable:
         laps = tuple(inputs[n][2] for n in at)
         out, first = jax.jvp(phi, primal, laps)
         if all(mask):  # every input lifted: the d directions folded into the batch
-            grad, second = _along_directions_as_examples(phi, primal, grads)
+            grad, second = _along_directions_as_examples(phi, primal, grads, weights)
         else:  # a constant input may or may not carry the batch: the directions vmapped
             def along(tangent: tuple) -> tuple[Any, Any]:
                 return jax.jvp(lambda *v: jax.jvp(phi, v, tangent)[1], primal, tangent)
 
             grad, second = jax.vmap(along, in_axes=-1, out_axes=-1)(grads)
-            second = jax.tree.map(lambda s: jnp.sum(s, axis=-1), second)
+            second = jax.tree.map(lambda s: _summed(s, -1, weights), second)
         lap = jax.tree.map(jnp.add, first, second)
         return out, grad, lap
 
@@ -135,7 +154,15 @@ def _lifted(fn: Callable, mask: tuple[bool, ...]) -> Callable:
     return lifted
 
 
-def _along_directions_as_examples(phi: Callable, primal: tuple, grads: tuple) -> tuple[Any, Any]:
+def _summed(a: jax.Array, axis: int, weights: tuple[float, ...] | None) -> jax.Array:
+    """Σ_k a_k along ``axis``, or Σ_k c_k a_k with the weights c."""
+    if weights is None:
+        return jnp.sum(a, axis=axis)
+    return jnp.tensordot(jnp.moveaxis(a, axis, -1), jnp.asarray(weights, a.dtype), axes=1)
+
+
+def _along_directions_as_examples(phi: Callable, primal: tuple, grads: tuple,
+                                  weights: tuple[float, ...] | None = None) -> tuple[Any, Any]:
     """(DΦ[∂_k v])_k with a trailing axis k, and Σ_k D²Φ[∂_k v, ∂_k v], for a Φ that acts on each
     example alone: the d directions become d copies of the batch, [d·B, ...], and one nested
     ``jax.jvp`` takes them all. The same numbers as ``jax.vmap`` over k, but every product stays
@@ -149,4 +176,4 @@ def _along_directions_as_examples(phi: Callable, primal: tuple, grads: tuple) ->
     grad, second = jax.jvp(lambda *v: jax.jvp(phi, v, tangents)[1], jax.tree.map(copies, primal), tangents)
     split = lambda a: a.reshape(d, a.shape[0] // d, *a.shape[1:])
     return (jax.tree.map(lambda a: jnp.moveaxis(split(a), 0, -1), grad),
-            jax.tree.map(lambda a: jnp.sum(split(a), axis=0), second))
+            jax.tree.map(lambda a: _summed(split(a), 0, weights), second))

@@ -95,6 +95,45 @@ def test_three_coordinates_and_a_constant_input_per_point():
     close(ravel_pytree(jax.jit(lbp.grad_by_solve(loss))(p))[0], ravel_pytree(jax.jit(jax.grad(reference))(p))[0])
 
 
+@pytest.mark.parametrize("d", [1, 2, 5])
+def test_chosen_second_derivatives_against_jacfwd_and_hessian(d):
+    """second=(c_1 … c_d): lap is Σ_k c_k ∂²u/∂x_k² (u_xx of Burgers' (x, t): c = (1, 0)), beside
+    ∇u, against jax.jacfwd and the weighted diagonal of jax.hessian in d = 1, 2, 5, on a network
+    with a constant input (the vmapped directions) and without (the folded ones); and the
+    gradient of a Burgers-like residual u_t + u u_x − ν u_xx by the solve against jax.grad."""
+    rng = np.random.default_rng(d)
+    r = lambda *s: jnp.asarray(0.6 * rng.standard_normal(s))
+    net = lbp.Network([lbp.Layer("h", dense, ("x",), ("W1", "b1")),
+                       lbp.Layer("u", lambda th, h: h @ th[0], ("h",), ("W2",))], ["x"], "u")
+    p, x = {"W1": r(d, 5), "b1": r(5), "W2": r(5, 1)}, r(6, d)
+    weights = tuple(float(c) for c in rng.uniform(-1, 2, d))
+    lifted = lbp.forward_laplacian(net, second=weights)
+    at = lambda p, point: net(p, point[None])[0, 0]
+    u, grad, lap = jax.jit(lifted)(p, x)
+    close(u[:, 0], jax.vmap(at, (None, 0))(p, x))
+    close(grad[:, 0, :], jax.vmap(jax.jacfwd(at, argnums=1), (None, 0))(p, x))
+    chosen = lambda p: jax.vmap(lambda a: jnp.diag(jax.hessian(at, argnums=1)(p, a)) @ jnp.asarray(weights))(x)
+    close(lap[:, 0], chosen(p))
+    with_constant = lbp.Network([lbp.Layer("h", lambda th, z, c: jnp.tanh(z @ th[0] + c * th[1]), ("x", "c"),
+                                           ("W1", "b1")),
+                                 lbp.Layer("u", lambda th, h: h @ th[0], ("h",), ("W2",))], ["x", "c"], "u")
+    c = r(6, 1)
+    close(lbp.forward_laplacian(with_constant, second=weights)(p, x, c)[2][:, 0],
+          jax.vmap(lambda a, b: jnp.diag(jax.hessian(lambda z: with_constant(p, z[None], b[None])[0, 0])(a))
+                   @ jnp.asarray(weights))(x, c))
+    nu = 0.01 / jnp.pi
+    burgers = lambda p: 0.5 * jnp.mean((grad_of(p)[:, -1] + lifted(p, x)[0][:, 0] * grad_of(p)[:, 0]
+                                        - nu * lifted(p, x)[2][:, 0]) ** 2)
+    grad_of = lambda p: lifted(p, x)[1][:, 0, :]
+    reference = lambda p: 0.5 * jnp.mean((jax.vmap(jax.grad(at, argnums=1), (None, 0))(p, x)[:, -1]
+                                          + jax.vmap(at, (None, 0))(p, x)
+                                          * jax.vmap(jax.grad(at, argnums=1), (None, 0))(p, x)[:, 0]
+                                          - nu * chosen(p)) ** 2)
+    close(ravel_pytree(jax.jit(lbp.grad_by_solve(burgers))(p))[0], ravel_pytree(jax.grad(reference)(p))[0])
+    with pytest.raises(ValueError, match="weights for points of"):
+        lbp.forward_laplacian(net, second=(1.0,) * (d + 1))(p, x)
+
+
 def test_physics_informed_gradient_and_gauss_newton():
     p, (inner, edge) = params(), points()
 
