@@ -780,3 +780,53 @@ def test_a_jit_of_yours_around_a_scan_over_stacked_blocks_keeps_row_blocks():
     net = lbp.capture(lambda Ws, x: jnp.sum(losses(Ws, x)), Ws, x, layers=block).net
     assert [layer.params for layer in net.layers] == [(lbp.Row("", t),) for t in range(3)]
     close(jax.jit(lbp.per_example_grads(losses, layers=block))(Ws, x), jax.jacrev(losses)(Ws, x))
+
+
+def test_captures_in_two_threads_at_once_leave_the_class_as_it_was():
+    """#63: layers= patches a class's __call__ while a capture traces; two threads capturing the same
+    class (and one capturing another class, which must not mark this one's calls) at once, many
+    times over: every gradient exact, and the class's own __call__ back afterwards."""
+    import threading
+
+    class Dense(eqx.Module):
+        w: jax.Array
+
+        def __call__(self, x):
+            return jnp.tanh(x @ self.w)
+
+    class Other(eqx.Module):
+        w: jax.Array
+
+        def __call__(self, x):
+            return jnp.sin(x @ self.w)
+
+    own, own_other = Dense.__call__, Other.__call__
+    keys = jax.random.split(jax.random.PRNGKey(11), 3)
+    model = [Dense(jax.random.normal(keys[0], (3, 3))), Dense(jax.random.normal(keys[1], (3, 3)))]
+    other = [Other(jax.random.normal(keys[2], (3, 3)))]
+    x = jnp.ones((2, 3))
+    loss = lambda m, x: jnp.sum(m[1](m[0](x)) ** 2)
+    mixed = lambda o, m, x: jnp.sum(m[0](o[0](x)) ** 2)
+    expected = eqx.filter_grad(loss)(model, x)
+    expected_mixed = eqx.filter_grad(mixed)(other, model, x)
+    barrier, failures = threading.Barrier(3), []
+
+    def work(kind):
+        try:
+            barrier.wait()
+            for n in range(6):
+                if kind == "other":
+                    got = lbp.grad_by_solve(lambda o, x: mixed(o, model, x + 0.0 * n), layers=Other)(other, x)
+                    close(got, expected_mixed)
+                else:
+                    close(lbp.grad_by_solve(lambda m, x: loss(m, x + 0.0 * n), layers=Dense)(model, x), expected)
+        except Exception as error:  # reported below, in the test's thread
+            failures.append(error)
+
+    threads = [threading.Thread(target=work, args=(kind,)) for kind in ("dense", "dense", "other")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not failures, failures
+    assert Dense.__call__ is own and Other.__call__ is own_other

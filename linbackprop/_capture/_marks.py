@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import sys
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -26,11 +27,13 @@ class Capturing:
     ``capture`` field, a context value JAX keys its caches on (by identity): a ``jax.jit`` of the
     user's traced outside this capture is traced again inside it, with its layer calls marked."""
 
-    def __init__(self, named: Sequence[Callable] = ()):
+    def __init__(self, named: Sequence[Callable] = (), classes: Sequence[type] = ()):
         self.calls: list[str] = []
         self.inside = 0
         self.functions: set = set()
         self.named: frozenset = frozenset(named)
+        self.classes: frozenset = frozenset(classes)  # the layers= classes of this capture
+        self.seen: set = set()  # those whose instances were called
 
 
 def capturing() -> Capturing | None:
@@ -163,7 +166,10 @@ def _opaque_with_args(call: Callable, args: tuple, name: str) -> Any:
 
 class Patched:
     """For the duration of a capture, the ``__call__`` of each class in ``classes`` makes an
-    opaque call; and which of them (and of the marked functions) were called."""
+    opaque call where the capture being traced (in this thread) names the class. Captures in
+    several threads at once share one patch per class, counted under a lock: the last to finish
+    restores the class's own ``__call__``, so no interleaving leaves a class patched, and each
+    capture marks only its own classes' calls."""
 
     def __init__(self, entries: tuple[Any, ...]):
         self.classes = [e for e in entries if isinstance(e, type)]
@@ -173,42 +179,56 @@ class Patched:
                 raise TypeError(f"layers= takes classes (whose instances' calls are layers) and functions decorated "
                                 f"with @lbp.layer; {f!r} is neither: decorate it, `@lbp.layer def "
                                 f"{getattr(f, '__name__', 'f')}(...)`, or name its class.")
-        self.saved: dict[type, Any] = {}
-        self.seen: set[Any] = set()
 
     def __enter__(self) -> Patched:
-        nnx = sys.modules.get("flax.nnx")
         for cls in self.classes:
             if "__call__" not in vars(cls) and not any("__call__" in vars(b) for b in cls.__mro__[1:-1]):
                 raise TypeError(f"layers= names {cls.__qualname__}, which has no __call__: name a class whose "
                                 "instances are called (or decorate a function with @lbp.layer).")
-            original = cls.__call__
-            self.saved[cls] = vars(cls).get("__call__", _MISSING)
-            is_nnx = nnx is not None and issubclass(cls, nnx.Module)
-            linen = sys.modules.get("flax.linen")
-            is_linen = linen is not None and issubclass(cls, linen.Module)
-
-            def patched(module: Any, *args: Any, __original=original, __cls=cls, __nnx=is_nnx, __linen=is_linen,
-                        **kwargs: Any) -> Any:
-                state = capturing()
-                if state is None or state.inside:  # not capturing, or inside a marked call
-                    return __original(module, *args, **kwargs)
-                self.seen.add(__cls)
-                if __nnx:
-                    return _nnx_call(__original, module, args, kwargs)
-                if __linen and module.scope is not None:
-                    return _linen_call(__original, module, args, kwargs)
-                return _opaque(lambda: __original(module, *args, **kwargs), type(module).__name__)
-
-            cls.__call__ = patched
+        with _PATCH_LOCK:
+            for cls in self.classes:
+                if cls in _PATCHES:
+                    _PATCHES[cls][1] += 1
+                else:
+                    _PATCHES[cls] = [vars(cls).get("__call__", _MISSING), 1]
+                    cls.__call__ = _patched_call(cls, cls.__call__)
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        for cls, method in self.saved.items():
-            if method is _MISSING:
-                del cls.__call__
-            else:
-                cls.__call__ = method
+        with _PATCH_LOCK:
+            for cls in self.classes:
+                entry = _PATCHES[cls]
+                entry[1] -= 1
+                if entry[1] == 0:
+                    del _PATCHES[cls]
+                    if entry[0] is _MISSING:
+                        del cls.__call__
+                    else:
+                        cls.__call__ = entry[0]
 
 
+def _patched_call(cls: type, original: Callable) -> Callable:
+    """``cls.__call__`` that makes an opaque call inside a capture that names ``cls``."""
+    nnx = sys.modules.get("flax.nnx")
+    linen = sys.modules.get("flax.linen")
+    is_nnx = nnx is not None and issubclass(cls, nnx.Module)
+    is_linen = linen is not None and issubclass(cls, linen.Module)
+
+    def patched(module: Any, *args: Any, **kwargs: Any) -> Any:
+        state = capturing()
+        if state is None or state.inside or cls not in state.classes:  # not this capture's layer
+            return original(module, *args, **kwargs)
+        state.seen.add(cls)
+        if is_nnx:
+            return _nnx_call(original, module, args, kwargs)
+        if is_linen and module.scope is not None:
+            return _linen_call(original, module, args, kwargs)
+        return _opaque(lambda: original(module, *args, **kwargs), type(module).__name__)
+
+    return patched
+
+
+# the classes patched now: class -> [its own __call__ (or _MISSING), how many captures use the patch]
+_PATCHES: dict[type, list] = {}
+_PATCH_LOCK = threading.Lock()
 _MISSING = object()

@@ -133,11 +133,11 @@ def _program(flat: Callable, diff: list, rest: list, entries: tuple, names: list
     captured jaxpr), the shape of its result, and which leaves of ``rest`` are raw PRNG keys
     (`_raw_keys`)."""
     patched = Patched(entries)
-    state = Capturing(patched.functions)
+    state = Capturing(patched.functions, patched.classes)
     with patched, settings_changed(capture=state):  # its own jit key (Settings.capture)
         closed, shape = jax.make_jaxpr(flat, return_shape=True)(diff, rest)
     calls, functions = tuple(state.calls), state.functions
-    never = [c.__qualname__ for c in patched.classes if c not in patched.seen]
+    never = [c.__qualname__ for c in patched.classes if c not in state.seen]
     never += [getattr(f, "__qualname__", repr(f)) for f in patched.functions if f not in functions]
     if never:
         raise ValueError(f"layers= names {', '.join(never)}, but fun never called it (no instance's call, no "
