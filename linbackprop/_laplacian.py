@@ -32,7 +32,7 @@ def forward_laplacian(net: Network, coordinates: Hashable | None = None,
     ($\partial u/\partial x_k$) and ``lap`` shaped like u ($\sum_k \partial^2 u/\partial x_k^2$). Other inputs are
     constants. With ``second=(c_1, …, c_d)``, ``lap`` is the chosen second derivatives
     $\sum_k c_k \partial^2 u/\partial x_k^2$ instead: ``second=(1, 0)`` on points (x, t) gives
-    u_xx beside (u_x, u_t) — what Burgers' u_t + u u_x − ν u_xx reads.
+    $u_{xx}$ beside $(u_x, u_t)$ — what Burgers' $u_t + u u_x - \nu u_{xx}$ reads.
 
     $$U = \Phi(\theta, v), \qquad \nabla U = D\Phi[\nabla v], \qquad
     \Delta U = D\Phi[\Delta v] + \sum_k D^2\Phi[\partial_k v, \partial_k v]$$
@@ -47,7 +47,7 @@ def forward_laplacian(net: Network, coordinates: Hashable | None = None,
     Args:
         net: the network; each layer acting on each example alone.
         coordinates: the input holding the [B, d] points (the first input if None).
-        second: the weights c_k of the second derivatives summed into ``lap`` (None: all ones,
+        second: the weights $c_k$ of the second derivatives summed into ``lap`` (None: all ones,
             the Laplacian); their length is d.
 
     Returns:

@@ -521,7 +521,7 @@ def test_sampled_columns_have_each_block_as_covariance():
     assert np.any(np.diagonal(dense, axis1=1, axis2=2) < np.abs(dense).sum(2) - np.diagonal(dense, axis1=1, axis2=2))
 
     def draws(blocks, n):
-        draw = Examples([[0]], [blocks.shape[0]], [jnp.asarray(blocks)], None).draws()
+        draw = Examples([[0]], [blocks.shape[0]], [jnp.asarray(blocks)], None, []).draws()
         return np.asarray(jax.jit(jax.vmap(lambda k: draw(k)[0]))(jax.random.split(jax.random.key(3), n)))
 
     for blocks in (softmax, mixed, np.abs(rng.standard_normal((count, 1, 1)))):
@@ -554,7 +554,7 @@ def test_sampled_columns_have_each_block_as_covariance():
     exact = np.diag(q) - np.outer(q, q)
     computed = exact.copy()
     computed[0, 0] = 1e-9
-    draw = Examples([[0]], [1], [jnp.asarray(computed[None], jnp.float32)], None).draws()
+    draw = Examples([[0]], [1], [jnp.asarray(computed[None], jnp.float32)], None, []).draws()
     s = np.asarray(jax.jit(jax.vmap(lambda k: draw(k)[0]))(jax.random.split(jax.random.key(4), 20000)))
     assert np.all(np.count_nonzero(s, axis=2) <= 2)
     np.testing.assert_allclose(np.einsum("tbi,tbj->ij", s, s) / len(s), exact, atol=0.05 * np.abs(exact).max())

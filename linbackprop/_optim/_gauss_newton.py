@@ -91,11 +91,12 @@ def scale_by_gauss_newton(damping: float | None = None, maxiter: int = 50, *, to
     ``value_fn`` λ stays fixed.
 
     The probed step (``step="probe"``; needs ``rows=``, ``value_fn`` and ``params``): one SVD
-    of the rows serves ``probes`` damping values λ_c·10^t, t evenly spaced in [−``spread``,
-    ``spread``] around the carried λ_c; the loss at every candidate θ − d_j comes from
-    ``value_fn`` batched over them (``jax.lax.map`` in batches of ``probe_batch``), and with
-    the exact predicted decreases the gain ratios ρ_j. The step is the longest candidate (the
-    smallest λ) that lowers the loss with ρ_j ≥ ``target`` — the trust radius where the gain
+    of the rows serves ``probes`` damping values $\lambda_c \cdot 10^t$, t evenly spaced in
+    [−``spread``, ``spread``] around the carried $\lambda_c$; the loss at every candidate
+    $\theta - d_j$ comes from ``value_fn`` batched over them (``jax.lax.map`` in batches of
+    ``probe_batch``), and with the exact predicted decreases the gain ratios $\rho_j$. The step
+    is the longest candidate (the smallest λ) that lowers the loss with $\rho_j \ge$ ``target``
+    — the trust radius where the gain
     ratio crosses the target, DSGNAR's rule on the probes — and its λ is the next centre;
     where none qualifies the step is zeros and the grid moves up ``spread`` decades. Its λ has
     no floor beyond round-off by default (``min_damping=None``): the directions are exact at any
@@ -124,7 +125,7 @@ def scale_by_gauss_newton(damping: float | None = None, maxiter: int = 50, *, to
             where the start is far from a minimum, 1e-6 near one).
         step: ``"lm"`` (Levenberg–Marquardt, as before) or ``"probe"`` (the probed step).
         probes: how many damping values the probed step tries at once.
-        spread: the probes span λ_c·10^[−spread, spread].
+        spread: the probes span $\lambda_c \cdot 10^{[-\text{spread}, \text{spread}]}$.
         target: the gain ratio a probed step needs.
         momentum: SPRING's μ in [0, 1), or None (no momentum).
         probe_batch: the probes' losses are computed this many at a time (``jax.lax.map``'s
