@@ -244,6 +244,46 @@ def test_non_finite_steps_leave_the_parameters_and_raise_the_damping():
     close(after.weight, state.weight)  # the NaN batch left out of the average
 
 
+def test_the_odd_corners_of_damping_and_non_finite_factors():
+    """#63: a non-finite step raises λ once (it raised it three times: the guard, ρ, the
+    rejection); after a non-finite first batch every leaf's update is zero (the diagonal leaves got
+    g/λ, the Kronecker ones 0); with fixed coefficients along an ascent (predicted increase) a loss
+    increase never lowers λ; a decomposition of non-finite averages keeps the held one."""
+    params, x, y, value, grad, G, factors, diagonal = at_problem()
+    value_fn = lambda p, **_: loss(p, x, y)
+    omega = 0.5
+    opt = lbp.kfac(damping=1e-2, damping_interval=1, damping_decay=omega, reject=True)
+    state = opt.init(params)
+    _, state = opt.update(grad, state, params, factors=factors, diagonal=diagonal, curvature=G, value=value,
+                          value_fn=value_fn)
+    overflowed = jax.tree.map(lambda g: g.at[(0,) * g.ndim].set(jnp.inf), grad)
+    _, after = opt.update(overflowed, state, params, factors=factors, diagonal=diagonal, curvature=G, value=value,
+                          value_fn=value_fn)
+    close(after.damping, state.damping / omega, rtol=1e-12)
+
+    poisoned = jax.tree.map(lambda f: f * jnp.nan if isinstance(f, jax.Array) else f, factors)
+    fresh = lbp.kfac(damping=1e-2, adapt_damping=False, learning_rate=1.0, momentum=0.0)
+    u, _ = fresh.update(grad, fresh.init(params), params, factors=poisoned, diagonal=diagonal, curvature=G)
+    assert all(float(jnp.abs(leaf).max()) == 0.0 for leaf in jax.tree.leaves(u))
+
+    ascent = lbp.kfac(damping=1e-2, learning_rate=-1.0, momentum=0.0, damping_interval=1, damping_decay=omega)
+    u, after = ascent.update(grad, ascent.init(params), params, factors=factors, diagonal=diagonal, curvature=G,
+                             value=value, value_fn=value_fn)
+    assert float(value_fn(optax.apply_updates(params, u))) > float(value)  # the loss went up
+    assert float(after.damping) > 1e-2 and float(after.rho) < 0
+
+    held = lbp.kfac(damping=1e-2, update_every=1, adapt_damping=False, learning_rate=1.0, momentum=0.0)
+    _, first = held.update(grad, held.init(params), params, factors=factors, diagonal=diagonal, curvature=G)
+    # each batch finite, their running sum not (an overflow): the held decompositions stay
+    huge = jax.tree.map(lambda f: f / jnp.max(jnp.abs(f)) * 1e308 if isinstance(f, jax.Array) else f, factors)
+    huge_diagonal = jax.tree.map(lambda d: d / jnp.max(jnp.abs(d)) * 1e308, diagonal)
+    _, second = held.update(grad, first, params, factors=huge, diagonal=huge_diagonal, curvature=G)
+    _, third = held.update(grad, second, params, factors=huge, diagonal=huge_diagonal, curvature=G)
+    assert not all(bool(jnp.all(jnp.isfinite(leaf))) for leaf in jax.tree.leaves(third.sums))
+    assert all(bool(jnp.all(jnp.isfinite(leaf))) for leaf in jax.tree.leaves(third.inverses))
+    close(ravel_pytree(third.inverses)[0], ravel_pytree(second.inverses)[0], rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64], ids=["float32", "float64"])
 @pytest.mark.parametrize("update_every", [1, 5])
 def test_trains_under_one_jit(dtype, update_every):

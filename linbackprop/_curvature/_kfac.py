@@ -115,7 +115,10 @@ def kfac_factors(fun: Callable, argnums: int | Sequence[int] = 0, *, engine: Eng
         argnums: the argument(s) whose factors are formed.
         engine: ``"loop"``, ``"unrolled"`` or ``"auto"``.
         samples: None (exact columns of H) or M sampled columns per example.
-        key: the PRNG key of the samples (needed with ``samples``).
+        key: the PRNG key of the samples (needed with ``samples``). Give each step a fresh one
+            (``jax.random.fold_in(key, step)``): with one key for every step the same columns
+            are drawn at every step, and the averaged factors keep their error instead of
+            averaging it out.
         layers: the classes or ``@lbp.layer`` functions whose calls are the layers of a model
             written as it is.
         approximation: ``"expand"`` (each use a term) or ``"reduce"`` (each example's uses

@@ -223,10 +223,21 @@ def kfac(damping: float = 1e-3, decay: float = 0.95, update_every: int = 5, *, l
         averaged = jax.tree.map(lambda s: s / jnp.maximum(weight, 1e-30).astype(s.dtype), sums)
         lam = state.damping
         recompute = ((state.count < update_every) | (state.count % update_every == 0)) & (weight > 0)
-        inverses = jax.lax.cond(recompute, lambda: [decompose(c, lam) for c in averaged], lambda: held)
+
+        def fresh_or_held() -> list:
+            # a decomposition of non-finite averages (an overflow) or with non-finite results is not
+            # taken: the held one serves (eigh sees the non-finite entries zeroed, never the NaN)
+            new = [decompose(c, lam) for c in averaged]
+            ok = _all_finite(averaged) & _all_finite(new)
+            return jax.tree.map(lambda n, h: jnp.where(ok, n, h), new, held)
+
+        inverses = jax.lax.cond(recompute, fresh_or_held, lambda: held)
 
         direction = treedef.unflatten(blockwise(blocks, leaves, [-apply(inv, block_matrix(block, leaves), lam)
                                                                  for inv, block in zip(inverses, blocks)]))
+        # no finite factors yet (every batch so far non-finite): no curvature, no step, for every
+        # leaf alike (the placeholder decompositions gave Kronecker leaves 0 and diagonal ones g/λ)
+        direction = jax.tree.map(lambda d: jnp.where(weight > 0, d, jnp.zeros_like(d)), direction)
         previous = shaped_as(state.previous, grad)
         vdot = optax.tree.vdot
         b = jnp.stack([vdot(grad, direction), vdot(grad, previous)]).astype(dtype)
@@ -256,9 +267,12 @@ def kfac(damping: float = 1e-3, decay: float = 0.95, update_every: int = 5, *, l
                                                                   dtype),
                                  lambda: jnp.asarray(jnp.nan, dtype))
             measured_rho = (after - before) / predicted
-            measured_rho = jnp.where(jnp.isfinite(after), jnp.nan_to_num(measured_rho, nan=-jnp.inf), -jnp.inf)
+            # a model that predicts no decrease (fixed coefficients along an ascent) has no ratio to
+            # trust: counted as a failure, so that a loss increase never lowers λ through ρ's sign
+            measured_rho = jnp.where(jnp.isfinite(after) & (predicted < 0),
+                                     jnp.nan_to_num(measured_rho, nan=-jnp.inf), -jnp.inf)
             if adapt_damping:
-                adapt_now = state.count % damping_interval == 0
+                adapt_now = (state.count % damping_interval == 0) & ~broken  # a broken step raised λ already
                 rho = jnp.where(adapt_now, measured_rho, rho).astype(dtype)
                 factor = jnp.where(rho < 0.25, 1 / omega, jnp.where(rho > 0.75, omega, 1.0))
                 lam = jnp.where(adapt_now, jnp.clip(lam * factor, min_damping, max_damping), lam).astype(dtype)
@@ -267,7 +281,8 @@ def kfac(damping: float = 1e-3, decay: float = 0.95, update_every: int = 5, *, l
                 step = jax.tree.map(lambda u: jnp.where(failed, jnp.zeros_like(u), u), step)
                 if not adapt_damping:
                     rho = measured_rho.astype(dtype)
-                lam = jnp.where(failed, jnp.clip(lam / omega, min_damping, max_damping), lam).astype(dtype)
+                raise_now = failed & ~broken  # a broken step raised λ once already
+                lam = jnp.where(raise_now, jnp.clip(lam / omega, min_damping, max_damping), lam).astype(dtype)
         new_state = KfacState(state.count + 1, lam, sums, weight, inverses, step, alpha, mu, rho)
         return step, new_state
 
