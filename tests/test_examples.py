@@ -153,3 +153,30 @@ def test_pinn_example_engd_beats_adam(tmp_path):
     assert result["ENGD (dense)"] * 10 < adam
     assert result["Gauss–Newton, probed (SVD)"] * 10 < adam
     assert png.stat().st_size > 10_000
+
+
+def test_burgers_reference_solves_the_equation_and_the_example_trains(tmp_path):
+    """The Burgers example's Cole–Hopf reference satisfies u_t + u u_x − ν u_xx = 0 (central
+    differences away from the shock), the initial and boundary values; its loss's residual rows
+    give the gradient (Kᵀb) and the loss (½‖b‖²); a short run lowers the error."""
+    burgers = load("burgers")
+    h = 1e-4
+    x, t = np.array([-0.7, -0.3, 0.4, 0.8]), np.array([0.2, 0.5, 0.3, 0.9])
+    u = burgers.reference(x, t)
+    u_t = (burgers.reference(x, t + h) - burgers.reference(x, t - h)) / (2 * h)
+    u_x = (burgers.reference(x + h, t) - burgers.reference(x - h, t)) / (2 * h)
+    u_xx = (burgers.reference(x + h, t) - 2 * u + burgers.reference(x - h, t)) / h ** 2
+    np.testing.assert_allclose(u_t + u * u_x - burgers.NU * u_xx, 0, atol=1e-5)
+    np.testing.assert_allclose(burgers.reference(np.array([-1.0, 1.0]), 0.6), 0, atol=1e-12)
+    np.testing.assert_allclose(burgers.reference(x, 0.0), -np.sin(np.pi * x), atol=1e-15)
+    params, batch, loss, error = burgers.make_problem((6, 6), interior=40, initial=12, boundary=10)
+    from jax.flatten_util import ravel_pytree
+
+    import linbackprop as lbp
+
+    rows, b = lbp.ggn_factor(loss, rank=1, residuals=True)(params, *batch)
+    k = jax.vmap(lambda r: ravel_pytree(r)[0])(rows)
+    np.testing.assert_allclose(k.T @ b, ravel_pytree(jax.grad(loss)(params, *batch))[0], rtol=1e-9, atol=1e-12)
+    np.testing.assert_allclose(0.5 * np.sum(np.asarray(b) ** 2), loss(params, *batch), rtol=1e-12)
+    result = burgers.main(["--seconds", "3", "--widths", "8,8", "--out", str(tmp_path / "b.png")])
+    assert result["error"] < float(error(params))
