@@ -693,6 +693,51 @@ def test_a_constant_whose_leading_axis_is_the_batch_size_stays_whole(batch):
     assert lbp.capture(losses, W, x, layers=mixed).net.inputs == ("x",)
 
 
+@pytest.mark.parametrize("batch", [2, 3])
+def test_a_frozen_argument_as_long_as_the_batch_is_not_sliced(batch):
+    """An argument that is not differentiated is data only where fun treats it so: a frozen 2 × 2
+    matrix and a frozen bias of 2 at batch 2, an embedding table with as many rows as examples
+    (``losses(frozen, trainable, x)``, ``argnums=1``) are read whole, as at batch 3 — per-example
+    gradients, their norms, the clipped sum and the GGN diagonal equal jax.jacrev's and the dense
+    J*HJ's, under jax.jit (the frozen arguments traced) and without (they were sliced to one row
+    and refused with advice about reshapes)."""
+    rng = np.random.default_rng(13)
+
+    @lbp.layer
+    def dense(W, frozen, bias, table, h, tokens):
+        return jnp.tanh(h @ W @ frozen + bias + table[tokens])
+
+    def losses(fixed, W, x, tokens):
+        frozen, bias, table = fixed
+        h = dense(W, frozen, bias, table, x, tokens)
+        return jnp.sum(dense(W, frozen, bias, table, h, tokens) ** 2, axis=1)
+
+    fixed = (jnp.asarray(rng.standard_normal((2, 2))), jnp.asarray(rng.standard_normal(2)),
+             jnp.asarray(rng.standard_normal((batch, 2))))
+    W, x = jnp.asarray(rng.standard_normal((2, 2))), jnp.asarray(rng.standard_normal((batch, 2)))
+    tokens = jnp.asarray((np.arange(batch) + 1) % batch)  # example b reads row b + 1 of the table
+    ref = jax.jacrev(losses, argnums=1)(fixed, W, x, tokens)
+    norms = jnp.linalg.norm(ref.reshape(batch, -1), axis=1)
+    J = jax.jacrev(lambda W: jnp.tanh(_hidden(fixed, W, x, tokens)))(W).reshape(batch, 2, -1)  # outputs
+    out = jnp.tanh(_hidden(fixed, W, x, tokens))
+    diagonal = jnp.einsum("bip,bi,bip->p", J, 2 * jnp.ones_like(out), J).reshape(2, 2)  # H = 2 I per example
+    for run in (lambda f: f, jax.jit):
+        close(run(lbp.per_example_grads(losses, argnums=1, layers=dense))(fixed, W, x, tokens), ref)
+        close(run(lbp.per_example_grad_norms(losses, argnums=1, layers=dense))(fixed, W, x, tokens), norms)
+        clipped, found = run(lbp.clipped_grad(losses, 1.0, argnums=1, layers=dense))(fixed, W, x, tokens)
+        close(found, norms)
+        close(clipped, jnp.tensordot(jnp.minimum(1, 1 / norms), ref, 1))
+        loss = lambda fixed, W, x, tokens: jnp.sum(losses(fixed, W, x, tokens))
+        close(run(lbp.diag_ggn(loss, argnums=1, layers=dense))(fixed, W, x, tokens), diagonal)
+
+
+def _hidden(fixed, W, x, tokens):
+    """The second layer's pre-activation in the frozen-argument test (its outputs' Jacobian)."""
+    frozen, bias, table = fixed
+    h = jnp.tanh(x @ W @ frozen + bias + table[tokens])
+    return h @ W @ frozen + bias + table[tokens]
+
+
 class _DropoutBlock(nnx.Module):
     def __init__(self, rngs):
         self.linear = nnx.Linear(4, 4, rngs=rngs)

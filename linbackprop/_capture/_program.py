@@ -61,6 +61,10 @@ class Program:
     input_atoms: tuple  # per network input: the atom it is
     output_vars: tuple  # per network output (a state): the vars it holds
     calls: tuple  # display names of the marked calls (for errors)
+    unbatched: tuple = ()  # per network input: fed with a leading axis of one (`FromUnbatched`)
+
+    def _fed(self, inputs: list) -> list:
+        return [x[None] if wrap else x for x, wrap in zip(inputs, self.unbatched or [False] * len(inputs))]
 
     def blocks(self, diff: Sequence[Any]) -> dict[Hashable, Any]:
         env = dict(zip(self.invars, diff))
@@ -75,7 +79,7 @@ class Program:
 
     def run(self, leaves: Sequence[Any]) -> list[Any]:
         env = self._before(leaves)
-        inputs = [read(env, a) for a in self.input_atoms]
+        inputs = self._fed([read(env, a) for a in self.input_atoms])
         outs = self.net({name: env[v] for name, v in zip(self.net.param_names, self.block_vars)}, *inputs)
         outs = (outs,) if self.net.single_output else outs
         for state, vars_ in zip(outs, self.output_vars):
@@ -85,7 +89,7 @@ class Program:
 
     def inputs_of(self, leaves: Sequence[Any]) -> tuple[Any, ...]:
         env = self._before(leaves)
-        return tuple(read(env, a) for a in self.input_atoms)
+        return tuple(self._fed([read(env, a) for a in self.input_atoms]))
 
 
 # -- from the jaxpr to a Network ----------------------------------------------------------------
@@ -164,7 +168,20 @@ class FromConstant:
         return self.constant.value
 
 
-Operand = FromParam | FromRead | FromState | FromConstant
+@dataclasses.dataclass(frozen=True)
+class FromUnbatched:
+    """A layer's operand: the network input it reads ``r``-th, fed with a leading axis of one in
+    front (`Program.unbatched`): data that is not per example (a frozen parameter argument)
+    whose leading axis equals the batch by chance. The per-example transforms take a state's
+    leading axis for the examples where it equals the batch; with the axis in front it is one."""
+
+    r: int
+
+    def value(self, theta: tuple, states: tuple) -> Any:
+        return states[self.r][0]
+
+
+Operand = FromParam | FromRead | FromState | FromConstant | FromUnbatched
 
 
 def _unmarked(eqn: Any, args: list) -> list | None:
@@ -262,11 +279,12 @@ def _read_equations(eqns: list, outvars: list) -> list:
 
 
 def build(closed: ClosedJaxpr, n_diff: int, block_names: Sequence[Hashable], calls: Sequence[str],
-          rest_names: Sequence[str] = ()) -> Program:
+          rest_names: Sequence[str] = (), unbatched: frozenset[str] = frozenset()) -> Program:
     """The Program of ``closed`` (``fun`` traced with its marked calls), whose first ``n_diff``
     invars are the differentiated leaves named ``block_names`` and the others the arrays named
     ``rest_names`` (the network's inputs are named after them: ``tokens``, or ``tokens.1`` for a
-    value computed from ``tokens`` before the network)."""
+    value computed from ``tokens`` before the network). ``unbatched``: the inputs read as
+    `FromUnbatched` (named by the per-example transforms' retrace, `_rewrite._at_one_example`)."""
     found = ScanRows()
     eqns, constvars, consts, outvars = inline_calls(closed.jaxpr, closed.consts, found)
     eqns = _read_equations(eqns, outvars)
@@ -304,6 +322,7 @@ def build(closed: ClosedJaxpr, n_diff: int, block_names: Sequence[Hashable], cal
         else:
             before.append(e)
     before, after = tuple(before), tuple(after)
+    fed_whole: dict = {}  # network input atom -> fed with a leading axis of one
     origin = dict(zip(invars[n_diff:], rest_names))  # var -> the argument it is, or is computed from
     for e in before:
         sources = [origin[a] for a in e.invars if not isinstance(a, Literal) and a in origin]
@@ -375,7 +394,9 @@ def build(closed: ClosedJaxpr, n_diff: int, block_names: Sequence[Hashable], cal
                     read = inputs[stacked] if t is None else Row(inputs[stacked], t)
                     if read not in reads:
                         reads.append(read)
-                    specs.append(FromState(reads.index(read)))
+                    fed_whole[stacked] = t is None and inputs[stacked] in unbatched
+                    spec = FromUnbatched if fed_whole[stacked] else FromState
+                    specs.append(spec(reads.index(read)))
         outs = [o for e in node_eqns for o in e.outvars if not isinstance(o, jax.extend.core.DropVar)]
         outs = [o for o in outs if o in used_later or readers[o] - {n}] or outs[:1]
         outputs_of[name] = len(outs)
@@ -404,4 +425,4 @@ def build(closed: ClosedJaxpr, n_diff: int, block_names: Sequence[Hashable], cal
     return Program(net=net, before=before, after=after, invars=tuple(invars), constvars=tuple(constvars),
                    consts=tuple(consts), outvars=tuple(outvars), block_vars=block_vars,
                    input_atoms=tuple(inputs), output_vars=tuple(tuple(output_vars[n]) for n in names),
-                   calls=tuple(calls))
+                   calls=tuple(calls), unbatched=tuple(fed_whole.get(a, False) for a in inputs))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import itertools
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -15,7 +16,7 @@ import jax
 import numpy as np
 from jax.extend.core import Literal
 
-from .._graph import Constant, Stack
+from .._graph import Constant, Stack, random_values
 from .._options import settings_changed
 from ._marks import Capturing, Patched
 from ._program import NETWORKS, Capture, Program, at_any_batch, build, shared_value
@@ -127,11 +128,11 @@ class Rewritten:
                 start += len(a.rest)
 
 
-def _program(flat: Callable, diff: list, rest: list, entries: tuple, names: list, rest_names: list
-             ) -> tuple[Program, Any, list[bool]]:
+def _program(flat: Callable, diff: list, rest: list, entries: tuple, names: list, rest_names: list,
+             unbatched: frozenset[str] = frozenset()) -> tuple[Program, Any, list[bool]]:
     """The Program of ``flat(diff, rest)`` traced with the calls of ``entries`` marked (cached per
     captured jaxpr), the shape of its result, and which leaves of ``rest`` are raw PRNG keys
-    (`_raw_keys`)."""
+    (`_raw_keys`); ``unbatched`` as `build` takes it."""
     patched = Patched(entries)
     state = Capturing(patched.functions, patched.classes)
     with patched, settings_changed(capture=state):  # its own jit key (Settings.capture)
@@ -143,8 +144,8 @@ def _program(flat: Callable, diff: list, rest: list, entries: tuple, names: list
         raise ValueError(f"layers= names {', '.join(never)}, but fun never called it (no instance's call, no "
                          "call of the function): check what fun calls (a subclass or a wrapper is another class), "
                          "or leave it out of layers=.")
-    key = (str(closed.jaxpr), tuple(Constant(c) for c in closed.consts), tuple(names), calls)
-    program = shared_value(key, lambda: build(closed, len(diff), names, calls, rest_names), NETWORKS)
+    key = (str(closed.jaxpr), tuple(Constant(c) for c in closed.consts), tuple(names), calls, unbatched)
+    program = shared_value(key, lambda: build(closed, len(diff), names, calls, rest_names, unbatched), NETWORKS)
     return program, shape, _raw_keys(closed.jaxpr, closed.jaxpr.invars[len(diff):])
 
 
@@ -185,6 +186,66 @@ def _sub_jaxprs(eqn: Any) -> list:
     return found
 
 
+def _data_among(flat: Callable, diff: list, rest: list, candidates: list[bool], batch: int) -> list[bool]:
+    """Which of the ``candidates`` (the arguments not differentiated whose leading axis is the
+    batch) are the data: those whose rows, moved one example on (a cyclic shift along the batch),
+    move ``fun``'s per-example results one example on and leave a sum over the examples as it is
+    — checked on random values (`random_values`) at trace time. Every candidate where that holds
+    (two evaluations: the usual case); else the largest subset for which it does, so that a
+    frozen parameter whose leading axis happens to equal the batch (a 2 × 2 matrix at batch 2,
+    an embedding table with as many rows as examples, whose shifted rows the gather reads for
+    every example) is no data; else every candidate, and the checks that follow say what mixes
+    the examples. (Layers that mix examples, batch statistics, move with the examples too: the
+    shift finds the data, not whether examples stay apart.)"""
+    where = [n for n, c in enumerate(candidates) if c]
+    if not where:
+        return candidates
+    draw, drawn = random_values(), {}
+    aval = lambda x: jax.ShapeDtypeStruct(np.shape(x), jax.numpy.result_type(x))
+    with jax.ensure_compile_time_eval():
+        diff_values, rest_values = [draw(aval(x)) for x in diff], [draw(aval(x)) for x in rest]
+        full = jax.tree.leaves(_evaluate(flat, diff_values, rest_values, drawn)[0])
+    if not full:
+        return candidates
+    subsets = [tuple(where)] + [s for size in range(len(where) - 1, 0, -1)
+                                for s in itertools.combinations(where, size)][:_MOST_SUBSETS]
+    for subset in subsets:
+        with jax.ensure_compile_time_eval():
+            shifted = [jax.numpy.roll(v, 1, axis=0) if n in subset else v for n, v in enumerate(rest_values)]
+            out = jax.tree.leaves(_evaluate(flat, diff_values, shifted, drawn)[0])
+        if all(_moved_with_the_examples(a, b, batch) for a, b in zip(full, out)):
+            return [n in subset for n in range(len(candidates))]
+    return candidates
+
+
+_MOST_SUBSETS = 64  # of the candidates, tried largest first where shifting all of them does not fit
+
+
+def _evaluate(flat: Callable, diff: list, rest: list, drawn: dict) -> Any:
+    """``flat(diff, rest)`` run op by op; what it closes over that is a tracer (an enclosing
+    ``jax.jit``'s arguments) is given a random value, the same for the same tracer (``drawn``)."""
+    closed = jax.make_jaxpr(flat)(diff, rest)
+    consts = [drawn.setdefault(id(c), (c, random_values()(c.aval)))[1] if isinstance(c, jax.core.Tracer) else c
+              for c in closed.consts]
+    outs = jax.core.eval_jaxpr(closed.jaxpr, consts, *diff, *rest)
+    return jax.tree.unflatten(jax.tree.structure(jax.eval_shape(flat, diff, rest)), outs)
+
+
+def _moved_with_the_examples(full: Any, shifted: Any, batch: int) -> bool:
+    """``shifted`` is ``full`` moved one example on along its leading axis where that is the batch
+    (per-example losses), and ``full`` itself elsewhere (a sum or mean over the examples), up to
+    round-off of the dtype: rows of a frozen parameter moved change it by a random amount."""
+    if np.shape(full) != np.shape(shifted):
+        return False
+    a, b = np.asarray(full, np.float64), np.asarray(shifted, np.float64)  # numpy: no tracer under a jit
+    if np.ndim(a) and np.shape(a)[0] == batch:
+        a = np.roll(a, 1, axis=0)
+    dtype = jax.numpy.result_type(full)
+    tol = 1e-3 if not jax.numpy.issubdtype(dtype, jax.numpy.inexact) or jax.numpy.finfo(dtype).bits < 64 else 1e-8
+    return bool(np.allclose(a, b, rtol=tol, atol=tol * (1.0 + float(np.nanmax(np.abs(a), initial=0.0))),
+                            equal_nan=True))
+
+
 def _at_one_example(program: Program, raw_keys: list[bool], flat: Callable, diff: list, rest: list,
                     entries: tuple, names: list, rest_names: list, n_other: int) -> Program:
     """``program`` whose layers also run on one example: ``fun`` traced again with each data
@@ -199,8 +260,9 @@ def _at_one_example(program: Program, raw_keys: list[bool], flat: Callable, diff
     batch = first[0]
     first_other = len(rest) - n_other  # the nnx modules' other state comes first: not data
     # data: an argument whose leading axis is the batch, unless that axis is a raw key's data
-    chosen = [n >= first_other and bool(np.ndim(x)) and np.shape(x)[0] == batch and not key
-              for n, (x, key) in enumerate(zip(rest, raw_keys))]
+    candidates = [n >= first_other and bool(np.ndim(x)) and np.shape(x)[0] == batch and not key
+                  for n, (x, key) in enumerate(zip(rest, raw_keys))]
+    chosen = _data_among(flat, diff, rest, candidates, batch)
     one = [jax.ShapeDtypeStruct((1, *np.shape(x)[1:]), x.dtype) if s else x for x, s in zip(rest, chosen)]
     try:
         one_program = _program(flat, diff, one, entries, names, rest_names)[0]
@@ -213,6 +275,14 @@ def _at_one_example(program: Program, raw_keys: list[bool], flat: Callable, diff
             f"size into its program (h.reshape({batch}, -1)) or indexes the batch needs it from the "
             "operand (h.reshape(h.shape[0], -1)); or use jax.jacrev / jax.vmap(jax.grad) of a per-example "
             "loss.") from error
+    # an input of the same shape on one example as on the batch is no data (a frozen parameter's
+    # value) even where its leading axis is the batch: fed whole (`FromUnbatched`)
+    shapes = lambda p: {n: tuple(a.aval.shape) for n, a in zip(p.net.inputs, p.input_atoms) if hasattr(a, "aval")}
+    one_shapes = shapes(one_program)
+    whole = frozenset(n for n, s in shapes(program).items() if s[:1] == (batch,) and one_shapes.get(n) == s)
+    if whole:
+        program = _program(flat, diff, rest, entries, names, rest_names, whole)[0]
+        one_program = _program(flat, diff, one, entries, names, rest_names, whole)[0]
     key = ("at any batch", program, one_program)
     return shared_value(key, lambda: at_any_batch(program, one_program), NETWORKS)
 

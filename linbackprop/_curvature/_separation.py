@@ -13,30 +13,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._plan import Plan, differentiable_dtype
-
-
-def _sampler() -> Callable[[Any], Any]:
-    """Random values for avals, the same on every call of the checks: PRNG keys (a dropout mask
-    must not mix examples either), 0/1 for integers and booleans, normal draws for the rest."""
-    rng = np.random.default_rng(0)
-
-    def sample(aval: Any) -> Any:
-        if jax.dtypes.issubdtype(aval.dtype, jax.dtypes.prng_key):
-            keys = jax.random.split(jax.random.key(0, impl=jax.random.key_impl(jax.random.key(0))), max(1, aval.size))
-            return keys[: aval.size].reshape(aval.shape)
-        if not differentiable_dtype(aval.dtype):
-            return jnp.asarray(rng.integers(0, 2, aval.shape), aval.dtype)
-        return jnp.asarray(rng.standard_normal(aval.shape), aval.dtype)
-
-    return sample
+from .._graph import random_values
+from .._plan import Plan
 
 
 def _at_random(fn: Callable, *args: Any) -> tuple[Callable, list[Any]]:
     """``fn`` as a function of its flat arguments' leaves, evaluated eagerly with values drawn at
     random for whatever it closes over that is a tracer (labels under ``jax.jit``: only their
     shapes are known here), and random values for those leaves."""
-    draw = _sampler()
+    draw = random_values()
     closed = jax.make_jaxpr(fn)(*args)
     with jax.ensure_compile_time_eval():
         consts = [draw(c.aval) if isinstance(c, jax.core.Tracer) else c for c in closed.consts]
@@ -54,7 +39,7 @@ def check_per_example(plan: Plan, batch: int) -> None:
     done = _checked.setdefault(plan, set())
     if batch in done:
         return
-    sample = _sampler()
+    sample = random_values()
 
     with jax.ensure_compile_time_eval():
         for kind in plan.kinds:

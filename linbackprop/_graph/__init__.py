@@ -27,6 +27,7 @@ from ._jaxprs import (
     dependents,
     evaluate,
     needed_equations,
+    random_values,
     read,
     run_equations,
 )
@@ -68,6 +69,7 @@ __all__ = [
     "needed_equations",
     "not_an_array",
     "place",
+    "random_values",
     "read",
     "resolve",
     "run_equations",

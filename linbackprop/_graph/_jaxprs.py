@@ -16,10 +16,28 @@ from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import Literal
 
 from ._layer import Layer, call_layer
+
+
+def random_values() -> Callable[[Any], Any]:
+    """Random values for avals, the same on every call: PRNG keys (a dropout mask must not mix
+    examples either), 0/1 for integers and booleans, normal draws for the rest. What the checks
+    that run a function at trace time, on values JAX has not given yet, evaluate it at."""
+    rng = np.random.default_rng(0)
+
+    def sample(aval: Any) -> Any:
+        if jax.dtypes.issubdtype(aval.dtype, jax.dtypes.prng_key):
+            keys = jax.random.split(jax.random.key(0, impl=jax.random.key_impl(jax.random.key(0))), max(1, aval.size))
+            return keys[: aval.size].reshape(aval.shape)
+        if not jnp.issubdtype(aval.dtype, jnp.inexact):  # integers, booleans
+            return jnp.asarray(rng.integers(0, 2, aval.shape), aval.dtype)
+        return jnp.asarray(rng.standard_normal(aval.shape), aval.dtype)
+
+    return sample
 
 
 class Constant:
