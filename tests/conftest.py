@@ -7,21 +7,25 @@
   code and the docstrings' examples — the rest of each cross product (below), and runs the
   property-based tests at the ``ci`` profile's counts.
 
-Cross products: a test parametrised over two or more arguments (engines × networks, dtypes ×
-schedules) runs in the default tier on a covering subset of its combinations — each value of
-each argument in at least one, chosen in collection order — and on all of them with --slow. A
-test parametrised over one argument runs every value in both tiers.
+Cross products: a test parametrised by three or more ``parametrize`` marks runs in the default
+tier on a pairwise covering subset of its combinations — every pair of values of any two marks in
+at least one, chosen in collection order — and on all of them with --slow. A test with one or two
+marks (a hand-written list of cases, or engines × networks) runs every case in both tiers, and so
+does a test named on the command line (``file.py::test``). The run's header says how many
+combinations the default tier leaves to --slow.
 
-Hypothesis profiles: ``dev`` and ``ci`` (``HYPOTHESIS_PROFILE`` chooses another), fixed counts,
-derandomised (the same examples every run), a deadline per example that catches a hang but not
-a compilation (a JAX trace and compile takes seconds; a re-run hits the cache, so a tight
-deadline would report every compile as flaky).
+Hypothesis profiles: ``dev`` (the default tier: fixed counts, derandomised — the same examples
+every run) and ``ci`` (--slow: four times the examples, drawn afresh each run; a failure prints
+the blob that reproduces it, ``@reproduce_failure``). Both have a deadline per example that catches
+a hang but not a compilation (a JAX trace and compile takes seconds; a re-run hits the cache, so a
+tight deadline would report every compile as flaky). ``HYPOTHESIS_PROFILE`` chooses another.
 
-XLA compiles with LLVM's optimisations off (``--xla_backend_optimization_level=0``): the suite is
-compile-bound (XLA's compiles were ≈ 60 % of a profiled test's time) and checks numbers, not
-speed; the same tests took 0.75× the time. On jaxlib 0.10 XLA:CPU's fusion emitters are off too
-(a test's compiles took 4.3 s instead of 9.2 s). Speed is measured in ``benchmarks/``, at the default
-level.
+XLA: the default tier compiles with LLVM's optimisations off (``--xla_backend_optimization_level=0``;
+on jaxlib 0.10 XLA:CPU's fusion emitters off too): it is compile-bound (XLA's compiles were ≈ 60 %
+of a profiled test's time) and checks numbers, not speed; the same tests took 0.75× the time, and a
+test's compiles 4.3 s instead of 9.2 s without the fusion emitters. The slow tier (--slow, both
+tiers) compiles at XLA's defaults, the settings users run, subprocesses included; CI runs it on the
+oldest and the newest JAX. Speed is measured in ``benchmarks/``, at the default level.
 
 JAX's persistent compilation cache holds the run's compiled programs under
 ``build/jax-cache-py<X.Y>-jax<version>`` (one per Python and JAX version, never shared between
@@ -30,25 +34,22 @@ them): programs the two workers both compile are compiled once. Measured on a fr
 """
 
 import os
+import sys
 from datetime import timedelta
 from importlib.metadata import version
-
-# LLVM's optimisations off; on jaxlib 0.10 also XLA:CPU's fusion emitters (its older loop emitters
-# compile the same program in half the time). Later jaxlibs have no such flag, and XLA aborts on a
-# flag it does not know.
-if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):  # before JAX starts its backend
-    os.environ["XLA_FLAGS"] = " ".join([
-        os.environ.get("XLA_FLAGS", ""), "--xla_backend_optimization_level=0",
-        *(["--xla_cpu_use_fusion_emitters=false"]
-          if tuple(int(part) for part in version("jaxlib").split(".")[:2]) < (0, 11) else []),
-    ]).strip()
-
-import sys
 from pathlib import Path
 
 import jax
 import pytest
 from hypothesis import HealthCheck, settings
+
+# The XLA flags of the default tier (`pytest_configure` sets them unless --slow): LLVM's
+# optimisations off; on jaxlib 0.10 also XLA:CPU's fusion emitters (its older loop emitters compile
+# the same program in half the time). Later jaxlibs have no such flag, and XLA aborts on a flag it
+# does not know.
+_FAST_COMPILE = ["--xla_backend_optimization_level=0",
+                 *(["--xla_cpu_use_fusion_emitters=false"]
+                   if tuple(int(part) for part in version("jaxlib").split(".")[:2]) < (0, 11) else [])]
 
 jax.config.update("jax_enable_x64", True)
 _PYTHON = f"{sys.version_info[0]}.{sys.version_info[1]}"
@@ -60,7 +61,8 @@ jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 settings.register_profile("dev", max_examples=3, derandomize=True, deadline=timedelta(minutes=5),
                           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-settings.register_profile("ci", parent=settings.get_profile("dev"), max_examples=12)
+settings.register_profile("ci", parent=settings.get_profile("dev"), max_examples=12, derandomize=False,
+                          print_blob=True, database=None)
 
 
 def pytest_addoption(parser):
@@ -69,26 +71,40 @@ def pytest_addoption(parser):
 
 
 def pytest_configure(config):
+    """The tier's hypothesis profile and XLA flags; JAX's backend starts after this (at the first
+    array a test module makes), so the flags reach every compile, and subprocesses inherit them."""
     slow = config.getoption("--slow")
     settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE") or ("ci" if slow else "dev"))
+    flags = os.environ.get("XLA_FLAGS", "")
+    if not slow and "xla_backend_optimization_level" not in flags:
+        os.environ["XLA_FLAGS"] = " ".join([flags, *_FAST_COMPILE]).strip()
+    config.xla_flags = os.environ.get("XLA_FLAGS") or "XLA's defaults"
 
 
-def _beyond_covering(items) -> set:
-    """The combinations of each cross product (≥ 2 parametrised arguments) that a covering subset
-    leaves out: walking them in order, one is kept when it has a value of an argument that no
-    kept one has."""
+def _marks(item) -> list:
+    """The test's ``parametrize`` marks, each as the names it sets."""
+    return [tuple(m.args[0].split(",") if isinstance(m.args[0], str) else m.args[0])
+            for m in item.iter_markers("parametrize")]
+
+
+def _beyond_covering(items, named: set) -> set:
+    """The combinations of each cross product of three or more ``parametrize`` marks that a
+    pairwise covering subset leaves out: walking them in order, one is kept when it has a pair of
+    values of two marks that no kept one has. Tests ``named`` on the command line keep all."""
     families: dict = {}
     for item in items:
-        params = getattr(getattr(item, "callspec", None), "params", {})
-        if len(params) >= 2:
+        marks = _marks(item)
+        if len(marks) >= 3 and item.originalname not in named:
             families.setdefault((item.path, item.originalname), []).append(item)
     left_out = set()
     for members in families.values():
         seen: set = set()
         for item in members:
-            values = {(name, repr(value)) for name, value in item.callspec.params.items()}
-            if values - seen:
-                seen |= values
+            params = item.callspec.params
+            values = [tuple((name.strip(), repr(params[name.strip()])) for name in mark) for mark in _marks(item)]
+            pairs = {(a, b) for i, a in enumerate(values) for b in values[i + 1:]}
+            if pairs - seen:
+                seen |= pairs
             else:
                 left_out.add(item)
     return left_out
@@ -99,7 +115,9 @@ def pytest_collection_modifyitems(config, items):
     covering subset are deselected (not skipped: they are the other tier)."""
     if config.getoption("--slow"):
         return
-    beyond = _beyond_covering(items)
+    named = {arg.split("::")[1].split("[")[0] for arg in config.args if "::" in arg}
+    beyond = _beyond_covering(items, named)
+    config.left_to_slow = len(beyond)
     slow = [item for item in items if item.get_closest_marker("slow") or item in beyond]
     if slow:
         config.hook.pytest_deselected(items=slow)
@@ -109,7 +127,14 @@ def pytest_collection_modifyitems(config, items):
 
 def pytest_report_header(config):
     tier = "default and slow tiers" if config.getoption("--slow") else "default tier (--slow adds the slow tier)"
-    return f"linbackprop: {tier}; hypothesis profile {settings._current_profile}"
+    return f"linbackprop: {tier}; hypothesis profile {settings._current_profile}; XLA_FLAGS: {config.xla_flags}"
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    left = getattr(config, "left_to_slow", 0)
+    if left:
+        terminalreporter.write_line(f"linbackprop: {left} combinations of cross products beyond their pairwise "
+                                    "covering subsets are left to --slow")
 
 
 @pytest.fixture(scope="module")
