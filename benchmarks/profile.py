@@ -72,7 +72,9 @@ import sys
 import time
 from pathlib import Path
 
-if __package__ in (None, ""):  # run as a script: the benchmarks package from the repository
+if __package__ in (None, ""):  # run as a script: the benchmarks package from the repository, and not
+    # this folder, where this file would stand in for the standard library's profile (cProfile reads it)
+    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import jax

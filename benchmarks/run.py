@@ -29,8 +29,12 @@ import argparse
 import sys
 from pathlib import Path
 
-if __package__ in (None, ""):  # run as a script (python benchmarks/run.py): the package from the repository
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if __package__ in (None, ""):  # run as a script (python benchmarks/run.py): the package from the repository,
+    # and not this folder, whose profile.py would stand in for the standard library's (IPython, which flax
+    # imports, reads cProfile)
+    here = Path(__file__).resolve().parent
+    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != here]
+    sys.path.insert(0, str(here.parent))
 
 import jax
 

@@ -638,6 +638,38 @@ def test_per_example_transforms_of_a_head_after_a_frozen_backbone():
     close(clipped, jnp.tensordot(jnp.minimum(1, 1 / norms), ref, 1))
 
 
+@pytest.mark.parametrize("tied", [False, True])
+def test_norms_and_clipping_of_a_head_outside_the_layers(tied):
+    """Residual blocks named in ``layers=``, a head after them in the loss (as README's model):
+    the blocks' norms are ghost norms and the head's per-example gradients come from the loss
+    alone, their squares added (4× a gradient before, when the whole gradient was formed per
+    example); a head tied to a block's weight (read inside and outside the networks) keeps the
+    per-example gradients. Norms and the clipped sum as jax.vmap(jax.grad)'s."""
+    rng = np.random.default_rng(14)
+
+    @lbp.layer
+    def block(p, h):
+        return h + jnp.tanh(h @ p["W"] + p["b"])
+
+    def losses(p, x, y):
+        h = x
+        for q in p["blocks"]:
+            h = block(q, h)
+        logits = h @ (p["blocks"][0]["W"] if tied else p["head"])[:, :3]
+        logp = jax.nn.log_softmax(logits, axis=-1)
+        return -jnp.take_along_axis(logp, y[:, None], axis=1)[:, 0]
+
+    params = {"blocks": [{"W": jnp.asarray(0.5 * rng.standard_normal((4, 4))), "b": jnp.asarray(rng.standard_normal(4))}
+                         for _ in range(3)], "head": jnp.asarray(rng.standard_normal((4, 3)))}
+    x, y = jnp.asarray(rng.standard_normal((6, 4))), jnp.asarray(rng.integers(0, 3, 6))
+    grads = jax.vmap(lambda xb, yb: jax.grad(lambda p: losses(p, xb[None], yb[None])[0])(params))(x, y)
+    norms = jnp.sqrt(sum(jnp.sum(g.reshape(6, -1) ** 2, axis=1) for g in jax.tree.leaves(grads)))
+    close(jax.jit(lbp.per_example_grad_norms(losses, layers=block))(params, x, y), norms)
+    clipped, found = jax.jit(lbp.clipped_grad(losses, 0.5, layers=block))(params, x, y)
+    close(found, norms)
+    close(clipped, jax.tree.map(lambda g: jnp.tensordot(jnp.minimum(1, 0.5 / norms), g, 1), grads))
+
+
 def test_one_example_retrace_keeps_a_raw_key_and_names_a_fixed_batch():
     """The per-example transforms trace fun again on one example. What is sliced is decided by
     how the data flows: a raw PRNG key (uint32 [2]) at batch 2 reaches ``random_wrap`` as one

@@ -25,7 +25,7 @@ from .._capture import rewrite
 from .._options import Engine
 from ._examples import per_example_setup
 from ._ghost import ghost_clipped
-from ._per_example import ghost_norms, squared_grad_norms
+from ._per_example import direct_squares, ghost_norms, squared_grad_norms
 from ._split import add_trees, normalise_argnums
 
 
@@ -109,7 +109,8 @@ def clipped_grad(losses: Callable, clip: float | jax.Array, argnums: int | Seque
         c = jnp.asarray(clip, jnp.result_type(float))
         ghost = ghost_norms(split, calls, per_example, batch)
         if ghost is not None:
-            norms, sums = ghost_clipped(ghost, lams, batch, calls.policy, lambda n: _weights(n, c))
+            extra = direct_squares(split, calls, per_example, batch)
+            norms, sums = ghost_clipped(ghost, lams, batch, calls.policy, lambda n: _weights(n, c), extra)
             through = calls.arguments(sums)
             weights = _weights(norms, c)
         else:

@@ -37,11 +37,13 @@ def diag_ggn(fun: Callable, argnums: int | Sequence[int] = 0, *, engine: Engine 
     squared. About C/3 + 2 gradients for dense layers (C back substitutions and one forward pass).
     Layers that mix examples raise a ``ValueError``.
 
-    The estimate draws z ~ N(0, I) per example and sample and back-substitutes $s = R_b z$,
-    $R_b R_b^T = H_b$ (Cholesky; unbiased where H is positive semi-definite, as for squared error and
-    softmax cross-entropy, whose float32 blocks a saturated softmax leaves indefinite by
-    round-off are repaired to their exact diagonal; an indefinite block takes a positive
-    semi-definite surrogate above it): $\operatorname{diag} G \approx \frac1M \sum_m \sum_b (J_b^* s_{bm})^2$.
+    The estimate (``samples=M``) draws M samples s per example with $E[s s^T] = H_b$ and
+    back-substitutes them: $\operatorname{diag} G \approx \frac1M \sum_m \sum_b (J_b^* s_{bm})^2$.
+    Where the blocks are diagonally dominant (softmax cross-entropy, squared error, one output)
+    a sample is one rank-one term of $H_b$ read off its entries, drawn with probability by its
+    weight and a random sign (no factorisation; unbiased); elsewhere $s = R_b z$, z ~ N(0, I),
+    with $R_b R_b^T = H_b$ + round-off (Cholesky; unbiased up to that shift where H is positive
+    semi-definite; an indefinite block takes a positive semi-definite surrogate above it).
     Cheaper than the exact
     diagonal when the outputs have many coordinates (a language model's vocabulary).
 

@@ -268,9 +268,11 @@ def ghost_squares(norms: list[ParamNorms], lams: list, batch: int, policy: Polic
 
 
 def ghost_clipped(norms: list[ParamNorms], lams: list, batch: int, policy: Policy,
-                  weights_of: Callable[[jax.Array], jax.Array]) -> tuple[jax.Array, list[list[Any]]]:
+                  weights_of: Callable[[jax.Array], jax.Array], extra: jax.Array | None = None
+                  ) -> tuple[jax.Array, list[list[Any]]]:
     """The (B,) per-example gradient norms and, per call, Σ_b w_b (ℳΛ of example b) in the
-    parameter layout, w = ``weights_of(norms)`` elementwise (DP-SGD: min(1, C/‖g_b‖)). Each
+    parameter layout, w = ``weights_of(norms)`` elementwise (DP-SGD: min(1, C/‖g_b‖)); ``extra``:
+    (B,) squares of the gradients' other part, added to the norms (a head outside the networks). Each
     example's weight needs only its own norm, so where chunks of examples pay
     (`Policy.norm_chunk`) one loop over them forms a chunk's values, norms, weights and weighted
     sum, reading the forward pass and Λ in place: the temporaries are one chunk's."""
@@ -279,7 +281,8 @@ def ghost_clipped(norms: list[ParamNorms], lams: list, batch: int, policy: Polic
     def clipped(examples: Chunk | None) -> tuple[jax.Array, list]:
         values = [n.values(lam, examples) for n, lam in zip(norms, lams)]
         squared = [n.squared(v) for n, v in zip(norms, values)]
-        lengths = jnp.sqrt(sum(squares for squares, _ in squared))
+        more = 0 if extra is None else (extra if examples is None else _chunk_rows(extra[None], examples)[0])
+        lengths = jnp.sqrt(sum(squares for squares, _ in squared) + more)
         weights = weights_of(lengths)
         if examples is not None and examples.valid is not None:  # the last chunk's repeats count once
             weights = jnp.where(examples.valid, weights, 0)

@@ -12,9 +12,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.extend.core import Literal
 
+from .._engine import depending
 from .._options import Engine
-from ._calls import Calls, reaches_outputs
+from ._calls import Calls
 from ._examples import per_example_setup
 from ._ghost import ParamNorms, ghost_squares
 from ._split import Split, add_trees, normalise_argnums, on_model
@@ -134,11 +136,12 @@ def per_example_grad_norms(fun: Callable, argnums: int | Sequence[int] = 0, *, e
 def squared_grad_norms(split: Split, calls: Calls, losses: Callable, batch: int, lams: list,
                        chunk: int = 16) -> jax.Array:
     """(B,) squared per-example gradient norms after the one back substitution: ghost norms
-    (`ghost_norms`) where they apply; otherwise the per-example gradients formed ``chunk``
-    examples at a time (``lax.map``), keeping only their norms."""
+    (`ghost_norms`) where they apply, plus the squares of what the loss reads of the arguments
+    itself (a head outside ``layers=``: `direct_squares`); otherwise the per-example gradients
+    formed ``chunk`` examples at a time (``lax.map``), keeping only their norms."""
     ghost = ghost_norms(split, calls, losses, batch)
     if ghost is not None:
-        return ghost_squares(ghost, lams, batch, calls.policy)
+        return ghost_squares(ghost, lams, batch, calls.policy) + direct_squares(split, calls, losses, batch)
     size = min(chunk, batch)
     starts = np.arange(0, batch, size)
     argnums = tuple(range(len(split.diff)))
@@ -165,8 +168,45 @@ def squared_grad_norms(split: Split, calls: Calls, losses: Callable, batch: int,
 
 
 def ghost_norms(split: Split, calls: Calls, losses: Callable, batch: int) -> list[ParamNorms] | None:
-    """The calls' `ParamNorms` where ``fun`` reaches the arguments only through its networks and
-    each argument leaf is one block of one call (`Calls.ghost`); else None."""
-    if calls.spans is not None or reaches_outputs(jax.make_jaxpr(lambda *d: losses(calls.outs, *d))(*split.diff).jaxpr):
+    """The calls' `ParamNorms` where each argument leaf is one block of one call (`Calls.ghost`)
+    and the leaves ``fun`` reads outside its networks (`direct_reads`: a head applied after the
+    last layer named in ``layers=``) are none of them — per-example gradients of the two parts
+    then touch different leaves, and their squared norms add; else None."""
+    if calls.spans is not None:
         return None  # (calls of different batches: the per-example gradients, chunk by chunk)
+    direct = direct_reads(split, calls, losses)
+    used = {n for call in calls.placement for n in call} - {None}
+    if not used or any(d and n in used for n, d in enumerate(direct)):
+        return None  # (no network reads an argument: the loss's own per-example gradients)
     return calls.ghost(batch)
+
+
+def direct_reads(split: Split, calls: Calls, losses: Callable) -> list[bool]:
+    """Per leaf of the differentiated arguments (flat), whether the losses read it besides
+    through the networks' outputs (an equation counted as reading all its operands)."""
+    jaxpr = jax.make_jaxpr(lambda *d: losses(calls.outs, *d))(*split.diff).jaxpr
+    reads = []
+    for n in range(len(jaxpr.invars)):
+        live = depending(jaxpr, [m == n for m in range(len(jaxpr.invars))])
+        reads.append(any(not isinstance(v, Literal) and v in live for v in jaxpr.outvars))
+    return reads
+
+
+def direct_squares(split: Split, calls: Calls, losses: Callable, batch: int) -> jax.Array:
+    """(B,) squared norms of the per-example gradients of what the losses read of the arguments
+    outside the networks (their outputs held): the Jacobian of the (B,) losses in those leaves
+    by reverse mode, B cotangents at once — a head's is as cheap as the head. 0 where they read
+    none."""
+    direct = direct_reads(split, calls, losses)
+    if not any(direct):
+        return jnp.zeros((batch,), jnp.result_type(float))
+    leaves, treedef = jax.tree.flatten(split.diff)
+    picked = [x for x, d in zip(leaves, direct) if d]
+
+    def of_picked(picked: list) -> jax.Array:
+        values = iter(picked)
+        full = [next(values) if d else jax.lax.stop_gradient(x) for x, d in zip(leaves, direct)]
+        return losses(calls.outs, *jax.tree.unflatten(treedef, full))
+
+    jacobian = jax.jacrev(of_picked)(picked)
+    return sum(jnp.sum(jnp.reshape(j, (batch, -1)).astype(jnp.result_type(float)) ** 2, axis=1) for j in jacobian)
