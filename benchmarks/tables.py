@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -59,7 +60,9 @@ def write_between(path: Path, marker: str, text: str, rows: str, flags: str = ""
     flag = ("" if rows == "all" else f" --rows {rows}") + flags
     device = jax.devices()[0]
     where = "CPU" if device.platform == "cpu" else f"{device.platform.upper()} ({device.device_kind})"
-    block = (f"<!-- {marker} -->\n`python benchmarks/run.py --write-docs{flag}` on "
+    threads = os.environ.get("OPENBLAS_NUM_THREADS")  # part of the command: it moves the factorisations' times
+    prefix = f"OPENBLAS_NUM_THREADS={threads} " if threads else ""
+    block = (f"<!-- {marker} -->\n`{prefix}python benchmarks/run.py --write-docs{flag}` on "
              f"{where} ({'float64' if jax.config.jax_enable_x64 else 'float32'}), jax {jax.__version__}:\n\n{text}\n"
              f"<!-- /{marker} -->")
     content, found = re.subn(f"<!-- {marker} -->.*<!-- /{marker} -->", lambda _: block, path.read_text(), flags=re.S)
