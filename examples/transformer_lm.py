@@ -23,13 +23,7 @@ import collections
 import importlib
 import inspect
 import math
-import os
-import sys
 import time
-
-if "kfac" in sys.argv:  # JAX 0.10's CPU runtime hangs on this K-FAC step (every thread waiting) unless
-    # XLA's concurrency-optimised scheduler is off; the newest JAX runs it either way
-    os.environ.setdefault("XLA_FLAGS", "--xla_cpu_enable_concurrency_optimized_scheduler=false")
 
 import jax
 import jax.numpy as jnp

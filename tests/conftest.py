@@ -20,12 +20,14 @@ the blob that reproduces it, ``@reproduce_failure``). Both have a deadline per e
 a hang but not a compilation (a JAX trace and compile takes seconds; a re-run hits the cache, so a
 tight deadline would report every compile as flaky). ``HYPOTHESIS_PROFILE`` chooses another.
 
-XLA: the default tier compiles with LLVM's optimisations off (``--xla_backend_optimization_level=0``;
-on jaxlib 0.10 XLA:CPU's fusion emitters off too): it is compile-bound (XLA's compiles were ≈ 60 %
-of a profiled test's time) and checks numbers, not speed; the same tests took 0.75× the time, and a
-test's compiles 4.3 s instead of 9.2 s without the fusion emitters. The slow tier (--slow, both
-tiers) compiles at XLA's defaults, the settings users run, subprocesses included; CI runs it on the
-oldest and the newest JAX. Speed is measured in ``benchmarks/``, at the default level.
+XLA: the tests compile with LLVM's optimisations off (``--xla_backend_optimization_level=0``; on
+jaxlib 0.10 XLA:CPU's fusion emitters off too): the suite is compile-bound (XLA's compiles were
+≈ 60 % of a profiled test's time) and checks numbers, not speed; the same tests took 0.75× the
+time, and a test's compiles 4.3 s instead of 9.2 s without the fusion emitters. ``--xla-defaults``
+compiles at XLA's defaults, the settings users run: the tests marked ``users_settings`` (each
+transform against its reference) run so in the slow tier (`tests/test_users_settings.py`, a
+process of their own) and in CI on the newest JAX. Speed is measured in ``benchmarks/``, at the
+default level.
 
 JAX's persistent compilation cache holds the run's compiled programs under
 ``build/jax-cache-py<X.Y>-jax<version>`` (one per Python and JAX version, never shared between
@@ -43,7 +45,7 @@ import jax
 import pytest
 from hypothesis import HealthCheck, settings
 
-# The XLA flags of the default tier (`pytest_configure` sets them unless --slow): LLVM's
+# The XLA flags of the tests (`pytest_configure` sets them unless --xla-defaults): LLVM's
 # optimisations off; on jaxlib 0.10 also XLA:CPU's fusion emitters (its older loop emitters compile
 # the same program in half the time). Later jaxlibs have no such flag, and XLA aborts on a flag it
 # does not know.
@@ -68,15 +70,18 @@ settings.register_profile("ci", parent=settings.get_profile("dev"), max_examples
 def pytest_addoption(parser):
     parser.addoption("--slow", action="store_true", default=False,
                      help="also run the slow tier (tests marked slow) and the long property-based runs")
+    parser.addoption("--xla-defaults", action="store_true", default=False,
+                     help="compile at XLA's default settings (as users run) instead of LLVM's level 0")
 
 
 def pytest_configure(config):
-    """The tier's hypothesis profile and XLA flags; JAX's backend starts after this (at the first
-    array a test module makes), so the flags reach every compile, and subprocesses inherit them."""
+    """The tier's hypothesis profile and the XLA flags; JAX's backend starts after this (at the
+    first array a test module makes), so the flags reach every compile, and subprocesses inherit
+    them."""
     slow = config.getoption("--slow")
     settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE") or ("ci" if slow else "dev"))
     flags = os.environ.get("XLA_FLAGS", "")
-    if not slow and "xla_backend_optimization_level" not in flags:
+    if not config.getoption("--xla-defaults") and "xla_backend_optimization_level" not in flags:
         os.environ["XLA_FLAGS"] = " ".join([flags, *_FAST_COMPILE]).strip()
     config.xla_flags = os.environ.get("XLA_FLAGS") or "XLA's defaults"
 

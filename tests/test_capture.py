@@ -190,6 +190,7 @@ def test_equinox_per_example_vmap_idiom_gives_filter_grad():
 
 
 # -- curvature of a model as it is ---------------------------------------------------------------------
+@pytest.mark.users_settings
 def test_curvature_transforms_take_layers():
     params, x, y = blocks_params(3, seed=2), jnp.asarray(np.random.default_rng(3).standard_normal((4, W))), \
         jnp.zeros((4, 2))
@@ -638,6 +639,7 @@ def test_per_example_transforms_of_a_head_after_a_frozen_backbone():
     close(clipped, jnp.tensordot(jnp.minimum(1, 1 / norms), ref, 1))
 
 
+@pytest.mark.users_settings
 @pytest.mark.parametrize("tied", [False, True])
 def test_norms_and_clipping_of_a_head_outside_the_layers(tied):
     """Residual blocks named in ``layers=``, a head after them in the loss (as README's model):

@@ -19,6 +19,7 @@ def reference(losses, params, inputs, clip):
     return jax.tree.map(lambda g: jnp.einsum("b,b...->...", weights, g), grads), norms
 
 
+@pytest.mark.users_settings
 @pytest.mark.parametrize("name", ["rnn-rows", "transformer", "multi_input"])
 def test_clipped_sum_and_norms_equal_the_per_example_gradients(name):
     """An RNN with its recurrent weight shared over the steps and Row("xs", t) reads, a

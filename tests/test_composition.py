@@ -52,6 +52,7 @@ def test_second_call_with_same_shapes_does_not_retrace():
     assert len(traces) == 2
 
 
+@pytest.mark.users_settings
 def test_optax_training_steps_equal_those_with_jax_grad():
     case = REGISTRY["stacked"]()
     optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2, weight_decay=1e-3))

@@ -148,6 +148,7 @@ def _loss_of_outputs(losses, params, inputs, outs):
         return losses(params, *inputs)
 
 
+@pytest.mark.users_settings
 @pytest.mark.parametrize("name", ["chain", "conv", "lstm", "rnn-rows", "skips", "stacked", "transformer"])
 def test_gauss_newton_dense_and_products(name):
     losses, params, inputs = CASES[name]
@@ -240,6 +241,7 @@ def test_gauss_newton_with_several_arguments_and_aux():
 
 
 # -- per-example gradients and norms --------------------------------------------------------------
+@pytest.mark.users_settings
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_per_example_gradients_equal_jacrev(name):
     losses, params, inputs = CASES[name]
@@ -349,6 +351,7 @@ def test_chained_networks_are_refused_for_per_example():
 
 
 # -- the GGN diagonal -----------------------------------------------------------------------------
+@pytest.mark.users_settings
 @pytest.mark.parametrize("name", ["chain", "skips", "stacked", "rnn-rows", "transformer", "lstm"])
 def test_diag_ggn_is_the_diagonal_of_the_dense_ggn(name):
     losses, params, inputs = CASES[name]
@@ -452,6 +455,7 @@ def test_diag_ggn_where_a_block_is_used_twice_in_a_layer():
     np.testing.assert_allclose(ravel_pytree(ours)[0], np.diag(reference_ggn(losses, p, (x,))), rtol=1e-8, atol=1e-10)
 
 
+@pytest.mark.users_settings
 def test_monte_carlo_ggn_diagonal_estimates_the_exact_one():
     """softmax cross-entropy (H positive semi-definite): the mean over many samples approaches the
     exact diagonal; one sample is a different, noisy value."""
@@ -634,6 +638,7 @@ def test_sampling_roots_square_to_each_block_or_its_diagonally_dominant_repair(s
     np.testing.assert_allclose(square(r[[0, 1, 2, 4, 5]]), np.asarray(psd)[[0, 1, 2, 4, 5]], rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.users_settings
 def test_outputs_the_loss_does_not_read_cost_no_columns():
     """A loss that reads one leaf of a network's outputs (a physics-informed loss reads the lifted
     Δu, not u and ∇u): H has no rows there, so ggn_factor has one row per coordinate read (2 per

@@ -47,6 +47,7 @@ def direction(k, g, lam, residuals=None, momentum=None, previous=None):
     return np.asarray(out)
 
 
+@pytest.mark.users_settings
 @pytest.mark.parametrize("shape", [(12, 40), (40, 12)], ids=["rows < params", "rows > params"])
 def test_svd_direction_is_the_damped_least_squares_at_every_lambda(shape):
     """From the residuals, within round-off of the stacked least-squares reference for λ from
@@ -145,6 +146,7 @@ def _fit_problem():
     return params, loss
 
 
+@pytest.mark.users_settings
 def test_probed_step_is_the_rule_applied_to_the_candidates_one_by_one():
     """step='probe': the candidates λ_c·10^t (t over [−spread, spread]), each direction by the
     stacked least-squares reference, each loss by its own call, the rule (the smallest λ that lowers

@@ -26,6 +26,7 @@ def all_argnums(case):
     return tuple(range(1 + len(case.inputs)))
 
 
+@pytest.mark.users_settings
 def test_grad_matches_jax_grad(case):
     argnums = all_argnums(case)
     expected = jax.grad(case.loss, argnums)(case.params, *case.inputs)
@@ -46,6 +47,7 @@ def test_jit_grad_matches_with_the_loop_engine(case):
     assert_trees_close(jax.jit(lbp.grad_by_solve(case.loss, engine="loop"))(case.params, *case.inputs), expected)
 
 
+@pytest.mark.users_settings
 def test_jvp_matches_jax_jvp(case):
     rng = np.random.default_rng(7)
     primals = (case.params, *case.inputs)
@@ -66,6 +68,7 @@ def test_jvp_of_network_outputs(case):
     assert_trees_close(by_loop(case.params, t), expected)
 
 
+@pytest.mark.users_settings
 @pytest.mark.parametrize("name", ["seed", "lstm", "multi_input", "stacked"])  # shared blocks, pytrees, rows
 def test_hessian_vector_product(name):
     case = REGISTRY[name]()

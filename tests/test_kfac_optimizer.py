@@ -77,6 +77,7 @@ def dense_curvature(factors, diagonal, params):
     return jnp.asarray(out)
 
 
+@pytest.mark.users_settings
 def test_fixed_step_is_the_exactly_damped_kronecker_solve():
     """learning_rate=1, momentum=0: u = −(F + λI)⁻¹ g, λ added exactly (not factored)."""
     params, _x, _y, _value, grad, _G, factors, diagonal = at_problem()
@@ -284,6 +285,7 @@ def test_the_odd_corners_of_damping_and_non_finite_factors():
     close(ravel_pytree(third.inverses)[0], ravel_pytree(second.inverses)[0], rtol=0, atol=0)
 
 
+@pytest.mark.users_settings
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64], ids=["float32", "float64"])
 @pytest.mark.parametrize("update_every", [1, 5])
 def test_trains_under_one_jit(dtype, update_every):

@@ -95,6 +95,7 @@ def test_three_coordinates_and_a_constant_input_per_point():
     close(ravel_pytree(jax.jit(lbp.grad_by_solve(loss))(p))[0], ravel_pytree(jax.jit(jax.grad(reference))(p))[0])
 
 
+@pytest.mark.users_settings
 @pytest.mark.parametrize("d", [1, 2, 5])
 def test_chosen_second_derivatives_against_jacfwd_and_hessian(d):
     """second=(c_1 … c_d): lap is Σ_k c_k ∂²u/∂x_k² (u_xx of Burgers' (x, t): c = (1, 0)), beside
@@ -134,6 +135,7 @@ def test_chosen_second_derivatives_against_jacfwd_and_hessian(d):
         lbp.forward_laplacian(net, second=(1.0,) * (d + 1))(p, x)
 
 
+@pytest.mark.users_settings
 def test_physics_informed_gradient_and_gauss_newton():
     p, (inner, edge) = params(), points()
 

@@ -42,6 +42,7 @@ def case(request):
     return REGISTRY[request.param]()
 
 
+@pytest.mark.users_settings
 def test_todense_matches_independent_jacobians(case):
     lin, DU, DT = dense_phi_jacobians(case)
     L = np.asarray(lin.L.todense())

@@ -65,6 +65,7 @@ def dense_direction(G, grad, lam):
     return unravel(jnp.linalg.solve(G.todense() + lam * jnp.eye(flat.size), flat))
 
 
+@pytest.mark.users_settings
 @pytest.mark.parametrize("loss", [squared, xent], ids=["squared", "cross-entropy"])
 @pytest.mark.parametrize("solver", ["cg", "woodbury", "dense"])  # "auto": the rows' test
 def test_direction_is_the_damped_solve(loss, solver):

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._engine import weighted_square_sum
-from .._graph import Stack
+from .._graph import Stack, in_turn
 from ._calls import Calls
 from ._sampling import block_sampler
 from ._separation import (
@@ -86,7 +86,7 @@ class Examples(NamedTuple):
         """Per group, H_b = Σ_k λ_bk s_bk s_bkᵀ: eigenvalues [B_g, C_g] and eigenvectors
         [B_g, C_g, C_g] (``eigh``: exact for indefinite H); for blocks per position
         ([B_g, P, D, D], see `hessian_blocks`) each position's: [B_g, P, D] and [B_g, P, D, D]."""
-        pairs = [jnp.linalg.eigh(h) for h in self.blocks]
+        pairs = in_turn(jnp.linalg.eigh, self.blocks)  # LAPACK's calls in turn (`_graph._in_turn`)
         return [lam for lam, _ in pairs], [vecs for _, vecs in pairs]
 
     def draws(self) -> Callable[[jax.Array], list[jax.Array]]:

@@ -4,8 +4,9 @@ Modules, lowest first: `_buffers` (rows into and out of stacked buffers, one XLA
 many rows; the buffers' shardings), `_layer` (a layer, a row of a stacked block or input, how a
 layer is called), `_network` (`Network`: validation, topological order, the plain forward
 substitution U = Φ(U, θ), and ``__call__``, which reads how to run from `_options`),
-`_block_text` (a block pattern as text) and `_jaxprs` (a layer's jaxpr text and constants: what a plan
-is checked against to find it stale; the one jaxpr evaluator).
+`_block_text` (a block pattern as text), `_in_turn` (LAPACK calls one after another) and
+`_jaxprs` (a layer's jaxpr text and constants: what a plan is checked against to find it stale;
+the one jaxpr evaluator).
 """
 
 from ._block_text import block_matrix_text
@@ -20,6 +21,7 @@ from ._buffers import (
     update_row,
     zeros_of,
 )
+from ._in_turn import in_turn
 from ._jaxprs import (
     Constant,
     bind_equation,
@@ -62,6 +64,7 @@ __all__ = [
     "dependents",
     "evaluate",
     "explicit_sharding",
+    "in_turn",
     "index_row",
     "label",
     "layer_theta",

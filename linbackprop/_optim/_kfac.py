@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import optax
 
 from .._curvature import GaussNewton
+from .._graph import in_turn
 from ._arguments import accepted, params_dtype, shaped_as
 from ._blocks import block_matrix, blocks_of, blockwise
 from ._kronecker import apply, decompose
@@ -227,7 +228,7 @@ def kfac(damping: float = 1e-3, decay: float = 0.95, update_every: int = 5, *, l
         def fresh_or_held() -> list:
             # a decomposition of non-finite averages (an overflow) or with non-finite results is not
             # taken: the held one serves (eigh sees the non-finite entries zeroed, never the NaN)
-            new = [decompose(c, lam) for c in averaged]
+            new = in_turn(lambda c: decompose(c, lam), averaged)  # LAPACK's calls in turn
             ok = _all_finite(averaged) & _all_finite(new)
             return jax.tree.map(lambda n, h: jnp.where(ok, n, h), new, held)
 

@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from .._curvature import Kronecker
+from .._graph import in_turn
 
 
 class Diagonal(NamedTuple):
@@ -99,8 +100,7 @@ def decompose(curvature: Curvature, damping: jax.Array) -> Inverse:
         return curvature
     if len(curvature) == 1:
         (left, right), = curvature
-        a, qa = _eigh(left)
-        g, qg = _eigh(right)
+        (a, qa), (g, qg) = in_turn(_eigh, [left, right])  # LAPACK's calls in turn (`_graph._in_turn`)
         return EigenPair(qa, a, qg, g)
     first, rest = curvature[0], curvature[1:]
     if len(rest) > 1:
@@ -108,8 +108,7 @@ def decompose(curvature: Curvature, damping: jax.Array) -> Inverse:
     share = damping / 2
     a, b = _damped(first, share)
     c, d = _damped(rest[0], share)
-    k1, s1 = _joint(a, c)
-    k2, s2 = _joint(b, d)
+    (k1, s1), (k2, s2) = in_turn(lambda pair: _joint(*pair), [(a, c), (b, d)])
     return JointPair(k1, s1, k2, s2)
 
 
