@@ -93,7 +93,7 @@ class Examples(NamedTuple):
         """``draw(key)``: per group one sample s_b of every example with E[s_b s_bᵀ] = H_b,
         [B_g, C_g] (`block_sampler`; blocks per position: each position's, drawn independently,
         flattened)."""
-        groups = [block_sampler(h) for h in self.blocks]
+        groups = in_turn(block_sampler, self.blocks, waits_on=lambda draw: draw.roots)  # Cholesky's calls in turn
         return lambda key: [draw(k) for draw, k in zip(groups, jax.random.split(key, len(groups)))]
 
     def of_call(self, call: int) -> int:

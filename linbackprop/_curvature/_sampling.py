@@ -106,7 +106,11 @@ def block_sampler(h: jax.Array) -> Callable[[jax.Array], jax.Array]:
     def by_roots(key: jax.Array) -> jax.Array:
         return jnp.einsum("nij,nj->ni", roots, jax.random.normal(key, flat.shape[:-1], h.dtype))
 
-    return lambda key: jax.lax.cond(dominant, by_terms, by_roots, key).reshape(batch, -1)
+    def draw(key: jax.Array) -> jax.Array:
+        return jax.lax.cond(dominant, by_terms, by_roots, key).reshape(batch, -1)
+
+    draw.roots = roots  # what a next group's factorisation waits on (`_graph.in_turn`)
+    return draw
 
 
 def _root(h: jax.Array) -> jax.Array:

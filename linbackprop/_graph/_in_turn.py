@@ -21,13 +21,15 @@ import jax
 import jax.numpy as jnp
 
 
-def in_turn(f: Callable[[Any], Any], values: Sequence[Any]) -> list[Any]:
+def in_turn(f: Callable[[Any], Any], values: Sequence[Any],
+            waits_on: Callable[[Any], Any] = lambda out: out) -> list[Any]:
     """``[f(v) for v in values]``, each call after the one before it (its input waits on the
-    previous output), the values unchanged."""
+    arrays ``waits_on`` picks of the previous output: all of it by default), the values
+    unchanged."""
     out: list[Any] = []
     for value in values:
         if out:
-            value = _after(value, out[-1])
+            value = _after(value, waits_on(out[-1]))
         out.append(f(value))
     return out
 
