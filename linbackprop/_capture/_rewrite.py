@@ -16,7 +16,7 @@ import jax
 import numpy as np
 from jax.extend.core import Literal
 
-from .._graph import Constant, Stack, random_values
+from .._graph import Constant, Stack, at_random
 from .._options import settings_changed
 from ._marks import Capturing, Patched
 from ._program import NETWORKS, Capture, Program, at_any_batch, build, shared_value
@@ -190,7 +190,7 @@ def _data_among(flat: Callable, diff: list, rest: list, candidates: list[bool], 
     """Which of the ``candidates`` (the arguments not differentiated whose leading axis is the
     batch) are the data: those whose rows, moved one example on (a cyclic shift along the batch),
     move ``fun``'s per-example results one example on and leave a sum over the examples as it is
-    — checked on random values (`random_values`) at trace time. Every candidate where that holds
+    — checked on random values (`at_random`) at trace time. Every candidate where that holds
     (two evaluations: the usual case); else the largest subset for which it does, so that a
     frozen parameter whose leading axis happens to equal the batch (a 2 × 2 matrix at batch 2,
     an embedding table with as many rows as examples, whose shifted rows the gather reads for
@@ -200,35 +200,27 @@ def _data_among(flat: Callable, diff: list, rest: list, candidates: list[bool], 
     where = [n for n, c in enumerate(candidates) if c]
     if not where:
         return candidates
-    draw, drawn = random_values(), {}
     aval = lambda x: jax.ShapeDtypeStruct(np.shape(x), jax.numpy.result_type(x))
+    # one trace at the avals (the shifts keep the shapes), random values for the arguments
+    evaluate, values, shape = at_random(flat, [aval(x) for x in diff], [aval(x) for x in rest])
+    n_result = len(jax.tree.leaves(shape[0]))
+    diff_values, rest_values = values[:len(diff)], values[len(diff):]
     with jax.ensure_compile_time_eval():
-        diff_values, rest_values = [draw(aval(x)) for x in diff], [draw(aval(x)) for x in rest]
-        full = jax.tree.leaves(_evaluate(flat, diff_values, rest_values, drawn)[0])
+        full = evaluate(*diff_values, *rest_values)[:n_result]
     if not full:
         return candidates
     subsets = [tuple(where)] + [s for size in range(len(where) - 1, 0, -1)
                                 for s in itertools.combinations(where, size)][:_MOST_SUBSETS]
     for subset in subsets:
         with jax.ensure_compile_time_eval():
-            shifted = [jax.numpy.roll(v, 1, axis=0) if n in subset else v for n, v in enumerate(rest_values)]
-            out = jax.tree.leaves(_evaluate(flat, diff_values, shifted, drawn)[0])
-        if all(_moved_with_the_examples(a, b, batch) for a, b in zip(full, out)):
+            shifted = evaluate(*diff_values, *[jax.numpy.roll(v, 1, axis=0) if n in subset else v
+                                               for n, v in enumerate(rest_values)])[:n_result]
+        if all(_moved_with_the_examples(a, b, batch) for a, b in zip(full, shifted)):
             return [n in subset for n in range(len(candidates))]
     return candidates
 
 
 _MOST_SUBSETS = 64  # of the candidates, tried largest first where shifting all of them does not fit
-
-
-def _evaluate(flat: Callable, diff: list, rest: list, drawn: dict) -> Any:
-    """``flat(diff, rest)`` run op by op; what it closes over that is a tracer (an enclosing
-    ``jax.jit``'s arguments) is given a random value, the same for the same tracer (``drawn``)."""
-    closed = jax.make_jaxpr(flat)(diff, rest)
-    consts = [drawn.setdefault(id(c), (c, random_values()(c.aval)))[1] if isinstance(c, jax.core.Tracer) else c
-              for c in closed.consts]
-    outs = jax.core.eval_jaxpr(closed.jaxpr, consts, *diff, *rest)
-    return jax.tree.unflatten(jax.tree.structure(jax.eval_shape(flat, diff, rest)), outs)
 
 
 def _moved_with_the_examples(full: Any, shifted: Any, batch: int) -> bool:

@@ -25,7 +25,7 @@ from .._capture import rewrite
 from .._options import Engine
 from ._examples import per_example_setup
 from ._ghost import ghost_clipped
-from ._per_example import direct_squares, ghost_norms, squared_grad_norms
+from ._per_example import direct_reads, direct_squares, ghost_norms, squared_grad_norms
 from ._split import add_trees, normalise_argnums
 
 
@@ -107,9 +107,10 @@ def clipped_grad(losses: Callable, clip: float | jax.Array, argnums: int | Seque
                              f"{'; '.join(calls.call_names())}. Call the network once per example's data, or clip "
                              "the per-example gradients yourself (lbp.per_example_grads, jnp.concatenate order).")
         c = jnp.asarray(clip, jnp.result_type(float))
-        ghost = ghost_norms(split, calls, per_example, batch)
+        direct = direct_reads(split, calls, per_example)
+        ghost = ghost_norms(calls, batch, direct)
         if ghost is not None:
-            extra = direct_squares(split, calls, per_example, batch)
+            extra = direct_squares(split, calls, per_example, batch, direct)
             norms, sums = ghost_clipped(ghost, lams, batch, calls.policy, lambda n: _weights(n, c), extra)
             through = calls.arguments(sums)
             weights = _weights(norms, c)

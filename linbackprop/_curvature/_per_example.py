@@ -139,9 +139,10 @@ def squared_grad_norms(split: Split, calls: Calls, losses: Callable, batch: int,
     (`ghost_norms`) where they apply, plus the squares of what the loss reads of the arguments
     itself (a head outside ``layers=``: `direct_squares`); otherwise the per-example gradients
     formed ``chunk`` examples at a time (``lax.map``), keeping only their norms."""
-    ghost = ghost_norms(split, calls, losses, batch)
+    direct = direct_reads(split, calls, losses)
+    ghost = ghost_norms(calls, batch, direct)
     if ghost is not None:
-        return ghost_squares(ghost, lams, batch, calls.policy) + direct_squares(split, calls, losses, batch)
+        return ghost_squares(ghost, lams, batch, calls.policy) + direct_squares(split, calls, losses, batch, direct)
     size = min(chunk, batch)
     starts = np.arange(0, batch, size)
     argnums = tuple(range(len(split.diff)))
@@ -167,14 +168,13 @@ def squared_grad_norms(split: Split, calls: Calls, losses: Callable, batch: int,
     return jax.lax.map(chunk_squares, jnp.asarray(starts)).reshape(-1)[:batch]
 
 
-def ghost_norms(split: Split, calls: Calls, losses: Callable, batch: int) -> list[ParamNorms] | None:
+def ghost_norms(calls: Calls, batch: int, direct: list[bool]) -> list[ParamNorms] | None:
     """The calls' `ParamNorms` where each argument leaf is one block of one call (`Calls.ghost`)
-    and the leaves ``fun`` reads outside its networks (`direct_reads`: a head applied after the
-    last layer named in ``layers=``) are none of them — per-example gradients of the two parts
-    then touch different leaves, and their squared norms add; else None."""
+    and the leaves ``fun`` reads outside its networks (``direct``, from `direct_reads`: a head
+    applied after the last layer named in ``layers=``) are none of them — per-example gradients
+    of the two parts then touch different leaves, and their squared norms add; else None."""
     if calls.spans is not None:
         return None  # (calls of different batches: the per-example gradients, chunk by chunk)
-    direct = direct_reads(split, calls, losses)
     used = {n for call in calls.placement for n in call} - {None}
     if not used or any(d and n in used for n, d in enumerate(direct)):
         return None  # (no network reads an argument: the loss's own per-example gradients)
@@ -192,12 +192,12 @@ def direct_reads(split: Split, calls: Calls, losses: Callable) -> list[bool]:
     return reads
 
 
-def direct_squares(split: Split, calls: Calls, losses: Callable, batch: int) -> jax.Array:
+def direct_squares(split: Split, calls: Calls, losses: Callable, batch: int, direct: list[bool]) -> jax.Array:
     """(B,) squared norms of the per-example gradients of what the losses read of the arguments
-    outside the networks (their outputs held): the Jacobian of the (B,) losses in those leaves
-    by reverse mode, B cotangents at once — a head's is as cheap as the head. 0 where they read
-    none."""
-    direct = direct_reads(split, calls, losses)
+    outside the networks (their outputs held; ``direct``: those leaves, `direct_reads`): the
+    Jacobian of the (B,) losses in those leaves by reverse mode, B cotangents at once (B
+    backward passes of what follows the networks — of a head, not of the network). 0 where they
+    read none."""
     if not any(direct):
         return jnp.zeros((batch,), jnp.result_type(float))
     leaves, treedef = jax.tree.flatten(split.diff)

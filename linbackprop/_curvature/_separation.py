@@ -7,27 +7,13 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._graph import random_values
+from .._graph import at_random, random_values
 from .._plan import Plan
-
-
-def _at_random(fn: Callable, *args: Any) -> tuple[Callable, list[Any]]:
-    """``fn`` as a function of its flat arguments' leaves, evaluated eagerly with values drawn at
-    random for whatever it closes over that is a tracer (labels under ``jax.jit``: only their
-    shapes are known here), and random values for those leaves."""
-    draw = random_values()
-    closed = jax.make_jaxpr(fn)(*args)
-    with jax.ensure_compile_time_eval():
-        consts = [draw(c.aval) if isinstance(c, jax.core.Tracer) else c for c in closed.consts]
-        values = [draw(v.aval) for v in closed.jaxpr.invars]
-    return (lambda *leaves: jax.core.eval_jaxpr(closed.jaxpr, consts, *leaves)[0]), values
-
 
 _checked: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -114,9 +100,9 @@ def check_losses_keep_examples_apart(losses: Callable, outs: tuple, axes: list[l
     close over (labels under ``jax.jit`` are tracers: only their shapes are known here): call c's
     first example perturbed along each output leaf's batch axis (``axes[c]``), no loss but that
     example's (``firsts[c]``, in call order) may change."""
-    evaluate, args = _at_random(losses, outs, *diff)
+    evaluate, args, _ = at_random(losses, outs, *diff)
     with jax.ensure_compile_time_eval():
-        run = lambda a: np.asarray(evaluate(*a), np.float64)
+        run = lambda a: np.asarray(evaluate(*a)[0], np.float64)
         base = run(args)
         start = 0
         for call, (leaf_axes, first) in enumerate(zip(axes, firsts)):
@@ -146,9 +132,9 @@ def check_hessian_keeps_positions_apart(loss: Callable, leaves: list, n: int, ax
     a random r on that leaf against the product with H's blocks per (example, position), found
     from D products of the basis vectors e_j set at every position at once (what the blocks per
     position are made of). They agree only where the loss is a sum of per-position terms."""
-    evaluate, point = _at_random(loss, *leaves)
+    evaluate, point, _ = at_random(loss, *leaves)
     with jax.ensure_compile_time_eval():
-        grad = jax.grad(lambda xs: evaluate(*xs))
+        grad = jax.grad(lambda xs: evaluate(*xs)[0])
 
         def hvp(t: jax.Array) -> jax.Array:  # H's product with t on leaf n (zeros elsewhere), leaf n's part
             tangents = [t if m == n else jnp.zeros_like(x) for m, x in enumerate(point)]
@@ -183,9 +169,9 @@ def check_hessian_keeps_examples_apart(loss: Callable, leaves: list, axes: list[
     first example of each group of calls moved (output leaf n's batch on ``axes[n]``, its group
     ``groups[n]``), no other example's part of ∂loss/∂(outputs) may change — it does not where
     the loss is a sum of per-example terms, whatever those are."""
-    evaluate, point = _at_random(loss, *leaves)
+    evaluate, point, _ = at_random(loss, *leaves)
     with jax.ensure_compile_time_eval():
-        grad = jax.grad(lambda xs: evaluate(*xs))
+        grad = jax.grad(lambda xs: evaluate(*xs)[0])
         base = [np.asarray(x, np.float64) for x in grad(point)]
         for group in sorted(set(groups)):
             moved = [x.at[(slice(None),) * ax + (0,)].add(1.0)

@@ -24,6 +24,7 @@ from ._buffers import (
 from ._in_turn import in_turn
 from ._jaxprs import (
     Constant,
+    at_random,
     bind_equation,
     computation_of,
     dependents,
@@ -55,6 +56,7 @@ __all__ = [
     "Network",
     "Row",
     "Stack",
+    "at_random",
     "bind_equation",
     "block_matrix_text",
     "block_of",

@@ -40,6 +40,20 @@ def random_values() -> Callable[[Any], Any]:
     return sample
 
 
+def at_random(fn: Callable, *args: Any) -> tuple[Callable, list[Any], Any]:
+    """``fn`` as a function of its flat arguments' leaves, run op by op, with values drawn at
+    random (`random_values`) for whatever it closes over that is a tracer (labels or parameters
+    under ``jax.jit``: only their shapes are known at trace time): ``(evaluate, values, shape)``,
+    ``evaluate(*leaves)`` the flat list of its outputs' leaves, ``values`` random leaves for its
+    arguments and ``shape`` its output's structure. ``fn`` is traced once, at ``args``' avals."""
+    draw = random_values()
+    closed, shape = jax.make_jaxpr(fn, return_shape=True)(*args)
+    with jax.ensure_compile_time_eval():
+        consts = [draw(c.aval) if isinstance(c, jax.core.Tracer) else c for c in closed.consts]
+        values = [draw(v.aval) for v in closed.jaxpr.invars]
+    return (lambda *leaves: jax.core.eval_jaxpr(closed.jaxpr, consts, *leaves)), values, shape
+
+
 class Constant:
     """A constant of a jaxpr (a closed-over array), equal to another of the same shape, dtype and
     values: a new array with the same values computes the same thing."""
