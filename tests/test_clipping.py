@@ -144,6 +144,68 @@ def test_a_model_as_it_is_with_layers():
     close(clipped, clipped_ref)
 
 
+def _head_after_the_network(form, head_form):
+    """Three residual blocks — in a lax.scan named in layers= (``form="layers"``), or a Network of
+    Row blocks — and a head after them in the losses, in one of three forms: as written (each
+    example's gradient from its own rows), with the batch written into a reshape (only a Network:
+    layers= refuses it), and reading a frozen argument whose leading axis is the batch (both: the
+    losses cannot run on one example's rows, so the batch's Jacobian)."""
+    @lbp.layer
+    def block(W, b, h):
+        return h + jnp.tanh(h @ W + b)
+
+    net = lbp.Network([lbp.Layer(i + 1, lambda th, h: block(*th, h), (i,), (lbp.Row("W", i), lbp.Row("b", i)))
+                       for i in range(3)], [0], 3)
+    rng = np.random.default_rng(7)
+    batch, width, classes = 4, 3, 2
+    params = {"W": jnp.asarray(0.4 * rng.standard_normal((3, width, width))), "b": jnp.asarray(
+        0.1 * rng.standard_normal((3, width))), "head": jnp.asarray(rng.standard_normal((width, classes)))}
+    x, labels = jnp.asarray(rng.standard_normal((batch, width))), jnp.asarray(rng.integers(0, classes, batch))
+    frozen = jnp.asarray(rng.standard_normal((batch, classes)))  # a table of 4 rows, not the examples
+
+    def losses(params, x, labels, frozen):
+        if form == "layers":
+            h, _ = jax.lax.scan(lambda h, wb: (block(wb[0], wb[1], h), None), x, (params["W"], params["b"]))
+        else:
+            h = net(params, x)
+        logits = h @ params["head"]
+        if head_form == "reshape":
+            logits = logits.reshape(batch, classes)
+        if head_form == "frozen":
+            logits = logits + frozen[0]  # every example reads the table's first row
+        logp = jax.nn.log_softmax(logits, axis=-1)
+        return -jnp.take_along_axis(logp, labels[:, None], axis=1)[:, 0]
+
+    return losses, (block if form == "layers" else None), params, (x, labels, frozen)
+
+
+@pytest.mark.parametrize(("form", "head_form", "one_example"),
+                         [("layers", "as-written", True), ("layers", "frozen", False),
+                          ("network", "as-written", True), ("network", "reshape", False)])
+def test_a_head_after_the_network_from_each_examples_rows(form, head_form, one_example, monkeypatch):
+    """The per-example gradients of a head the losses apply after the network come from each
+    example's own rows of the outputs and the data (one batched backward pass) where the losses
+    run on one example — checked at trace time against the batch's losses — and from the batch's
+    Jacobian where they do not; the norms and the clipped sum equal jax.vmap(jax.grad)'s either
+    way, under jax.jit."""
+    from linbackprop._curvature import _per_example
+
+    taken = []
+    original = _per_example.one_example_losses
+    monkeypatch.setattr(_per_example, "one_example_losses",
+                        lambda *a: taken.append(original(*a)) or taken[-1])
+    losses, layers, params, inputs = _head_after_the_network(form, head_form)
+    norms_ref = reference(losses, params, inputs, 1.0)[1]
+    clip = float(jnp.median(norms_ref))
+    clipped, norms = jax.jit(lbp.clipped_grad(losses, clip, layers=layers))(params, *inputs)
+    clipped_ref, _ = reference(losses, params, inputs, clip)
+    np.testing.assert_allclose(norms, norms_ref, rtol=1e-10)
+    close(clipped, clipped_ref)
+    np.testing.assert_allclose(jax.jit(lbp.per_example_grad_norms(losses, layers=layers))(params, *inputs),
+                               norms_ref, rtol=1e-10)
+    assert taken and all((each is not None) == one_example for each in taken)
+
+
 @pytest.mark.parametrize(("stored", "chunk"), [(True, None), (True, 1), (True, 2), (False, 2)],
                          ids=["stored-residuals", "chunks-of-1", "chunks-of-2", "linearised-again"])
 def test_operands_from_the_stored_residuals_or_linearised_again(stored, chunk, monkeypatch):

@@ -62,6 +62,7 @@ class Program:
     output_vars: tuple  # per network output (a state): the vars it holds
     calls: tuple  # display names of the marked calls (for errors)
     unbatched: tuple = ()  # per network input: fed with a leading axis of one (`FromUnbatched`)
+    one: Program | None = None  # fun traced on one example (`at_any_batch`): its loss side runs there
 
     def _fed(self, inputs: list) -> list:
         return [x[None] if wrap else x for x, wrap in zip(inputs, self.unbatched or [False] * len(inputs))]
@@ -264,7 +265,7 @@ def at_any_batch(full: Program, one: Program) -> Program:
               for lay, other in zip(mine.layers, theirs.layers)]
     outputs = mine.output_spec[0] if mine.single_output else list(mine.output_spec)  # Stacks kept
     net = Network(layers, inputs=list(mine.inputs), outputs=outputs)
-    return dataclasses.replace(full, net=net)
+    return dataclasses.replace(full, net=net, one=one)
 
 
 def _read_equations(eqns: list, outvars: list) -> list:

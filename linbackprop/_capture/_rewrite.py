@@ -326,6 +326,14 @@ def rewrite(fun: Callable, args: tuple, argnums: tuple[int, ...], layers: Any, p
         outs = program.run([leaf for d in diffs for leaf in d] + list(rest_leaves))
         return jax.tree.unflatten(out_def, outs)
 
+    if program.one is not None:  # the same on one example's data (the per-example transforms' heads)
+        def on_one_example(*parts: Any) -> tuple:
+            *diffs, rest_leaves = parts
+            outs = program.one.run([leaf for d in diffs for leaf in d] + list(rest_leaves))
+            return jax.tree.unflatten(out_def, outs)
+
+        rewritten.__linbackprop_one_example__ = on_one_example
+
     split = []
     start = 0
     for size in sizes:

@@ -26,7 +26,7 @@ from .._options import Engine
 from ._examples import per_example_setup
 from ._ghost import ghost_clipped
 from ._per_example import direct_reads, direct_squares, ghost_norms, squared_grad_norms
-from ._split import add_trees, normalise_argnums
+from ._split import add_trees, flat_result, normalise_argnums
 
 
 def clipped_grad(losses: Callable, clip: float | jax.Array, argnums: int | Sequence[int] = 0, *,
@@ -93,7 +93,7 @@ def clipped_grad(losses: Callable, clip: float | jax.Array, argnums: int | Seque
     if layers is not None:
         def on_model(*args: Any) -> tuple[Any, jax.Array]:
             found = rewrite(losses, args, nums, layers, per_example=True)
-            flat = clipped_grad(lambda *parts: found.fun(*parts)[0], clip, tuple(range(len(nums))), engine=engine)
+            flat = clipped_grad(flat_result(found.fun), clip, tuple(range(len(nums))), engine=engine)
             clipped, norms = flat(*found.args)
             return found.gradient(clipped, single), norms
 

@@ -19,6 +19,7 @@ from .._options import Engine
 from ._calls import Calls
 from ._examples import per_example_setup
 from ._ghost import ParamNorms, ghost_squares
+from ._one_example import one_example_losses
 from ._split import Split, add_trees, normalise_argnums, on_model
 
 
@@ -194,19 +195,24 @@ def direct_reads(split: Split, calls: Calls, losses: Callable) -> list[bool]:
 
 def direct_squares(split: Split, calls: Calls, losses: Callable, batch: int, direct: list[bool]) -> jax.Array:
     """(B,) squared norms of the per-example gradients of what the losses read of the arguments
-    outside the networks (their outputs held; ``direct``: those leaves, `direct_reads`): the
-    Jacobian of the (B,) losses in those leaves by reverse mode, B cotangents at once (B
-    backward passes of what follows the networks — of a head, not of the network). 0 where they
-    read none."""
+    outside the networks (their outputs held; ``direct``: those leaves, `direct_reads`): each
+    example's gradient from its own rows (`one_example_losses`: one batched backward pass of
+    what follows the networks), or where the losses cannot be run one example at a time, the
+    Jacobian of the (B,) losses in those leaves by reverse mode (B backward passes of the
+    batch's head). 0 where they read none."""
     if not any(direct):
         return jnp.zeros((batch,), jnp.result_type(float))
     leaves, treedef = jax.tree.flatten(split.diff)
     picked = [x for x, d in zip(leaves, direct) if d]
 
-    def of_picked(picked: list) -> jax.Array:
+    def with_picked(picked: list) -> tuple:
         values = iter(picked)
         full = [next(values) if d else jax.lax.stop_gradient(x) for x, d in zip(leaves, direct)]
-        return losses(calls.outs, *jax.tree.unflatten(treedef, full))
+        return jax.tree.unflatten(treedef, full)
 
-    jacobian = jax.jacrev(of_picked)(picked)
+    each = one_example_losses(split, calls, batch)
+    if each is not None:  # each example's loss differentiated inside the map over the examples
+        jacobian = each(calls.outs, lambda loss_b: jax.grad(lambda p: loss_b(*with_picked(p)))(picked))
+    else:
+        jacobian = jax.jacrev(lambda picked: losses(calls.outs, *with_picked(picked)))(picked)
     return sum(jnp.sum(jnp.reshape(j, (batch, -1)).astype(jnp.result_type(float)) ** 2, axis=1) for j in jacobian)

@@ -73,6 +73,17 @@ class OnArguments:
         return tuple(a.gradient(list(g)) for a, g in zip(self.arguments, vjp(cotangent)))
 
 
+def flat_result(rewritten: Callable) -> Callable:
+    """A captured model's result alone (``rewritten(*parts)[0]``), keeping the function that
+    computes it on one example's data (``__linbackprop_one_example__``, `_capture.rewrite`): the
+    program traced at the batch keeps the batch in its shapes."""
+    flat = lambda *parts: rewritten(*parts)[0]
+    one = getattr(rewritten, "__linbackprop_one_example__", None)
+    if one is not None:
+        flat.__linbackprop_one_example__ = lambda *parts: one(*parts)[0]
+    return flat
+
+
 def on_model(transform: Callable, fun: Callable, argnums: int | Sequence[int], layers: Any,
               to_arguments: bool = True, with_extra: bool = False) -> Callable:
     """``transform`` (a per-example or curvature transform taking ``(fun, argnums)``) of a model
@@ -83,7 +94,7 @@ def on_model(transform: Callable, fun: Callable, argnums: int | Sequence[int], l
 
     def run(*args: Any) -> Any:
         found = rewrite(fun, args, nums, layers, per_example=True)
-        result = transform(lambda *parts: found.fun(*parts)[0], tuple(range(len(nums))))(*found.args)
+        result = transform(flat_result(found.fun), tuple(range(len(nums))))(*found.args)
         if with_extra:
             return found.gradient(result[0], single), result[1]
         return found.gradient(result, single) if to_arguments else result
