@@ -909,3 +909,41 @@ def test_captures_in_two_threads_at_once_leave_the_class_as_it_was():
         t.join()
     assert not failures, failures
     assert Dense.__call__ is own and Other.__call__ is own_other
+
+
+def test_a_stacked_parameter_indexed_in_a_python_loop_is_read_as_rows():
+    """``params["W"][i]`` in a Python loop over the layers: each layer reads Row(W, i) (as a
+    ``lax.scan`` over the stack gives), not a glue layer that makes the rows states — which the
+    per-example transforms refused (a state without the batch). Gradient, per-example gradients,
+    their norms and the clipped sum against jax.grad and jax.jacrev, under jax.jit."""
+    @lbp.layer
+    def block(W, b, h):
+        return h + jnp.tanh(h @ W + b)
+
+    rng = np.random.default_rng(11)
+    depth, width, batch, classes = 3, 4, 5, 3
+    params = {"W": jnp.asarray(0.5 * rng.standard_normal((depth, width, width))),
+              "b": jnp.asarray(rng.standard_normal((depth, width))),
+              "head": jnp.asarray(rng.standard_normal((width, classes)))}
+    x, labels = jnp.asarray(rng.standard_normal((batch, width))), jnp.asarray(rng.integers(0, classes, batch))
+
+    def losses(p, x, labels):
+        h = x
+        for i in range(depth):
+            h = block(p["W"][i], p["b"][i], h)
+        logp = jax.nn.log_softmax(h @ p["head"], axis=-1)
+        return -jnp.take_along_axis(logp, labels[:, None], axis=1)[:, 0]
+
+    net = lbp.capture(losses, params, x, labels, layers=block).net
+    assert [lay.params for lay in net.layers] == [(lbp.Row("['W']", i), lbp.Row("['b']", i)) for i in range(depth)]
+    total = lambda p, x, labels: jnp.sum(losses(p, x, labels))
+    close(jax.jit(lbp.grad_by_solve(total, layers=block))(params, x, labels), jax.grad(total)(params, x, labels))
+    per_example = jax.jacrev(losses)(params, x, labels)
+    close(jax.jit(lbp.per_example_grads(losses, layers=block))(params, x, labels), per_example)
+    norms = jnp.sqrt(sum(jnp.sum(g.reshape(batch, -1) ** 2, axis=1) for g in jax.tree.leaves(per_example)))
+    np.testing.assert_allclose(jax.jit(lbp.per_example_grad_norms(losses, layers=block))(params, x, labels), norms,
+                               rtol=1e-10)
+    clipped, clip_norms = jax.jit(lbp.clipped_grad(losses, 1.0, layers=block))(params, x, labels)
+    weights = jnp.minimum(1.0, 1.0 / norms)
+    close(clipped, jax.tree.map(lambda g: jnp.einsum("b,b...->...", weights, g), per_example))
+    np.testing.assert_allclose(clip_norms, norms, rtol=1e-10)
