@@ -49,7 +49,10 @@ def rnn_with_readout(length: int) -> lbp.Network:
 
 
 def main(steps: int = 400, length: int = 20, hidden: int = 32, delay: int = 2, batch: int = 32,
-         seed: int = 0, checkpoints: int | None = None, optimizer: str = "adam") -> dict:
+         seed: int = 0, checkpoints: int | None = None, optimizer: str = "adam",
+         seconds: float | None = None) -> dict:
+    """Train for ``steps`` steps, or until ``seconds`` of step time (compile excluded) are spent;
+    returns the losses and each step's end in seconds of step time."""
     net = rnn(length)
     key = jax.random.PRNGKey(seed)
     ka, kb, ko = jax.random.split(key, 3)
@@ -96,18 +99,25 @@ def main(steps: int = 400, length: int = 20, hidden: int = 32, delay: int = 2, b
             return optax.apply_updates(p, updates), s, value
 
     first = float(loss(params, sample()))
-    spent = 0.0
+    spent, losses, clock = 0.0, [], []
     for n in range(steps):
+        xs = sample()
         start = time.perf_counter()
-        params, opt_state, value = jax.block_until_ready(step(params, opt_state, sample()))
+        params, opt_state, value = jax.block_until_ready(step(params, opt_state, xs))
         spent += (time.perf_counter() - start) if n >= 2 else 0.0  # the first two compile
+        losses.append(float(value))
+        clock.append(spent)
         if (n + 1) % max(1, steps // 5) == 0:
             print(f"step {n + 1:4d}: mean squared error {float(value):.2e}")
+        if seconds is not None and spent >= seconds:
+            break
+    steps = len(losses)
     last = float(loss(params, sample()))
     per_step = spent / max(1, steps - 2)
     print(f"echo with delay {delay}: error {first:.4f} before training, {last:.2e} after "
           f"({optimizer}, {per_step * 1e3:.2f} ms per step)")
-    return {"initial_loss": first, "final_loss": last, "ms_per_step": per_step * 1e3}
+    return {"initial_loss": first, "final_loss": last, "ms_per_step": per_step * 1e3, "losses": losses,
+            "seconds": clock}
 
 
 if __name__ == "__main__":

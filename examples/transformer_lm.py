@@ -153,7 +153,9 @@ def sample(net: lbp.Network, params: dict, prompt: np.ndarray, context: int, cou
 
 def main(steps: int = 800, blocks: int = 4, width: int = 64, context: int = 64, batch: int = 32, seed: int = 0,
          out: str | None = "transformer_lm.png", progress: bool = True, repeats: int = 10,
-         optimizer_name: str = "adamw") -> dict:
+         optimizer_name: str = "adamw", seconds: float | None = None) -> dict:
+    """Train for ``steps`` steps, or until ``seconds`` of step time (compile excluded) are spent;
+    returns the losses and each step's end in seconds of step time (``"seconds"``)."""
     text = corpus()
     chars = sorted(set(text))
     lookup = {c: i for i, c in enumerate(chars)}
@@ -204,11 +206,19 @@ def main(steps: int = 800, blocks: int = 4, width: int = 64, context: int = 64, 
 
         what = "lbp.kfac" if optimizer_name == "kfac" else "grad_by_solve + optax.adamw"
         bar = tqdm(bar, desc=f"training ({what})", unit="step")
-    for _ in bar:
-        params, opt_state, value = step(params, opt_state, batches())
-        losses.append(float(value))
+    clock, spent = [], 0.0
+    for n in bar:
+        tokens = batches()
+        start = time.perf_counter()
+        params, opt_state, value = step(params, opt_state, tokens)
+        losses.append(float(value))  # waits for the step
+        spent += time.perf_counter() - start if n else 0.0  # the first call compiles
+        clock.append(spent)
         if progress and len(losses) % 10 == 0:
             bar.set_postfix(loss=f"{np.mean(losses[-10:]):.3f}")
+        if seconds is not None and spent >= seconds:
+            break
+    steps = len(losses)
     final = float(np.mean(losses[-20:]))
     print(f"loss: {losses[0]:.3f} → {final:.3f} nats (mean of the last 20 steps); unigram entropy {unigram:.3f}")
     marks = sorted({max(10, steps * k // 4) for k in range(1, 5)} & set(range(10, steps + 1)))
@@ -252,7 +262,7 @@ def main(steps: int = 800, blocks: int = 4, width: int = 64, context: int = 64, 
         fig.savefig(out, dpi=120)
         plt.close(fig)
         print(f"wrote {out}")
-    return {"losses": losses, "final_loss": final, "unigram_entropy": unigram, "times": times,
+    return {"losses": losses, "seconds": clock, "final_loss": final, "unigram_entropy": unigram, "times": times,
             "gradient_difference": difference, "sample": generated}
 
 
