@@ -947,3 +947,26 @@ def test_a_stacked_parameter_indexed_in_a_python_loop_is_read_as_rows():
     weights = jnp.minimum(1.0, 1.0 / norms)
     close(clipped, jax.tree.map(lambda g: jnp.einsum("b,b...->...", weights, g), per_example))
     np.testing.assert_allclose(clip_norms, norms, rtol=1e-10)
+
+
+def test_a_parameter_read_both_whole_and_by_rows_keeps_its_glue():
+    """``W[1]`` as one layer's bias and ``W`` whole in another: rows of a block used whole too
+    would be two uses the network refuses, so such a leaf's rows stay glue — the gradient as
+    before, against jax.grad."""
+    @lbp.layer
+    def dense(W, h):
+        return jnp.tanh(h @ W)
+
+    @lbp.layer
+    def shift(b, h):
+        return h + b
+
+    rng = np.random.default_rng(12)
+    params, x = {"W": jnp.asarray(rng.standard_normal((3, 3)))}, jnp.asarray(rng.standard_normal((4, 3)))
+
+    def loss(p, x):
+        return jnp.sum(shift(p["W"][-1], dense(p["W"], shift(p["W"][1], x))) ** 2)
+
+    net = lbp.capture(loss, params, x, layers=(dense, shift)).net
+    assert not any(isinstance(block, lbp.Row) for lay in net.layers for block in lay.params)
+    close(jax.jit(lbp.grad_by_solve(loss, layers=(dense, shift)))(params, x), jax.grad(loss)(params, x))
