@@ -103,6 +103,32 @@ class ScanRows:
     chains: dict = dataclasses.field(default_factory=dict)
 
 
+def static_rows(eqns: list, stacked: set, found: ScanRows) -> None:
+    """Rows of differentiated leaves read with a Python index (``params["W"][i]`` in a loop over
+    the layers: a ``slice`` of one row along the leading axis, then ``squeeze``), recorded in
+    ``found`` as a scan's rows are: the layers read them as Row blocks, not through glue that
+    makes a parameter a state (which the per-example transforms cannot take: it has no batch)."""
+    sliced, rows, whole = {}, {}, set()
+    for e in eqns:
+        name = e.primitive.name
+        if name == "slice" and e.invars[0] in stacked and e.params.get("strides") in (None, (1,) * len(e.params[
+                "start_indices"])):
+            start, limit, shape = e.params["start_indices"], e.params["limit_indices"], e.invars[0].aval.shape
+            if limit[0] == start[0] + 1 and all(s == 0 for s in start[1:]) and tuple(limit[1:]) == tuple(shape[1:]):
+                sliced[e.outvars[0]] = (e.invars[0], int(start[0]))
+                continue
+        if name == "squeeze" and tuple(e.params["dimensions"]) == (0,) and e.invars[0] in sliced:
+            rows[e.outvars[0]] = e.invars[0]
+            continue
+        whole.update(a for a in e.invars if not isinstance(a, Literal) and a in stacked)
+    whole |= {sliced[v][0] for v in sliced if v not in rows.values()}  # a row read other than squeezed
+    for row, one in rows.items():
+        source, t = sliced[one]
+        if source not in whole:  # a leaf read whole anywhere (a layer, a weight decay) keeps its glue
+            found.rows[row] = (source, t)
+            found.chains[one] = found.chains[row] = source
+
+
 def _unrolled_scan(eqn: Any, found: ScanRows) -> tuple[list, list, list, list]:
     """A ``lax.scan`` whose body makes marked calls, unrolled into one copy of the body per step
     (fresh variables), reading row t of each scanned-over array; the stacked outputs are stacked

@@ -15,7 +15,7 @@ import numpy as np
 from jax.extend.core import ClosedJaxpr, Literal
 
 from .._graph import Constant, Layer, Network, Row, dependents, needed_equations, read, run_equations
-from ._inlining import NoInput, ScanRows, inline_calls, marked_index
+from ._inlining import NoInput, ScanRows, inline_calls, marked_index, static_rows
 from ._stacks import stacked_outputs
 
 
@@ -279,32 +279,6 @@ def _read_equations(eqns: list, outvars: list) -> list:
     return needed_equations(eqns, outvars, keep=keep)
 
 
-def _static_rows(eqns: list, stacked: set, found: ScanRows) -> None:
-    """Rows of differentiated leaves read with a Python index (``params["W"][i]`` in a loop over
-    the layers: a ``slice`` of one row along the leading axis, then ``squeeze``), recorded in
-    ``found`` as a scan's rows are: the layers read them as Row blocks, not through glue that
-    makes a parameter a state (which the per-example transforms cannot take: it has no batch)."""
-    sliced, rows, whole = {}, {}, set()
-    for e in eqns:
-        name = e.primitive.name
-        if name == "slice" and e.invars[0] in stacked and e.params.get("strides") in (None, (1,) * len(e.params[
-                "start_indices"])):
-            start, limit, shape = e.params["start_indices"], e.params["limit_indices"], e.invars[0].aval.shape
-            if limit[0] == start[0] + 1 and all(s == 0 for s in start[1:]) and tuple(limit[1:]) == tuple(shape[1:]):
-                sliced[e.outvars[0]] = (e.invars[0], int(start[0]))
-                continue
-        if name == "squeeze" and tuple(e.params["dimensions"]) == (0,) and e.invars[0] in sliced:
-            rows[e.outvars[0]] = e.invars[0]
-            continue
-        whole.update(a for a in e.invars if not isinstance(a, Literal) and a in stacked)
-    whole |= {sliced[v][0] for v in sliced if v not in rows.values()}  # a row read other than squeezed
-    for row, one in rows.items():
-        source, t = sliced[one]
-        if source not in whole:  # a leaf read whole anywhere (a layer, a weight decay) keeps its glue
-            found.rows[row] = (source, t)
-            found.chains[one] = found.chains[row] = source
-
-
 def build(closed: ClosedJaxpr, n_diff: int, block_names: Sequence[Hashable], calls: Sequence[str],
           rest_names: Sequence[str] = (), unbatched: frozenset[str] = frozenset()) -> Program:
     """The Program of ``closed`` (``fun`` traced with its marked calls), whose first ``n_diff``
@@ -318,7 +292,7 @@ def build(closed: ClosedJaxpr, n_diff: int, block_names: Sequence[Hashable], cal
     invars = list(closed.jaxpr.invars)
     diff_vars = set(invars[:n_diff])
     block_of_var: dict = dict(zip(invars[:n_diff], block_names))
-    _static_rows(eqns, diff_vars, found)
+    static_rows(eqns, diff_vars, found)
     for row, (source, t) in found.rows.items():  # rows of stacked blocks a scan iterates over: Row blocks
         if source in block_of_var:
             block_of_var[row] = Row(block_of_var[source], t)
