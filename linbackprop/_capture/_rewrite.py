@@ -16,7 +16,7 @@ import jax
 import numpy as np
 from jax.extend.core import Literal
 
-from .._graph import Constant, Stack, at_random
+from .._graph import Constant, Stack, agree_at_random, at_random
 from .._options import settings_changed
 from ._marks import Capturing, Patched
 from ._program import NETWORKS, Capture, Program, at_any_batch, build, shared_value
@@ -229,13 +229,9 @@ def _moved_with_the_examples(full: Any, shifted: Any, batch: int) -> bool:
     round-off of the dtype: rows of a frozen parameter moved change it by a random amount."""
     if np.shape(full) != np.shape(shifted):
         return False
-    a, b = np.asarray(full, np.float64), np.asarray(shifted, np.float64)  # numpy: no tracer under a jit
-    if np.ndim(a) and np.shape(a)[0] == batch:
-        a = np.roll(a, 1, axis=0)
-    dtype = jax.numpy.result_type(full)
-    tol = 1e-3 if not jax.numpy.issubdtype(dtype, jax.numpy.inexact) or jax.numpy.finfo(dtype).bits < 64 else 1e-8
-    return bool(np.allclose(a, b, rtol=tol, atol=tol * (1.0 + float(np.nanmax(np.abs(a), initial=0.0))),
-                            equal_nan=True))
+    if np.ndim(full) and np.shape(full)[0] == batch:
+        full = np.roll(np.asarray(full), 1, axis=0)  # numpy: no tracer under a jit
+    return agree_at_random(full, shifted)
 
 
 def _at_one_example(program: Program, raw_keys: list[bool], flat: Callable, diff: list, rest: list,

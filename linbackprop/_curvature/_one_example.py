@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._graph import at_random
+from .._graph import agree_at_random, at_random
 from ._calls import Calls
 from ._examples import per_example_losses
 from ._split import Split
@@ -77,13 +77,7 @@ def one_example_losses(split: Split, calls: Calls, batch: int) -> Callable | Non
             full, one_by_one = evaluate(*values)
     except Exception:  # whatever stops a loss running on one example: the batch's Jacobian instead
         return None
-    if np.shape(full) != np.shape(one_by_one):
-        return None
-    a, b = np.asarray(full, np.float64), np.asarray(one_by_one, np.float64)
-    tol = 1e-8 if jnp.finfo(jnp.result_type(full)).bits >= 64 else 1e-4
-    if not np.allclose(a, b, rtol=tol, atol=tol * (1.0 + float(np.nanmax(np.abs(a), initial=0.0))), equal_nan=True):
-        return None
-    return each
+    return each if agree_at_random(full, one_by_one, low_precision_tol=1e-4) else None
 
 
 def _rows_of_examples(x: Any, batch: int) -> bool:

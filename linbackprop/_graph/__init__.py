@@ -24,6 +24,7 @@ from ._buffers import (
 from ._in_turn import in_turn
 from ._jaxprs import (
     Constant,
+    agree_at_random,
     at_random,
     bind_equation,
     computation_of,
@@ -56,6 +57,7 @@ __all__ = [
     "Network",
     "Row",
     "Stack",
+    "agree_at_random",
     "at_random",
     "bind_equation",
     "block_matrix_text",

@@ -54,6 +54,20 @@ def at_random(fn: Callable, *args: Any) -> tuple[Callable, list[Any], Any]:
     return (lambda *leaves: jax.core.eval_jaxpr(closed.jaxpr, consts, *leaves)), values, shape
 
 
+def agree_at_random(expected: Any, found: Any, low_precision_tol: float = 1e-3) -> bool:
+    """Whether two values of an `at_random` evaluation are equal up to round-off of their dtype
+    (relative to the larger entries of ``expected``; ``low_precision_tol`` below 64 bits and for
+    integers, 1e-8 in float64), NaN where NaN; as numpy, so no tracer is left under a jit."""
+    if np.shape(expected) != np.shape(found):
+        return False
+    a, b = np.asarray(expected, np.float64), np.asarray(found, np.float64)
+    dtype = jax.numpy.result_type(expected)
+    precise = jax.numpy.issubdtype(dtype, jax.numpy.inexact) and jax.numpy.finfo(dtype).bits >= 64
+    tol = 1e-8 if precise else low_precision_tol
+    return bool(np.allclose(a, b, rtol=tol, atol=tol * (1.0 + float(np.nanmax(np.abs(a), initial=0.0))),
+                            equal_nan=True))
+
+
 class Constant:
     """A constant of a jaxpr (a closed-over array), equal to another of the same shape, dtype and
     values: a new array with the same values computes the same thing."""
