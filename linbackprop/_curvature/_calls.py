@@ -14,7 +14,15 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import Literal
 
-from .._engine import ParamSquares, back_substitution, depending, param_adjoint, param_adjoint_per_example
+from .._engine import (
+    ParamSquares,
+    back_substitution,
+    depending,
+    forward_substitution,
+    param_adjoint,
+    param_adjoint_per_example,
+    param_forward,
+)
 from .._graph import Network, Stack
 from .._options import current
 from .._plan import Plan, current_plan
@@ -174,6 +182,28 @@ class Calls:
         w_b (`weighted_by_example`: the adjoints of Σ_b w_b ℓ_b)."""
         return self.arguments([param_adjoint(plan, prim, weighted_by_example(lam, weights))
                                for plan, prim, lam in zip(self.plans, self.stored, lams)])
+
+    def output_tangents(self, *tangents: Any) -> tuple:
+        """J v: the calls' output tangents (as `outs`) for tangents of the differentiated
+        arguments — the linear map to each call's blocks (the transpose of `vjp`), ℳ* h, one
+        forward substitution per call on the stored linearisation."""
+        thetas = jax.linear_transpose(self.vjp, self.thetas)(tuple(tangents))[0]
+        out = [jax.tree.map(jnp.zeros_like, o) for o in self.outs]
+        for plan, prim, theta, call in zip(self.plans, self.stored, thetas, self.solved):
+            zeros = [grp.zeros(plan.unrolled, tangent=True) for grp in plan.state_groups]
+            rhs = param_forward(plan, prim, plan.pack_params(theta, tangent=True), zeros)  # ℳ* h
+            z = forward_substitution(plan, prim, rhs)
+            found = output_tangents(plan, z)
+            out[call] = found[0] if self.nets[call].single_output else found
+        return tuple(out)
+
+    def transpose(self, cotangents: tuple) -> tuple:
+        """J* c per differentiated argument, for cotangents ``c`` of the calls' outputs: one back
+        substitution per call and ℳ (`output_tangents`' transpose)."""
+        return self.arguments([param_adjoint(plan, prim, back_substitution(plan, prim,
+                                                                            self._rhs(plan, self.nets[call],
+                                                                                      cotangents[call])))
+                               for plan, prim, call in zip(self.plans, self.stored, self.solved)])
 
     def arguments(self, buffers: list) -> tuple:
         """Per differentiated argument, its cotangent from each call's parameter-layout buffers."""

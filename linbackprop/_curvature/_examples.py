@@ -81,6 +81,7 @@ class Examples(NamedTuple):
     blocks: list[jax.Array]
     unflatten: Callable
     gradients: list[jax.Array]
+    hvp: Callable | None = None
 
     def eigen(self) -> tuple[list[jax.Array], list[jax.Array]]:
         """Per group, H_b = Σ_k λ_bk s_bk s_bkᵀ: eigenvalues [B_g, C_g] and eigenvectors
@@ -105,9 +106,8 @@ class Examples(NamedTuple):
         return [per_group[self.of_call(c)] for c in range(sum(len(g) for g in self.groups))]
 
 
-def hessian_blocks(fun: Callable, args: tuple, nums: tuple[int, ...], engine: str, name: str,
-                   per_position: bool = True) -> tuple[Calls, Examples]:
-    """The forward pass of ``fun``'s network calls with residuals (`Calls`) and their examples
+def hessian_blocks(split: Split, engine: str, name: str, per_position: bool = True) -> tuple[Calls, Examples]:
+    """The forward pass of the split function's network calls with residuals (`Calls`) and their examples
     with H's blocks factored (`Examples`). H is taken block diagonal over the examples: ``fun``
     is a sum (or mean) of terms that each read one example of one call — what the transforms
     built on this assume.
@@ -118,7 +118,6 @@ def hessian_blocks(fun: Callable, args: tuple, nums: tuple[int, ...], engine: st
     or mean of per-position losses, checked on random values: `_positions`) — a sequence model's
     example is a whole sequence, positions × vocabulary, whose whole blocks took GiBs. Blocks
     over `MAX_HESSIAN_BLOCK_BYTES` are refused, naming their size."""
-    split = Split(fun, args, nums, False)
     calls = Calls(split, engine)
     loss = lambda o: split.loss(o, *split.diff)[0]
     if jnp.ndim(loss(calls.outs)) != 0:
@@ -177,7 +176,7 @@ def hessian_blocks(fun: Callable, args: tuple, nums: tuple[int, ...], engine: st
             basis = jnp.broadcast_to(jnp.eye(coords, dtype=flat.dtype)[:, None, :], (coords, batch, coords))
             h = jnp.moveaxis(jax.vmap(column)(basis), 0, 2)  # [C(j), B, C(i)] → [B, i, j]
         blocks.append((h + jnp.swapaxes(h, -1, -2)) / 2)
-    return calls, Examples(groups, batches, blocks, unflatten, gradients)
+    return calls, Examples(groups, batches, blocks, unflatten, gradients, hvp)
 
 
 # H's blocks are dense per example, [B, C, C] with C every output coordinate of one example: a
@@ -232,17 +231,35 @@ def over_columns(share: Callable, examples: Examples, samples: int | None, key: 
     s_b with E[s_b s_bᵀ] = H_b (`Examples.draws`: a rank-one term of a diagonally dominant
     H_b, else R_b z with R_b its Cholesky root; up to round-off where H_b is positive semi-definite, unbiased there),
     weights 1. One column (or sample) after another: a vmapped solve over the C columns has
-    buffers C times as large, which outgrow the caches (slower: docs/performance.md)."""
+    buffers C times as large, which outgrow the caches (slower: docs/performance.md).
+    `all_columns` gives the same columns at once."""
+    column, ks, scale = _columns(examples, samples, key, name)
+
+    def one(k: jax.Array) -> Any:
+        return share(*column(k))
+
+    init = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), jax.eval_shape(one, ks[0]))
+    summed = jax.lax.scan(lambda acc, k: (jax.tree.map(jnp.add, acc, one(k)), None), init, ks)[0]
+    return summed if scale is None else jax.tree.map(lambda d: d / scale, summed)
+
+
+def all_columns(examples: Examples, samples: int | None, key: Any, name: str) -> tuple[list, list, float | None]:
+    """The columns `over_columns` takes one after another, all at once: per group s [K, B_g, C_g]
+    and w [K, B_g] (K = C exact columns, or M samples: the same draws for the same key), and
+    what their sum is divided by (M for samples, None for exact columns)."""
+    column, ks, scale = _columns(examples, samples, key, name)
+    s, w = jax.vmap(column)(ks)
+    return s, w, scale
+
+
+def _columns(examples: Examples, samples: int | None, key: Any, name: str) -> tuple[Callable, jax.Array, Any]:
+    """``(column, ks, scale)``: ``column(k)`` is (s, w) of column k, ``ks`` the columns'
+    indices (or sample keys), ``scale`` what their sum is divided by (None: 1)."""
     coords = max(int(np.prod(h.shape[1:-1])) for h in examples.blocks)  # C, or P · D per position
-
-    def summed(one: Callable, ks: jax.Array) -> Any:
-        init = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), jax.eval_shape(one, ks[0]))
-        return jax.lax.scan(lambda acc, k: (jax.tree.map(jnp.add, acc, one(k)), None), init, ks)[0]
-
     if samples is None:
         lam, vecs = examples.eigen()
 
-        def column(k: jax.Array) -> Any:
+        def column(k: jax.Array) -> tuple[list, list]:
             s, w = [], []
             for x, v in zip(lam, vecs):
                 count = int(np.prod(x.shape[1:]))
@@ -255,18 +272,16 @@ def over_columns(share: Callable, examples: Examples, samples: int | None, key: 
                     here = (jnp.arange(x.shape[1]) == p)[None, :, None]
                     s.append(jnp.where((k < count) & here, v[:, p, :, j][:, None, :], 0).reshape(x.shape[0], -1))
                     w.append(jnp.where(k < count, x[:, p, j], 0))
-            return share(s, w)
+            return s, w
 
-        return summed(column, jnp.arange(coords))
+        return column, jnp.arange(coords), None
     if key is None:
         raise ValueError(f"{name}(samples=M) needs a PRNG key: {name}(fun, samples=M, key=jax.random.key(0)).")
+    if not isinstance(samples, int) or samples < 1:
+        raise ValueError(f"{name}(samples={samples!r}): a positive int (sampled columns per example), or None.")
     draw = examples.draws()
     ones = [jnp.ones((b,), h.dtype) for b, h in zip(examples.batches, examples.blocks)]
-
-    def sample(k: jax.Array) -> Any:
-        return share(draw(k), ones)
-
-    return jax.tree.map(lambda d: d / samples, summed(sample, jax.random.split(key, samples)))
+    return (lambda k: (draw(k), ones)), jax.random.split(key, samples), samples
 
 
 def _read_by(loss: Callable, leaves: list, treedef: Any) -> list[bool]:

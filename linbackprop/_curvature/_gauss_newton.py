@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +18,8 @@ from .._graph import stack_trees
 from .._operators import LinearOperator
 from .._options import Engine, ParamProducts, Schedule, current, plain
 from .._solve import solve_mode
+from ._kfac import biases_named_in
+from ._one_pass import one_pass
 from ._split import OnArguments, Split, add_trees, normalise_argnums
 
 
@@ -50,12 +52,35 @@ class GaussNewton(LinearOperator):
     symbol = "G"
 
     def __init__(self, jvp: Callable, vjp: Callable, hvp: Callable, single: bool, example: Any, outputs: Any,
-                 value: Callable | None = None):
+                 value: Callable | None = None, loss: jax.Array | None = None, factors: Any = None,
+                 diagonal: Any = None):
         self._jvp, self._vjp, self._hvp, self._value = jvp, vjp, hvp, value
         self._single, self._example, self._outputs = single, example, outputs
+        self._loss, self._factors, self._diagonal = loss, factors, diagonal
 
     def tree_flatten(self) -> tuple[tuple, tuple]:
-        return (self._jvp, self._vjp, self._hvp, self._value), (self._single, self._example, self._outputs)
+        return ((self._jvp, self._vjp, self._hvp, self._value, self._loss, self._factors, self._diagonal),
+                (self._single, self._example, self._outputs))
+
+    @property
+    def value(self) -> jax.Array | None:
+        """The loss at the point G was made at (its aux left out): what an optimizer's
+        Levenberg–Marquardt step compares f(θ + u) with."""
+        return self._loss
+
+    @property
+    def factors(self) -> Any:
+        """K-FAC's factors from the same pass (``gauss_newton(..., factors=True)``): what
+        [`kfac_factors`][linbackprop.kfac_factors] gives with the same ``samples`` and ``key``;
+        None otherwise."""
+        return self._factors
+
+    @property
+    def diagonal(self) -> Any:
+        """diag G from the same pass (``gauss_newton(..., diagonal=True)``): what
+        [`diag_ggn`][linbackprop.diag_ggn] gives with the same ``samples`` and ``key``; None
+        otherwise."""
+        return self._diagonal
 
     def value_at(self, params: Any) -> jax.Array:
         """The loss G was made from, on the same batch, at other values of the differentiated
@@ -96,8 +121,8 @@ class GaussNewton(LinearOperator):
 
     @classmethod
     def tree_unflatten(cls, aux: tuple, children: tuple) -> GaussNewton:
-        jvp, vjp, hvp, value = children
-        return cls(jvp, vjp, hvp, *aux, value)
+        jvp, vjp, hvp, value, loss, factors, diagonal = children
+        return cls(jvp, vjp, hvp, *aux, value, loss, factors, diagonal)
 
     def mv(self, v: Any) -> Any:
         """G v, jitted (one forward substitution, H, one back substitution and ℳ).
@@ -295,7 +320,9 @@ def _factor(G: GaussNewton) -> Any:
 
 def gauss_newton(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool = False, *,
                  remat: bool = False, checkpoints: int | None = None, schedule: Schedule = "even",
-                 param_products: ParamProducts = "auto", engine: Engine = "auto", layers: Any = None) -> Callable:
+                 param_products: ParamProducts = "auto", engine: Engine = "auto", layers: Any = None,
+                 factors: bool = False, diagonal: bool = False, samples: int | None = None,
+                 key: jax.Array | None = None, approximation: Literal["expand", "reduce"] = "expand") -> Callable:
     """``(value, grad, G)`` of ``fun`` at its arguments: value and gradient as
     [`value_and_grad_by_solve`][linbackprop.value_and_grad_by_solve], and the generalised Gauss–Newton matrix
 
@@ -356,8 +383,12 @@ def gauss_newton(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool 
     nums, single = normalise_argnums(argnums)
     settings = dict(remat=remat, checkpoints=checkpoints, schedule=schedule, param_products=param_products,
                     engine=engine)
+    in_one_pass = _check_one_pass(factors, diagonal, samples, key, approximation, remat, checkpoints)
 
     def run(*args: Any) -> tuple[Any, Any, GaussNewton]:
+        if in_one_pass:
+            return _run_one_pass(fun, args, nums, single, has_aux, layers, engine, factors, diagonal, samples, key,
+                                 approximation)
         if layers is None:
             split, found = Split(fun, args, nums, has_aux), None
         else:  # the model as it is: its network found, G on the arguments' own types
@@ -399,8 +430,61 @@ def gauss_newton(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool 
             on = OnArguments(found.arguments)
             jvp, vjp = jax.tree_util.Partial(on.jvp, jvp), jax.tree_util.Partial(on.vjp, vjp)
         G = GaussNewton(jvp, vjp, hvp, single, _structure(grad[0] if single else grad), _structure(outs),
-                        _value_function(split))
+                        _value_function(split), value)
         value = (value, aux) if has_aux else value
         return value, grad[0] if single else grad, G
 
     return run
+
+
+def _check_one_pass(factors: bool, diagonal: bool, samples: int | None, key: Any, approximation: str, remat: bool,
+                    checkpoints: int | None) -> bool:
+    """Whether ``gauss_newton`` runs in one pass (factors or the diagonal asked for), with its
+    arguments checked."""
+    if approximation not in ("expand", "reduce"):
+        raise ValueError(f"gauss_newton(approximation={approximation!r}): use 'expand' (every use of a weight a "
+                         "term) or 'reduce' (each example's uses summed first).")
+    if not (factors or diagonal):
+        if samples is not None or key is not None:
+            raise ValueError("gauss_newton(samples=, key=) draw the columns of the K-FAC factors and the diagonal: "
+                             "pass factors=True and/or diagonal=True with them.")
+        return False
+    if remat or checkpoints is not None:
+        raise ValueError("gauss_newton(factors=True / diagonal=True) keeps every layer's residuals (its factors "
+                         "are formed from them in one pass): drop remat= and checkpoints=, or call "
+                         "gauss_newton(remat=...) and kfac_factors / diag_ggn apart.")
+    return True
+
+
+def _run_one_pass(fun: Callable, args: tuple, nums: tuple, single: bool, has_aux: bool, layers: Any, engine: str,
+                  factors: bool, diagonal: bool, samples: int | None, key: Any, approximation: str) -> tuple:
+    """``gauss_newton(factors=True / diagonal=True)``: value, gradient and G with its factors and
+    diagonal from one forward pass and one batched back substitution (`one_pass`)."""
+    if layers is None:
+        split, found = Split(fun, args, nums, has_aux), None
+    else:  # the model as it is, its layers also run on one example (as kfac_factors and diag_ggn)
+        found = rewrite(fun, args, nums, layers, per_example=True)
+
+        def with_states(*parts: Any) -> tuple:  # an nnx module's other state after fun, as aux
+            result, states = found.fun(*parts)
+            value, aux = result if has_aux else (result, None)
+            return value, (aux, states)
+
+        split = Split(with_states, found.args, tuple(range(len(nums))), True)
+    done = one_pass(split, engine, single and found is None, factors=factors,
+                    diagonal=diagonal, samples=samples, key=key, approximation=approximation)
+    grad, jvp, vjp, aux, kfac, diag = done.grad, done.jvp, done.vjp, done.aux, done.factors, done.diagonal
+    if found is not None:
+        aux, states = aux
+        found.write_back(states)
+        grad = found.gradient(grad, False)
+        on = OnArguments(found.arguments)
+        jvp, vjp = jax.tree_util.Partial(on.jvp, jvp), jax.tree_util.Partial(on.vjp, vjp)
+        if kfac is not None:
+            kfac = biases_named_in(found.gradient(kfac, single), single)
+        if diag is not None:
+            diag = found.gradient(diag, single)
+    G = GaussNewton(jvp, vjp, done.hvp, single, _structure(grad[0] if single else grad), _structure(done.outs),
+                    _value_function(split), done.value, kfac, diag)
+    value = (done.value, aux) if has_aux else done.value
+    return value, grad[0] if single else grad, G

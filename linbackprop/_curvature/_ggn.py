@@ -13,7 +13,7 @@ import jax.numpy as jnp
 
 from .._options import Engine
 from ._examples import ggn_squares, hessian_blocks, over_columns
-from ._split import normalise_argnums, on_model
+from ._split import Split, normalise_argnums, on_model
 
 
 def diag_ggn(fun: Callable, argnums: int | Sequence[int] = 0, *, engine: Engine = "auto", samples: int | None = None,
@@ -77,7 +77,7 @@ def diag_ggn(fun: Callable, argnums: int | Sequence[int] = 0, *, engine: Engine 
     nums, single = normalise_argnums(argnums)
 
     def run(*args: Any) -> Any:
-        calls, examples = hessian_blocks(fun, args, nums, engine, "diag_ggn")
+        calls, examples = hessian_blocks(Split(fun, args, nums, False), engine, "diag_ggn")
         parts, total = ggn_squares(calls, examples)
         diag = total(over_columns(parts, examples, samples, key, "diag_ggn"))
         return diag[0] if single else diag
@@ -150,7 +150,8 @@ def ggn_factor(fun: Callable, argnums: int | Sequence[int] = 0, *, rank: int | N
         raise ValueError(f"ggn_factor(rank={rank!r}): a positive int (the residuals per example), or None for all.")
 
     def run(*args: Any) -> Any:
-        calls, examples = hessian_blocks(fun, args, nums, engine, "ggn_factor", per_position=False)
+        calls, examples = hessian_blocks(Split(fun, args, nums, False), engine, "ggn_factor",
+                                         per_position=False)
         batches = examples.by_call(examples.batches)
         rows, bs = [], []
         lams, vecses = examples.eigen()

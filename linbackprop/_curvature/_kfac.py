@@ -14,8 +14,9 @@ import jax
 
 from .._engine import ParamFactors
 from .._options import Engine
-from ._examples import ggn_squares, hessian_blocks, over_columns
-from ._split import normalise_argnums, on_model
+from ._calls import Calls
+from ._examples import Examples, ggn_squares, hessian_blocks, over_columns
+from ._split import Split, normalise_argnums, on_model
 
 
 class Kronecker(NamedTuple):
@@ -149,54 +150,73 @@ def kfac_factors(fun: Callable, argnums: int | Sequence[int] = 0, *, engine: Eng
     if layers is not None:
         found = on_model(lambda f, a: kfac_factors(f, a, engine=engine, samples=samples, key=key,
                                                    approximation=approximation), fun, argnums, layers)
-        return lambda *args: _biases_named_in(found(*args), normalise_argnums(argnums)[1])
+        return lambda *args: biases_named_in(found(*args), normalise_argnums(argnums)[1])
     nums, single = normalise_argnums(argnums)
 
     def run(*args: Any) -> Any:
-        calls, examples = hessian_blocks(fun, args, nums, engine, "kfac_factors")
+        calls, examples = hessian_blocks(Split(fun, args, nums, False), engine, "kfac_factors")
+        sums = FactorSums(calls, examples, approximation, single)
+        return sums.assemble(*over_columns(sums.share, examples, samples, key, "kfac_factors"))
+
+    return run
+
+
+class FactorSums:
+    """K-FAC's factors as sums over the columns of H's factor, for `kfac_factors` (one column
+    after another) and the one-pass `gauss_newton` (all columns in one batched back
+    substitution): ``share(s, weights, lams)`` is one column's part (the Γ terms, and the other
+    leaves' GGN squares), ``assemble(summed, summed_squares)`` the result shaped like the
+    arguments — the Kronecker pairs (A formed once there), the bias markers, the diagonals."""
+
+    def __init__(self, calls: Calls, examples: Examples, approximation: str, single: bool):
         if any(None in place for place in calls.placement):
             raise NotImplementedError(
                 "kfac_factors needs each differentiated argument leaf to be one parameter block of the network "
                 "calls, as it is (here parameters are transformed before a network uses them); use diag_ggn or "
                 "gauss_newton for such parameters.")
-        batches = examples.by_call(examples.batches)
-        maps = [ParamFactors(plan, prim, batches[call], reduce=approximation == "reduce")
-                for plan, prim, call in zip(calls.plans, calls.stored, calls.solved)]
-        paths, treedef = jax.tree_util.tree_flatten_with_path(calls.diff)
-        keys = [jax.tree_util.keystr(path[1:] if single else path) for path, _ in paths]
-        where = [functools.partial(_placed, plan, theta, place)
-                 for plan, theta, place in zip(calls.plans, calls.thetas, calls.placement)]
-        factored, joint = _agreed(maps, where, calls.placement)
+        self.calls, self.examples, self.single = calls, examples, single
+        self.batches = examples.by_call(examples.batches)
+        self.maps = [ParamFactors(plan, prim, self.batches[call], reduce=approximation == "reduce")
+                     for plan, prim, call in zip(calls.plans, calls.stored, calls.solved)]
+        paths, self.treedef = jax.tree_util.tree_flatten_with_path(calls.diff)
+        self.count = len(paths)
+        self.keys = [jax.tree_util.keystr(path[1:] if single else path) for path, _ in paths]
+        self.where = [functools.partial(_placed, plan, theta, place)
+                      for plan, theta, place in zip(calls.plans, calls.thetas, calls.placement)]
+        self.factored, self.joint = _agreed(self.maps, self.where, calls.placement)
         # the other leaves' GGN diagonal from the same back substitutions (no second curvature pass)
-        squares = ggn_squares(calls, examples) if len(factored) + len(joint) < len(paths) else None
+        self.squares = (ggn_squares(calls, examples) if len(self.factored) + len(self.joint) < len(paths)
+                        else None)
 
-        def share(s: list, weights: list) -> tuple:
-            lams = calls.adjoints(examples.unflatten(s), batches)
-            by_call = examples.by_call(weights)
-            parts = [m.parts(lam_c, by_call[call]) for m, lam_c, call in zip(maps, lams, calls.solved)]
-            return parts, None if squares is None else squares[0](s, weights, lams)
+    def share(self, s: list, weights: list, lams: list | None = None) -> tuple:
+        """One column's parts: its Γ terms per call, and its GGN squares (None where every leaf
+        is factored); ``lams`` the calls' adjoints of ``s`` (computed where not given)."""
+        if lams is None:
+            lams = self.calls.adjoints(self.examples.unflatten(s), self.batches)
+        by_call = self.examples.by_call(weights)
+        parts = [m.parts(lam_c, by_call[call]) for m, lam_c, call in zip(self.maps, lams, self.calls.solved)]
+        return parts, None if self.squares is None else self.squares[0](s, weights, lams)
 
-        summed, summed_squares = over_columns(share, examples, samples, key, "kfac_factors")
-        result: list[Any] = ([None] * len(paths) if squares is None
-                             else list(jax.tree.leaves(squares[1](summed_squares))))
+    def assemble(self, summed: list, summed_squares: Any) -> Any:
+        """The factors shaped like the arguments from the columns' summed parts."""
+        result: list[Any] = ([None] * self.count if self.squares is None
+                             else list(jax.tree.leaves(self.squares[1](summed_squares))))
         terms: dict[int, list[Kronecker]] = {}
-        for m, part, placed in zip(maps, summed, where):
+        for m, part, placed in zip(self.maps, summed, self.where):
             for g, pairs in m.total(part).items():
                 for leaf, pair in enumerate(pairs):
                     if pair is None:
                         continue
                     for row, at in placed(g, leaf).items():
-                        if at in factored:
+                        if at in self.factored:
                             term = Kronecker(*(pair if row is None else (f[row] for f in pair)))
                             terms.setdefault(at, []).append(term)
         for at, found in terms.items():  # a leaf several calls use: a pair per call (a term each)
             result[at] = found[0] if len(found) == 1 else tuple(found)
-        for bias, (weight, side) in joint.items():
-            result[bias] = BiasOf(keys[weight], side)
-        out = tuple(jax.tree.unflatten(treedef, result))
-        return out[0] if single else out
-
-    return run
+        for bias, (weight, side) in self.joint.items():
+            result[bias] = BiasOf(self.keys[weight], side)
+        out = tuple(jax.tree.unflatten(self.treedef, result))
+        return out[0] if self.single else out
 
 
 def is_factor(x: Any) -> bool:
@@ -206,7 +226,7 @@ def is_factor(x: Any) -> bool:
         isinstance(x, tuple) and len(x) > 0 and all(isinstance(t, Kronecker) for t in x))
 
 
-def _biases_named_in(result: Any, single: bool) -> Any:
+def biases_named_in(result: Any, single: bool) -> Any:
     """``layers=``: the factors were found for the captured network's arguments (a list of
     leaves per argument, so a bias names its weight "[a][i]"); name the weight by its path in
     the result, the model's own tree (an ``nnx.State``, a module), as the gradient's paths read."""

@@ -189,9 +189,14 @@ def kfac(damping: float = 1e-3, decay: float = 0.95, update_every: int = 5, *, l
                curvature: GaussNewton | None = None, value: Any = None, value_fn: Callable | None = None,
                diagonal: Any = None, **extra: Any) -> tuple[Any, KfacState]:
         grad = updates
+        if isinstance(curvature, GaussNewton):  # what G's pass holds: factors, value, the loss function
+            factors = curvature.factors if factors is None else factors
+            if value_fn is None:  # the loss and its value on G's batch (a value_fn given: measured as before)
+                value_fn, value = curvature.value_at, curvature.value if value is None else value
         if factors is None:
-            raise TypeError("kfac needs the factors: opt.update(grad, state, params, "
-                            "factors=lbp.kfac_factors(loss)(params, *batch), curvature=G, value_fn=...).")
+            raise TypeError("kfac needs the factors: opt.update(grad, state, params, curvature=G) with "
+                            "value, grad, G = lbp.gauss_newton(loss, factors=True, samples=1, key=key)(params, *batch) "
+                            "(one pass), or factors=lbp.kfac_factors(loss)(params, *batch).")
         needs_g = adaptive or adapt_damping
         if needs_g and not isinstance(curvature, GaussNewton):
             raise TypeError("kfac needs the Gauss–Newton matrix for its step size, momentum and damping: "

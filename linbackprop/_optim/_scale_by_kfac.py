@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from .._curvature import Kronecker
+from .._curvature import GaussNewton, Kronecker
 from ._blocks import Block, block_matrix, blocks_of, blockwise
 from ._kronecker import Diagonal
 
@@ -86,12 +86,16 @@ def scale_by_kfac(damping: float = 1e-3, decay: float = 0.95, update_every: int 
         return ScaleByKfacState(jnp.zeros((), jnp.int32), None, None)
 
     def update(updates: Any, state: ScaleByKfacState, params: Any = None, *, factors: Any = None,
-               diagonal: Any = None, **extra: Any) -> tuple[Any, ScaleByKfacState]:
+               diagonal: Any = None, curvature: Any = None, **extra: Any) -> tuple[Any, ScaleByKfacState]:
         del params, extra
+        if isinstance(curvature, GaussNewton):  # gauss_newton(factors=True): the factors from its pass
+            factors = curvature.factors if factors is None else factors
+            diagonal = curvature.diagonal if diagonal is None else diagonal
         if factors is None:
             raise TypeError("scale_by_kfac needs the factors: tx.update(grad, state, params, "
-                            "factors=lbp.kfac_factors(loss)(params, *batch), "
-                            "diagonal=lbp.diag_ggn(loss)(params, *batch)).")
+                            "curvature=G) with G from lbp.gauss_newton(loss, factors=True)(params, *batch), or "
+                            "factors=lbp.kfac_factors(loss)(params, *batch) (and diagonal=lbp.diag_ggn(loss)(...) "
+                            "where a leaf has no factors).")
         leaves, treedef = jax.tree.flatten(updates)
         blocks = blocks_of(updates, factors, diagonal, "scale_by_kfac")
         paths = [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_flatten_with_path(updates)[0]]

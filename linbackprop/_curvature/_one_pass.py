@@ -1,0 +1,96 @@
+"""Curvature in one pass: the value, the gradient, G's products, K-FAC's factors and the GGN
+diagonal of a loss from one forward pass with residuals kept and one back substitution batched
+over [the gradient's cotangent, H's sampled (or exact) columns] — right-hand sides of the same
+ℒ* (the seed's point: the substitution takes many at once).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from .._engine import param_adjoint
+from ._examples import all_columns, ggn_squares, hessian_blocks
+from ._kfac import FactorSums
+from ._split import Split, add_trees
+
+
+class OnePass(NamedTuple):
+    """What `one_pass` gives: the loss's ``value`` and ``aux``, ``grad`` (a tuple per
+    differentiated argument), J and J* as pytree functions (``jvp(*v)`` the calls' output
+    tangents, ``vjp(c)`` a tuple per argument), H's product ``hvp`` on the outputs, the outputs
+    ``outs``, and ``factors`` / ``diagonal`` (None where not asked for)."""
+
+    value: jax.Array
+    aux: Any
+    grad: tuple
+    jvp: jax.tree_util.Partial
+    vjp: jax.tree_util.Partial
+    hvp: Callable
+    outs: tuple
+    factors: Any
+    diagonal: Any
+
+
+def one_pass(split: Split, engine: str, single: bool, *, factors: bool, diagonal: bool, samples: int | None,
+             key: jax.Array | None, approximation: str) -> OnePass:
+    r"""One forward pass of the split function's network calls (`Calls`, residuals kept), the
+    loss's gradient w.r.t. their outputs g = ∂ℓ/∂(outputs), and ONE back substitution, vmapped
+    over K + 1 right-hand sides: [E* g, E* s_1, …, E* s_K] with s_k H's columns (K = M samples
+    per example with ``samples=M``, or every eigenvector of each example's block, weighted by
+    its eigenvalue). Then
+
+    $$\nabla_\theta J = ℳ Λ_0 + \partial_\theta \ell, \qquad
+    \Gamma = \tfrac1K \sum_k \sum_b w_{kb}\, \delta_{bk}^T \delta_{bk}, \qquad
+    \operatorname{diag} G = \tfrac1K \sum_k \sum_b w_{kb} (J_b^* s_{bk})^2$$
+
+    from Λ_0 and Λ_1 … Λ_K (1/K for samples only); A from the stored forward pass. The same
+    columns as [`kfac_factors`][linbackprop.kfac_factors] and
+    [`diag_ggn`][linbackprop.diag_ggn] for the same key (they take them one after another)."""
+    calls, examples = hessian_blocks(split, engine, "gauss_newton")
+    sums = FactorSums(calls, examples, approximation, single) if factors else None
+    squares = ggn_squares(calls, examples) if diagonal else None
+    diff = split.diff
+    (value, aux), grads = jax.value_and_grad(lambda o, *d: split.loss(o, *d), tuple(range(1 + len(diff))),
+                                             has_aux=True)(calls.outs, *diff)
+    s, w, scale = all_columns(examples, samples, key, "gauss_newton")
+    columns = jax.vmap(examples.unflatten)(s)
+    rhs = jax.tree.map(lambda g, c: jnp.concatenate([g[None].astype(c.dtype), c]), grads[0], columns)
+    batches = examples.by_call(examples.batches)
+    lams = jax.vmap(lambda o: calls.adjoints(o, batches))(rhs)  # the one back substitution, K + 1 columns
+    first = jax.tree.map(lambda x: x[0], lams)
+    rest = jax.tree.map(lambda x: x[1:], lams)
+    network = calls.arguments([param_adjoint(plan, prim, lam)
+                               for plan, prim, lam in zip(calls.plans, calls.stored, first)])
+    grad = tuple(add_trees(g, m) for g, m in zip(grads[1:], network))
+
+    def share(s_k: list, w_k: list, lam_k: list) -> tuple:
+        return (None if sums is None else sums.share(s_k, w_k, lam_k),
+                None if squares is None else squares[0](s_k, w_k, lam_k))
+
+    summed = jax.tree.map(lambda x: jnp.sum(x, 0) if scale is None else jnp.sum(x, 0) / scale,
+                          jax.vmap(share)(s, w, rest))
+    found_factors = None if sums is None else sums.assemble(*summed[0])
+    found_diagonal = None
+    if squares is not None:
+        found_diagonal = squares[1](summed[1])
+        found_diagonal = found_diagonal[0] if single else found_diagonal
+    return OnePass(value, aux, grad, _closed(calls.output_tangents, *diff), _closed(calls.transpose, calls.outs),
+                   examples.hvp, calls.outs, found_factors, found_diagonal)
+
+
+def _closed(fn: Callable, *example: Any) -> jax.tree_util.Partial:
+    """``fn`` as a pytree function: its jaxpr, with what it closes over (the stored forward pass,
+    tracers under ``jax.jit``) as the Partial's leaves, so that G can cross ``jax.jit``."""
+    closed, shape = jax.make_jaxpr(fn, return_shape=True)(*example)
+    return jax.tree_util.Partial(functools.partial(_evaluated, closed.jaxpr, jax.tree.structure(shape)),
+                                 tuple(closed.consts))
+
+
+def _evaluated(jaxpr: Any, out_tree: Any, consts: tuple, *args: Any) -> Any:
+    return jax.tree.unflatten(out_tree, jax.core.eval_jaxpr(jaxpr, list(consts), *jax.tree.leaves(args)))
+
