@@ -17,8 +17,8 @@ import pytest
 from flax import nnx
 from jax._src import core as jax_core
 from test_kfac_models import NnxDense, NnxMlp, data, xent
-from test_laplacian import pinn_loss, points
 from test_laplacian import params as pinn_params
+from test_laplacian import pinn_loss, points
 from trees import assert_trees_close
 
 import linbackprop as lbp
