@@ -14,19 +14,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import Literal
 
-from .._engine import (
-    ParamSquares,
-    back_substitution,
-    depending,
-    forward_substitution,
-    param_adjoint,
-    param_adjoint_per_example,
-    param_forward,
-)
+from .._engine import ParamSquares, back_substitution, depending, param_adjoint, param_adjoint_per_example
 from .._graph import Network, Stack
 from .._options import current
 from .._plan import Plan, current_plan
-from .._solve import output_tangents, outputs_of, prepare, solve_mode
+from .._solve import output_tangents, outputs_of, prepare, solve_mode, stored_tangents
 from ._ghost import ParamNorms, weighted_by_example
 from ._separation import check_per_example
 from ._split import Split
@@ -42,6 +34,7 @@ class Calls:
         self.nets: list[Network] = []  # every call's network, in call order
         self.solved: list[int] = []  # the calls that use a parameter (have a plan), by position
         self.placement: list[list[int | None]] = []  # per solved call, per θ leaf: the argument leaf it is
+        self.settings: list = []  # per solved call, the settings it was made with (its solve variant's)
         self.policy = current().policy  # the calls' (read where the model calls in)
 
         def route(*diff):
@@ -65,6 +58,7 @@ class Calls:
                 thetas.append(theta)
                 self.placement.append([position.get(id(leaf)) for leaf in jax.tree.leaves(theta)])
                 stored.append(prim)
+                self.settings.append(settings)
                 self.solved.append(len(self.nets) - 1)
                 self.plans.append(plan)
                 out = outs[0] if net.single_output else outs
@@ -185,25 +179,20 @@ class Calls:
 
     def output_tangents(self, *tangents: Any) -> tuple:
         """J v: the calls' output tangents (as `outs`) for tangents of the differentiated
-        arguments — the linear map to each call's blocks (the transpose of `vjp`), ℳ* h, one
-        forward substitution per call on the stored linearisation."""
+        arguments — the linear map to each call's blocks (the transpose of `vjp`), then each
+        call's ℒ Z = ℳ* h on its stored forward pass as the call's linear solve (`stored_tangents`:
+        the solve variant a Network call's JVP takes, whose transpose is its back substitution)."""
         thetas = jax.linear_transpose(self.vjp, self.thetas)(tuple(tangents))[0]
         out = [jax.tree.map(jnp.zeros_like, o) for o in self.outs]
-        for plan, prim, theta, call in zip(self.plans, self.stored, thetas, self.solved):
-            zeros = [grp.zeros(plan.unrolled, tangent=True) for grp in plan.state_groups]
-            rhs = param_forward(plan, prim, plan.pack_params(theta, tangent=True), zeros)  # ℳ* h
-            z = forward_substitution(plan, prim, rhs)
-            found = output_tangents(plan, z)
+        for plan, prim, settings, theta, call in zip(self.plans, self.stored, self.settings, thetas, self.solved):
+            found = stored_tangents(plan, prim, settings, theta)
             out[call] = found[0] if self.nets[call].single_output else found
         return tuple(out)
 
     def transpose(self, cotangents: tuple) -> tuple:
-        """J* c per differentiated argument, for cotangents ``c`` of the calls' outputs: one back
-        substitution per call and ℳ (`output_tangents`' transpose)."""
-        return self.arguments([param_adjoint(plan, prim, back_substitution(plan, prim,
-                                                                            self._rhs(plan, self.nets[call],
-                                                                                      cotangents[call])))
-                               for plan, prim, call in zip(self.plans, self.stored, self.solved)])
+        """J* c per differentiated argument, for cotangents ``c`` of the calls' outputs:
+        `output_tangents`' transpose (each call's back substitution and ℳ)."""
+        return jax.linear_transpose(self.output_tangents, *self.diff)(tuple(cotangents))
 
     def arguments(self, buffers: list) -> tuple:
         """Per differentiated argument, its cotangent from each call's parameter-layout buffers."""

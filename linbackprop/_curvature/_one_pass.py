@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from .._engine import param_adjoint
+from .._options import current
 from ._examples import all_columns, ggn_squares, hessian_blocks
 from ._kfac import FactorSums
 from ._split import Split, add_trees
@@ -59,11 +60,14 @@ def one_pass(split: Split, engine: str, single: bool, *, factors: bool, diagonal
                                              has_aux=True)(calls.outs, *diff)
     s, w, scale = all_columns(examples, samples, key, "gauss_newton")
     columns = jax.vmap(examples.unflatten)(s)
-    rhs = jax.tree.map(lambda g, c: jnp.concatenate([g[None].astype(c.dtype), c]), grads[0], columns)
     batches = examples.by_call(examples.batches)
-    lams = jax.vmap(lambda o: calls.adjoints(o, batches))(rhs)  # the one back substitution, K + 1 columns
-    first = jax.tree.map(lambda x: x[0], lams)
-    rest = jax.tree.map(lambda x: x[1:], lams)
+    adjoints = lambda o: calls.adjoints(o, batches)
+    if current().policy.batched_products_pay(jax.default_backend()):  # one substitution, K + 1 columns
+        rhs = jax.tree.map(lambda g, c: jnp.concatenate([g[None].astype(c.dtype), c]), grads[0], columns)
+        lams = jax.vmap(adjoints)(rhs)
+        first, rest = jax.tree.map(lambda x: x[0], lams), jax.tree.map(lambda x: x[1:], lams)
+    else:  # on CPU XLA's batched products are slower than K + 1 plain ones: one after another
+        first, rest = adjoints(grads[0]), jax.lax.map(adjoints, columns)
     network = calls.arguments([param_adjoint(plan, prim, lam)
                                for plan, prim, lam in zip(calls.plans, calls.stored, first)])
     grad = tuple(add_trees(g, m) for g, m in zip(grads[1:], network))

@@ -9,10 +9,10 @@ calls), `_memory_model` (what a call keeps: where ℳΛ is formed, how many chec
 transforms with `network_call` named the solver of every Network call).
 """
 
-from ._call import output_tangents, outputs_of, prepare
+from ._call import output_tangents, outputs_of, prepare, stored_tangents
 from ._transforms import grad_by_solve, jvp_by_solve, solve_mode, value_and_grad_by_solve
 
 __all__ = [
-    "grad_by_solve", "jvp_by_solve", "output_tangents", "outputs_of", "prepare", "solve_mode",
+    "grad_by_solve", "jvp_by_solve", "output_tangents", "outputs_of", "prepare", "solve_mode", "stored_tangents",
     "value_and_grad_by_solve",
 ]

@@ -263,11 +263,20 @@ def _jvp_in_forward_sweep(plan: Plan, theta: dict, inputs: tuple, dtheta: dict, 
 
 def _jvp_by_linear_solve(plan: Plan, settings: Settings, theta: dict, inputs: tuple, dtheta: dict,
                          dinputs: tuple) -> tuple:
-    """The forward pass with residuals, then ℒ Z = ℳ* h + E₀ dU₀ as a transposable linear solve:
-    reverse mode is its transpose, the back substitution, with ℳΛ where the call's `SolveVariant`
-    forms it (batched after it, the transpose of the batched ℳ* h, or in the loop)."""
+    """The forward pass with residuals, then ℒ Z = ℳ* h + E₀ dU₀ as a transposable linear solve
+    (`stored_tangents`)."""
+    prim = prepare(plan.net, theta, inputs, settings)[1]
+    return _outputs(plan, prim.states), stored_tangents(plan, prim, settings, dtheta, dinputs)
+
+
+def stored_tangents(plan: Plan, prim: Primal, settings: Settings, dtheta: dict, dinputs: tuple | None = None
+                    ) -> tuple[Any, ...]:
+    """The output items' tangents 𝒫 Z on a stored forward pass ``prim``: ℒ Z = ℳ* h + E₀ dU₀ as
+    a transposable linear solve — reverse mode is its transpose, the back substitution, with ℳΛ
+    where the call's `SolveVariant` forms it (batched after it, the transpose of the batched ℳ* h,
+    or in the loop). ``dinputs`` None: the inputs held (data)."""
     net = plan.net
-    prim = prepare(net, theta, inputs, settings)[1]
+    dinputs = tuple(None for _ in net.inputs) if dinputs is None else dinputs
     variant = solve_variant(plan, settings, _moves_params(net, dtheta))
     # rhs in the layout of Z (compact: at the input rows alone), but where ℳ* h is formed before
     # the loop (rhs_full: every row of the full layout).
@@ -282,7 +291,7 @@ def _jvp_by_linear_solve(plan: Plan, settings: Settings, theta: dict, inputs: tu
     # them no cotangent (see _primitive).
     z = solve(plan, prim, h, rhs, variant)
     layout = plan.compact if variant.compact else plan  # of Z
-    return _outputs(plan, prim.states), output_tangents(layout, z)
+    return output_tangents(layout, z)
 
 
 def _tangent_or_zero(plan: Plan, item: Hashable | Stack, z: list[Any]) -> Any:
