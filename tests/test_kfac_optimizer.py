@@ -320,8 +320,11 @@ def test_clear_errors():
         opt.update(grad, opt.init(params), params)
     with pytest.raises(TypeError, match="gauss_newton"):
         opt.update(grad, opt.init(params), params, factors=factors, diagonal=diagonal)
-    with pytest.raises(TypeError, match="value_fn"):
-        opt.update(grad, opt.init(params), params, factors=factors, diagonal=diagonal, curvature=G)
+    rejecting = lbp.kfac(adapt_damping=False, learning_rate=1.0, momentum=0.0, reject=True)
+    with pytest.raises(TypeError, match="value_fn"):  # no G to take the loss from
+        rejecting.update(grad, rejecting.init(params), params, factors=factors, diagonal=diagonal)
+    # with G and no value_fn, the loss after the step is G.value_at's (no error)
+    opt.update(grad, opt.init(params), params, factors=factors, diagonal=diagonal, curvature=G)
     fixed = lbp.kfac(adapt_damping=False, learning_rate=1.0, momentum=0.0)
     with pytest.raises(ValueError, match=r"\['H'\] has no Kronecker factors"):
         fixed.update(grad, opt.init(params), params, factors={**factors, "H": None})

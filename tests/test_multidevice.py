@@ -131,3 +131,60 @@ def test_explicitly_sharded_batch_without_set_mesh():
                           env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.count("ok ") == 2
+
+
+ONE_PASS_KFAC = """
+import jax, jax.numpy as jnp, numpy as np, optax
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+import linbackprop as lbp
+
+jax.config.update("jax_enable_x64", True)
+dense = lambda th, x: jnp.tanh(x @ th[0] + th[1])
+linear = lambda th, x: x @ th[0] + th[1]
+net = lbp.Network([lbp.Layer("h", dense, ("x",), ("W1", "b1")), lbp.Layer("y", linear, ("h",), ("W2", "b2"))],
+                  ["x"], "y")
+rng = np.random.default_rng(0)
+params = {"W1": jnp.asarray(rng.standard_normal((5, 7)) / 2), "b1": jnp.zeros(7),
+          "W2": jnp.asarray(rng.standard_normal((7, 3)) / 2), "b2": jnp.zeros(3)}
+x, labels = jnp.asarray(rng.standard_normal((32, 5))), jnp.asarray(rng.integers(0, 3, 32))
+loss = lambda p, x, y: optax.softmax_cross_entropy_with_integer_labels(net(p, x), y).mean()
+opt = lbp.kfac()
+
+
+def step(p, s, x, y, i):  # the one-pass K-FAC step
+    key = jax.random.fold_in(jax.random.key(1), i)
+    value, grad, G = lbp.gauss_newton(loss, factors=True, samples=1, key=key)(p, x, y)
+    updates, s = opt.update(grad, s, p, curvature=G)
+    return optax.apply_updates(p, updates), s, value
+
+
+def run(p, x, y, steps=6):
+    s, values, jitted = opt.init(p), [], jax.jit(step)
+    for i in range(steps):
+        p, s, value = jitted(p, s, x, y, i)
+        values.append(float(value))
+    return p, values
+
+
+one_p, one_values = run(params, x, labels)  # one device
+for name, kind in (("automatic", AxisType.Auto), ("explicit", AxisType.Explicit)):
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(kind,))
+    put = lambda a, *spec: jax.device_put(a, NamedSharding(mesh, P(*spec)))
+    with jax.set_mesh(mesh):  # explicit axes: the trace-time checks' random values need JAX's mesh
+        p, values = run(jax.tree.map(put, params), put(x, "data"), put(labels, "data"))
+    assert all(leaf.sharding.is_fully_replicated for leaf in jax.tree.leaves(p)), name
+    np.testing.assert_allclose(values, one_values, rtol=1e-10)
+    for a, b in zip(jax.tree.leaves(p), jax.tree.leaves(one_p)):
+        np.testing.assert_allclose(a, b, rtol=1e-8, atol=1e-10)
+    print("ok", name)
+"""
+
+
+def test_the_one_pass_kfac_step_with_the_batch_on_eight_devices():
+    """``gauss_newton(factors=True)`` and ``lbp.kfac`` under ``jax.jit``, the batch sharded over 8
+    devices (automatic and explicit meshes), parameters replicated: six steps equal to one
+    device's, the parameters replicated."""
+    env = {**os.environ, "XLA_FLAGS": EIGHT_DEVICES, "JAX_PLATFORMS": "cpu"}
+    done = subprocess.run([sys.executable, "-c", ONE_PASS_KFAC], capture_output=True, text=True, timeout=600, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("ok ") == 2, done.stdout

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._engine import weighted_square_sum
-from .._graph import Stack, in_turn
+from .._graph import Stack, in_turn, sharded_as
 from ._calls import Calls
 from ._sampling import block_sampler
 from ._separation import (
@@ -149,7 +149,7 @@ def hessian_blocks(split: Split, engine: str, name: str, per_position: bool = Tr
             for n, c in enumerate(owner):
                 if c in group:
                     out[n] = next(at)
-        return treedef.unflatten(out)
+        return treedef.unflatten([sharded_as(o, x) for o, x in zip(out, leaves)])
 
     g_outs, hvp = jax.linearize(jax.grad(loss), calls.outs)
     gradients = [_by_example(calls, batch, name, g_outs, only=group, read=read)[0]

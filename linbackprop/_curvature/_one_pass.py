@@ -13,11 +13,13 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from .._capture import rewrite
 from .._engine import param_adjoint
 from .._options import current
 from ._examples import all_columns, ggn_squares, hessian_blocks
-from ._kfac import FactorSums
-from ._split import Split, add_trees
+from ._kfac import FactorSums, biases_named_in
+from ._operator import GaussNewton, structure_of, value_function
+from ._split import OnArguments, Split, add_trees
 
 
 class OnePass(NamedTuple):
@@ -98,3 +100,55 @@ def _closed(fn: Callable, *example: Any) -> jax.tree_util.Partial:
 def _evaluated(jaxpr: Any, out_tree: Any, consts: tuple, *args: Any) -> Any:
     return jax.tree.unflatten(out_tree, jax.core.eval_jaxpr(jaxpr, list(consts), *jax.tree.leaves(args)))
 
+
+def check_one_pass(factors: bool, diagonal: bool, samples: int | None, key: Any, approximation: str, remat: bool,
+                    checkpoints: int | None) -> bool:
+    """Whether ``gauss_newton`` runs in one pass (factors or the diagonal asked for), with its
+    arguments checked."""
+    if approximation not in ("expand", "reduce"):
+        raise ValueError(f"gauss_newton(approximation={approximation!r}): use 'expand' (every use of a weight a "
+                         "term) or 'reduce' (each example's uses summed first).")
+    if not (factors or diagonal):
+        if samples is not None or key is not None:
+            raise ValueError("gauss_newton(samples=, key=) draw the columns of the K-FAC factors and the diagonal: "
+                             "pass factors=True and/or diagonal=True with them.")
+        return False
+    if remat or checkpoints is not None:
+        raise ValueError("gauss_newton(factors=True / diagonal=True) keeps every layer's residuals (its factors "
+                         "are formed from them in one pass): drop remat= and checkpoints=, or call "
+                         "gauss_newton(remat=...) and kfac_factors / diag_ggn apart.")
+    return True
+
+
+def run_one_pass(fun: Callable, args: tuple, nums: tuple, single: bool, has_aux: bool, layers: Any, engine: str,
+                  factors: bool, diagonal: bool, samples: int | None, key: Any, approximation: str) -> tuple:
+    """``gauss_newton(factors=True / diagonal=True)``: value, gradient and G with its factors and
+    diagonal from one forward pass and one batched back substitution (`one_pass`)."""
+    if layers is None:
+        split, found = Split(fun, args, nums, has_aux), None
+    else:  # the model as it is, its layers also run on one example (as kfac_factors and diag_ggn)
+        found = rewrite(fun, args, nums, layers, per_example=True)
+
+        def with_states(*parts: Any) -> tuple:  # an nnx module's other state after fun, as aux
+            result, states = found.fun(*parts)
+            value, aux = result if has_aux else (result, None)
+            return value, (aux, states)
+
+        split = Split(with_states, found.args, tuple(range(len(nums))), True)
+    done = one_pass(split, engine, single and found is None, factors=factors,
+                    diagonal=diagonal, samples=samples, key=key, approximation=approximation)
+    grad, jvp, vjp, aux, kfac, diag = done.grad, done.jvp, done.vjp, done.aux, done.factors, done.diagonal
+    if found is not None:
+        aux, states = aux
+        found.write_back(states)
+        grad = found.gradient(grad, False)
+        on = OnArguments(found.arguments)
+        jvp, vjp = jax.tree_util.Partial(on.jvp, jvp), jax.tree_util.Partial(on.vjp, vjp)
+        if kfac is not None:
+            kfac = biases_named_in(found.gradient(kfac, single), single)
+        if diag is not None:
+            diag = found.gradient(diag, single)
+    G = GaussNewton(jvp, vjp, done.hvp, single, structure_of(grad[0] if single else grad), structure_of(done.outs),
+                    value_function(split), done.value, kfac, diag)
+    value = (done.value, aux) if has_aux else done.value
+    return value, grad[0] if single else grad, G

@@ -150,5 +150,5 @@ def _cholesky(a: jax.Array) -> jax.Array:
         v = a[j:, j]
         for done in columns:  # column j of h less what the earlier columns of L account for
             v = v - done[j:] * done[j]
-        columns.append(jnp.concatenate([jnp.zeros((j, a.shape[-1]), a.dtype), v / jnp.sqrt(v[0])]))
+        columns.append(jnp.concatenate([jnp.zeros_like(a[:j, j]), v / jnp.sqrt(v[0])]))  # sharded as a
     return jnp.stack(columns, axis=1)

@@ -174,7 +174,7 @@ def check_hessian_keeps_examples_apart(loss: Callable, leaves: list, axes: list[
         grad = jax.grad(lambda xs: evaluate(*xs)[0])
         base = [np.asarray(x, np.float64) for x in grad(point)]
         for group in sorted(set(groups)):
-            moved = [x.at[(slice(None),) * ax + (0,)].add(1.0)
+            moved = [_first_moved(x, ax)
                      if groups[n] == group and np.issubdtype(x.dtype, np.inexact) and x.ndim > ax else x
                      for n, (x, ax) in enumerate(zip(point, axes))]
             for n, (after, before) in enumerate(zip(grad(moved), base)):
@@ -190,3 +190,10 @@ def check_hessian_keeps_examples_apart(loss: Callable, leaves: list, axes: list[
                         f"examples (a function of the batch's sum or mean of the outputs, outputs normalised over "
                         f"the batch, a contrastive loss). Write the loss as a sum (or mean) of per-example terms, "
                         f"or use lbp.gauss_newton's products (G.mv, G.todense()), exact for any H.")
+
+
+def _first_moved(x: jax.Array, axis: int) -> jax.Array:
+    """``x`` with 1 added to its first example (index 0 on ``axis``), as a broadcast sum: a scatter
+    into a batch sharded over a mesh with Explicit axes needs its output's sharding named."""
+    first = (jnp.arange(x.shape[axis]) == 0).astype(x.dtype).reshape((-1,) + (1,) * (x.ndim - axis - 1))
+    return x + first

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.extend.core import Literal
 
-from .._graph import evaluate
+from .._graph import evaluate, replicated_result
 from ._outer_products import leaf_terms
 
 
@@ -121,7 +121,7 @@ class OuterFactors:
             for u, (x, contracted) in enumerate(uses or ()):  # each use's Gram matrix, added up
                 axes = (0, *contracted)
                 scaled = x if weights is None else weights.reshape((-1,) + (1,) * (x.ndim - 1)).astype(x.dtype) * x
-                gram = lax.dot_general(scaled, x, ((axes, axes), ((), ())))
+                gram = lax.dot_general(scaled, x, ((axes, axes), ((), ())), **replicated_result(x, axes))
                 size = math.prod(x.shape[1:]) // math.prod(x.shape[d] for d in contracted)
                 gram = gram.reshape(size, size)
                 if n in ones_in:  # the bias's column: Σ x over its terms beside x, their count in the corner
@@ -292,3 +292,4 @@ def _merged(terms: list[Term]) -> list[list[Term]]:
 
 def _free_size(var: Any, contracted: tuple[int, ...]) -> int:
     return math.prod(n for d, n in enumerate(var.aval.shape) if d not in contracted)
+

@@ -71,6 +71,29 @@ def explicit_sharding(x: Any) -> NamedSharding | None:
     return sharding if explicit else None
 
 
+def sharded_as(x: jax.Array, like: Any) -> jax.Array:
+    """``x`` resharded as ``like`` (an array or an aval of the same shape) where ``like``'s type
+    carries an explicit sharding; ``x`` as it is elsewhere. What a value built from constants (a
+    basis, a draw) needs before it meets the user's explicitly sharded arrays."""
+    sharding = explicit_sharding(like)
+    if sharding is None or explicit_sharding(x) == sharding:
+        return x
+    with mesh_of(like):
+        return jax.sharding.reshard(x, sharding.spec)
+
+
+def replicated_result(x: jax.Array, contracted: tuple[int, ...]) -> dict:
+    """``out_sharding=`` for a ``lax.dot_general`` of ``x`` with an operand of the same sharding
+    that contracts ``contracted`` and keeps x's other axes twice over (a Gram matrix), where a
+    contracted axis is explicitly sharded (the batch over a mesh with Explicit axes): replicated,
+    the sum over the devices XLA's all-reduce. Elsewhere nothing (XLA chooses)."""
+    sharding = explicit_sharding(x)
+    if sharding is None or all(sharding.spec[d] is None for d in contracted if d < len(sharding.spec)):
+        return {}
+    free = x.ndim - len(contracted)
+    return {"out_sharding": NamedSharding(sharding.mesh, P(*([None] * (2 * free))))}
+
+
 def zeros_of(like: Any, lead: tuple[int, ...] = ()) -> jax.Array:
     """Zeros of shape ``(*lead, *like.shape)`` and ``like``'s dtype, sharded as ``like`` with the
     ``lead`` axes unsharded: a buffer that rows of explicitly sharded states are written into must

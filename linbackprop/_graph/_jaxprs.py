@@ -19,7 +19,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import Literal
+from jax.sharding import AbstractMesh, NamedSharding
 
+from ._buffers import explicit_sharding
 from ._layer import Layer, call_layer
 
 
@@ -48,10 +50,28 @@ def at_random(fn: Callable, *args: Any) -> tuple[Callable, list[Any], Any]:
     arguments and ``shape`` its output's structure. ``fn`` is traced once, at ``args``' avals."""
     draw = random_values()
     closed, shape = jax.make_jaxpr(fn, return_shape=True)(*args)
+    meshes = {c.sharding.mesh.axis_names: c.sharding.mesh for c in closed.consts
+              if not isinstance(c, jax.core.Tracer) and isinstance(getattr(c, "sharding", None), NamedSharding)}
+    placed = lambda aval: _placed_as(draw(aval), aval, meshes)
     with jax.ensure_compile_time_eval():
-        consts = [draw(c.aval) if isinstance(c, jax.core.Tracer) else c for c in closed.consts]
-        values = [draw(v.aval) for v in closed.jaxpr.invars]
+        consts = [placed(c.aval) if isinstance(c, jax.core.Tracer) else c for c in closed.consts]
+        values = [placed(v.aval) for v in closed.jaxpr.invars]
+
     return (lambda *leaves: jax.core.eval_jaxpr(closed.jaxpr, consts, *leaves)), values, shape
+
+
+def _placed_as(value: Any, aval: Any, meshes: dict) -> Any:
+    """A drawn value sharded as ``aval``'s type says where that is an explicit sharding (a batch
+    sharded over a mesh with Explicit axes: the jaxpr's operations check their operands'
+    shardings agree), on the mesh of an array it closes over, else ``jax.make_mesh``'s."""
+    sharding = explicit_sharding(aval)
+    if sharding is None:  # replicated on such a mesh counts too: its values must live on the mesh's devices
+        return value
+    abstract = sharding.mesh if isinstance(sharding.mesh, AbstractMesh) else sharding.mesh.abstract_mesh
+    mesh = meshes.get(abstract.axis_names)
+    if mesh is None:  # under jax.jit only the abstract mesh is known: jax.make_mesh's devices for it
+        mesh = jax.make_mesh(abstract.axis_sizes, abstract.axis_names, axis_types=abstract.axis_types)
+    return jax.device_put(value, NamedSharding(mesh, sharding.spec))
 
 
 def agree_at_random(expected: Any, found: Any, low_precision_tol: float = 1e-3) -> bool:

@@ -63,7 +63,9 @@ def kfac(damping: float = 1e-3, decay: float = 0.95, update_every: int = 5, *, l
     r"""K-FAC, the whole optimizer: its updates go to ``optax.apply_updates`` (as ``optax.adam``'s
     do; [`scale_by_kfac`][linbackprop.scale_by_kfac] is the bare direction).
 
-    Each ``update(grad, state, params, factors=..., curvature=G, value=..., value_fn=...)``:
+    Each ``update(grad, state, params, curvature=G)`` (G from ``lbp.gauss_newton(loss,
+    factors=True, samples=1, key=key)``: the factors, the value and ``value_fn=G.value_at`` from
+    its one pass; or ``factors=``, ``value=``, ``value_fn=`` given apart):
 
     1. **Factors averaged.** F ≈ Σ_terms A ⊗ Γ per leaf, from
        [`kfac_factors`][linbackprop.kfac_factors] (a leaf's factors a
@@ -125,11 +127,13 @@ def kfac(damping: float = 1e-3, decay: float = 0.95, update_every: int = 5, *, l
 
     Returns:
         An ``optax.GradientTransformationExtraArgs``. Its ``update(grad, state, params, *,
-            factors, curvature=None, value=None, value_fn=None, diagonal=None, **extra)`` needs
-            ``curvature=G`` ([`gauss_newton`][linbackprop.gauss_newton]) unless both coefficients
-            are fixed and λ is not adapted, and ``value_fn(params, **extra)`` (the loss on the same
-            batch, called with the extra arguments it accepts; ``G.value_at`` is one) with
-            ``adapt_damping`` or ``reject``; ``value`` (the loss at ``params``) saves one call of it.
+            factors=None, curvature=None, value=None, value_fn=None, diagonal=None, **extra)``
+            needs ``curvature=G`` ([`gauss_newton`][linbackprop.gauss_newton]) unless both
+            coefficients are fixed and λ is not adapted, the factors (``G.factors`` where G was
+            made with ``factors=True``, else ``factors=``), and with ``adapt_damping`` or
+            ``reject`` ``value_fn(params, **extra)`` (the loss on the same batch, called with the
+            extra arguments it accepts; ``G.value_at`` where none is given, with ``G.value``);
+            ``value`` (the loss at ``params``) saves one call of it.
 
     Raises:
         ValueError: an argument out of range, factors that do not match the gradient, a leaf
@@ -147,11 +151,9 @@ def kfac(damping: float = 1e-3, decay: float = 0.95, update_every: int = 5, *, l
         >>> params = {"W": jnp.zeros((3, 1))}
         >>> state = opt.init(params)
         >>> @jax.jit
-        ... def step(params, state):
-        ...     value, grad, G = lbp.gauss_newton(loss)(params)
-        ...     factors = lbp.kfac_factors(loss)(params)
-        ...     updates, state = opt.update(grad, state, params, factors=factors, curvature=G,
-        ...                                 value=value, value_fn=lambda p, **_: loss(p))
+        ... def step(params, state):  # value, gradient, G and the factors from one pass
+        ...     value, grad, G = lbp.gauss_newton(loss, factors=True)(params)
+        ...     updates, state = opt.update(grad, state, params, curvature=G)
         ...     return optax.apply_updates(params, updates), state
         >>> for _ in range(8):
         ...     params, state = step(params, state)
