@@ -8,8 +8,8 @@ guide. It runs in an environment of its own: kfac-jax 0.0.8 needs JAX ≤ 0.7, l
 The same network (tanh MLP 64-128-128-10, full batch of 1,797 images, float32, the same
 initialisation as ``kfac_rows.digits_problem``), kfac-jax's adaptive learning rate, momentum and
 damping (KFAC*, as ``lbp.kfac``'s defaults: initial damping 1e-3, decay 0.95, inverses every 5
-steps, λ adapted every 5 steps by 0.95⁵ — kfac-jax's own default is 0.9⁵ —, its default estimator:
-one sampled label per example). Prints the loss every 10 steps and
+steps, λ adapted every 5 steps by 0.95⁵ — kfac-jax's own default is 0.9⁵ —, its default estimator
+``ggn_curvature_prop``: random vectors through H's root, one per example). Prints the loss every 10 steps and
 the median time per step after the first two (they compile).
 """
 

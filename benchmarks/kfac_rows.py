@@ -80,7 +80,8 @@ def _kfac_step(loss: Callable, batch: tuple, opt, value_at: bool, one_pass: bool
 
 def plain_parts(params: dict, batch: tuple, key: jax.Array) -> tuple:
     """What the step's parts compute, written for this MLP alone in plain JAX: the loss and its
-    gradient, one sampled label per example (kfac-jax's estimator: s = p − e_y, y ~ p) back
+    gradient, one sampled label per example (K-FAC's Fisher estimator, kfac-jax's `fisher_gradients`:
+    s = p − e_y, y ~ p) back
     substituted to the pre-activations, A = Σ [x, 1]ᵀ[x, 1] and Γ = Σ sᵀs per layer, and the
     2 × 2 Gram matrix of G's products with the gradient and another vector (two JVPs) — the
     arithmetic of a K-FAC step without the update, for a floor to compare with."""
@@ -179,7 +180,8 @@ def kfac_rows(repeats: int) -> list[tuple[str, str, str]]:
              "`gauss_newton` and the two G products (`G.gram` of the gradient and another vector)":
                  lambda p: _with_gram(*lbp.gauss_newton(loss)(p, *batch), p),
              "`kfac_factors`, one sampled column": lambda p: lbp.kfac_factors(loss, samples=1, key=key)(p, *batch)}
-    parts["the same arithmetic in plain JAX: gradient, one sampled label per example (kfac-jax's estimator), "
+    parts["the same arithmetic in plain JAX: gradient, one sampled label per example (K-FAC's Fisher estimator, "
+          "kfac-jax's `fisher_gradients`), "
           "A and Γ, the two G products"] = lambda p: plain_parts(p, batch, key)
     gradient = jax.jit(lambda p: lbp.grad_by_solve(loss)(p, *batch))
     for when, p in (("early", params), ("late", late)):
