@@ -193,11 +193,10 @@ def main(steps: int = 800, blocks: int = 4, width: int = 64, context: int = 64, 
         opt_state = kfac.init(params)
 
         @jax.jit
-        def step(p, s, tokens):
-            value, grad, G = lbp.gauss_newton(loss)(p, tokens)
+        def step(p, s, tokens):  # value, gradient, G and the factors from one pass
             key = jax.random.fold_in(jax.random.key(seed), s.count)
-            factors = lbp.kfac_factors(loss, samples=1, key=key)(p, tokens)
-            updates, s = kfac.update(grad, s, p, factors=factors, curvature=G, value=value, value_fn=G.value_at)
+            value, grad, G = lbp.gauss_newton(loss, factors=True, samples=1, key=key)(p, tokens)
+            updates, s = kfac.update(grad, s, p, curvature=G)
             return optax.apply_updates(p, updates), s, value
 
     bar = range(steps)
