@@ -8,7 +8,9 @@ dense G; the K-FAC step's program counted for its forward passes; a 20-step traj
 from __future__ import annotations
 
 import collections
+import itertools
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,7 +18,7 @@ import optax
 import pytest
 from flax import nnx
 from jax._src import core as jax_core
-from test_kfac_models import NnxDense, NnxMlp, data, xent
+from test_kfac_models import EqxDense, EqxMlp, NnxDense, NnxMlp, data, xent
 from test_laplacian import params as pinn_params
 from test_laplacian import pinn_loss, points
 from trees import assert_trees_close
@@ -110,6 +112,44 @@ def test_an_nnx_layers_model_in_one_pass():
                  jax.tree_util.tree_flatten_with_path(G.factors, is_leaf=is_factor)[0])
     biases = [f for f in paths.values() if isinstance(f, lbp.BiasOf)]
     assert len(biases) == 2 and all(isinstance(paths[b.weight], lbp.Kronecker) for b in biases)
+
+
+def test_an_equinox_layers_model_in_one_pass_trains_with_kfac():
+    """The weight-first product (W x: the bias on the right factor's side) and eqx.filter_jit."""
+    x, y = data(3)
+    rng = np.random.default_rng(3)
+    model = EqxMlp([EqxDense(jnp.asarray(rng.standard_normal((o, i)) / np.sqrt(i)),
+                             jnp.asarray(0.1 * rng.standard_normal(o)), k == 0)
+                    for k, (i, o) in enumerate(itertools.pairwise((3, 5, 4)))])
+    _, grad, G = assert_one_pass_is_the_separate_transforms(xent, (model, x, y), 1, layers=EqxDense)
+    assert_trees_close(grad, eqx.filter_grad(xent)(model, x, y), rtol=1e-9, atol=1e-12)
+    opt = lbp.kfac(factors=G.factors)
+
+    @eqx.filter_jit
+    def step(model, state, i):
+        value, grad, G = lbp.gauss_newton(xent, layers=EqxDense, factors=True, samples=1,
+                                          key=jax.random.fold_in(jax.random.key(0), i))(model, x, y)
+        updates, state = opt.update(grad, state, eqx.filter(model, eqx.is_inexact_array), curvature=G)
+        return eqx.apply_updates(model, updates), state, value
+
+    state, values = opt.init(eqx.filter(model, eqx.is_inexact_array)), []
+    for i in range(10):
+        model, state, value = step(model, state, i)
+        values.append(float(value))
+    assert values[-1] < 0.5 * values[0], values
+
+
+def test_the_one_pass_operator_is_the_two_pass_one():
+    """G's factor K (KᵀK = G), its Hessian on the outputs and value_at: as gauss_newton's."""
+    p, x, labels = mlp_problem()
+    G = lbp.gauss_newton(mlp_loss, factors=True)(p, x, labels)[2]
+    G0 = lbp.gauss_newton(mlp_loss)(p, x, labels)[2]
+    rows = jax.vmap(lambda r: jax.flatten_util.ravel_pytree(r)[0])(G.factor())
+    np.testing.assert_allclose(rows.T @ rows, G0.todense(), rtol=1e-9, atol=1e-12)
+    np.testing.assert_allclose(G.hessian(), G0.hessian(), rtol=1e-12, atol=1e-14)
+    q = jax.tree.map(lambda a: a + 0.1, p)
+    np.testing.assert_allclose(G.value_at(q), mlp_loss(q, x, labels), rtol=1e-12)
+    assert G.size == G0.size and G.outputs == G0.outputs
 
 
 def test_has_aux_and_float32_in_one_pass():
