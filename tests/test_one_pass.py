@@ -114,6 +114,35 @@ def test_an_nnx_layers_model_in_one_pass():
     assert len(biases) == 2 and all(isinstance(paths[b.weight], lbp.Kronecker) for b in biases)
 
 
+def test_kfac_inside_nnx_optimizer_takes_everything_from_g():
+    """``optimizer.update(model, grad, curvature=G)`` under ``nnx.jit``, G from the one pass: the
+    same parameters as the step given the factors, value and value_fn apart."""
+    x, y = data(1)
+    runs = []
+    for one_pass in (True, False):
+        model = NnxMlp(nnx.Rngs(1))
+        example = lbp.gauss_newton(xent, layers=NnxDense, factors=True)(model, x, y)[2].factors
+        optimizer = nnx.Optimizer(model, lbp.kfac(damping=1e-2, damping_interval=1, update_every=2,
+                                                  factors=example), wrt=nnx.Param)
+
+        @nnx.jit
+        def step(model, optimizer, one_pass=one_pass):
+            if one_pass:
+                value, grad, G = lbp.gauss_newton(xent, layers=NnxDense, factors=True)(model, x, y)
+                optimizer.update(model, grad, curvature=G)
+            else:
+                value, grad, G = lbp.gauss_newton(xent, layers=NnxDense)(model, x, y)
+                optimizer.update(model, grad, factors=lbp.kfac_factors(xent, layers=NnxDense)(model, x, y),
+                                 curvature=G, value=value, value_fn=G.value_at)
+            return value
+
+        values = [float(step(model, optimizer)) for _ in range(4)]
+        runs.append((values, nnx.state(model, nnx.Param)))
+    assert runs[0][0][-1] < runs[0][0][0]
+    np.testing.assert_allclose(runs[0][0], runs[1][0], rtol=1e-9)
+    assert_trees_close(runs[0][1], runs[1][1], rtol=1e-7, atol=1e-10)
+
+
 def test_an_equinox_layers_model_in_one_pass_trains_with_kfac():
     """The weight-first product (W x: the bias on the right factor's side) and eqx.filter_jit."""
     x, y = data(3)

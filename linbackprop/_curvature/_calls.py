@@ -84,8 +84,9 @@ class Calls:
                     "a layer that draws random numbers (nnx.Dropout in training mode, its RNG count advanced "
                     "by each call). Per-example gradients, their norms, clipping, the GGN diagonal, K-FAC "
                     "factors and ggn_factor take each example's curvature from one deterministic pass: "
-                    "call model.eval() (or build the dropout with deterministic=True) for them; gauss_newton "
-                    "and the gradients take dropout as it is.")
+                    "call model.eval() (or build the dropout with deterministic=True) for them (and for "
+                    "gauss_newton(factors=True / diagonal=True), built on the same pass); gauss_newton without "
+                    "them and the gradients take dropout as it is.")
 
     def batches(self) -> list[int]:
         """Each call's batch: the leading axis of its first output leaf (axis 1 of a Stack)."""
