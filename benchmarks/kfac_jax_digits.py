@@ -1,22 +1,31 @@
-"""kfac-jax's optimizer on the digits MLP of ``--rows kfac``, for the side-by-side in the training
-guide. It runs in an environment of its own: kfac-jax 0.0.8 needs JAX ≤ 0.7, linbackprop needs
-0.10 or newer, so the two cannot share a process.
+"""kfac-jax's optimizer on the digits MLP of ``--rows kfac``: its half of the time-to-loss table
+(``benchmarks/kfac_time_to_loss.py``). It runs in an environment of its own: kfac-jax 0.0.8 needs
+JAX ≤ 0.7, linbackprop needs 0.10 or newer, so the two cannot share a process.
 
     python3.11 -m venv /tmp/kfj && /tmp/kfj/bin/pip install "kfac-jax==0.0.8" "jax[cpu]==0.7.0" scikit-learn
-    OPENBLAS_NUM_THREADS=1 /tmp/kfj/bin/python benchmarks/kfac_jax_digits.py [--steps 100]
+    OPENBLAS_NUM_THREADS=1 /tmp/kfj/bin/python benchmarks/kfac_jax_digits.py --out kfac_jax.json
 
 The same network (tanh MLP 64-128-128-10, full batch of 1,797 images, float32, the same
-initialisation as ``kfac_rows.digits_problem``), kfac-jax's adaptive learning rate, momentum and
-damping (KFAC*, as ``lbp.kfac``'s defaults: initial damping 1e-3, decay 0.95, inverses every 5
-steps, λ adapted every 5 steps by 0.95⁵ — kfac-jax's own default is 0.9⁵ —, its default estimator
-``ggn_curvature_prop``: random vectors through H's root, one per example). Prints the loss every 10 steps and
-the median time per step after the first two (they compile).
+initialisation as ``kfac_rows.digits_problem(seed)``), kfac-jax's adaptive learning rate,
+momentum and damping (KFAC*, as ``lbp.kfac``'s defaults: initial damping 1e-3, curvature decay
+0.95, inverses every 5 steps, λ adapted every 5 steps) with its default estimator
+``ggn_curvature_prop`` (random vectors through the loss's Hessian root, one per example) and its
+inverses of the π-damped factors (LU, ``jnp.linalg.inv``). Two settings of λ's adaptation:
+0.95⁵ per adaptation (``lbp.kfac``'s) and kfac-jax's own default 0.9⁵.
+
+As users time it: kfac-jax compiles one program per kind of step (a plain step, one that also
+updates the inverses, one that also adapts the damping); each seed's run is made once to warm
+all of them (its wall time less the timed run's step time is the compile column), then again
+from the start, timed. The loss at step n is the loss at θ_n, before step n (kfac-jax's
+``stats["loss"]``, as ``lbp.kfac``'s step returns it), with step n's time spent after it.
+Writes one JSON record per (setting, seed): the losses, the step times and the compile time.
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import time
 
 import jax
@@ -27,55 +36,75 @@ from sklearn.datasets import load_digits
 SIZES = (64, 128, 128, 10)
 
 
-def main(steps: int = 100) -> dict:
+def problem(seed: int) -> tuple:
+    """The loss (registered for kfac-jax), the initial parameters and the full batch."""
     images, labels = load_digits(return_X_y=True)
     x, y = jnp.asarray(images / 16.0, jnp.float32), jnp.asarray(labels)
-    keys = jax.random.split(jax.random.key(0), len(SIZES) - 1)  # kfac_rows.digits_problem's
+    keys = jax.random.split(jax.random.key(seed), len(SIZES) - 1)  # kfac_rows.digits_problem's
     params = {}
     for i, (m, n) in enumerate(itertools.pairwise(SIZES)):
         params[f"W{i}"] = jax.random.normal(keys[i], (m, n), jnp.float32) / jnp.sqrt(m)
         params[f"b{i}"] = jnp.zeros(n, jnp.float32)
 
-    def logits(p, x):
+    def loss(p, batch):
+        x, y = batch
         h = x
         for i in range(len(SIZES) - 1):
             h = h @ p[f"W{i}"] + p[f"b{i}"]
             h = jnp.tanh(h) if i < len(SIZES) - 2 else h
-        return h
-
-    def loss(p, batch):
-        x, y = batch
-        out = logits(p, x)
-        kfac_jax.register_softmax_cross_entropy_loss(out, y)
-        logp = jax.nn.log_softmax(out)
+        kfac_jax.register_softmax_cross_entropy_loss(h, y)
+        logp = jax.nn.log_softmax(h)
         return -jnp.mean(jnp.take_along_axis(logp, y[:, None], axis=1))
 
-    optimizer = kfac_jax.Optimizer(
-        value_and_grad_func=jax.value_and_grad(loss), l2_reg=0.0, use_adaptive_learning_rate=True,
-        use_adaptive_momentum=True, use_adaptive_damping=True, initial_damping=1e-3, curvature_ema=0.95,
-        inverse_update_period=5, damping_adaptation_interval=5, damping_adaptation_decay=0.95, num_burnin_steps=0,
-        multi_device=False)
+    return loss, params, (x, y)
+
+
+def run(optimizer, params: dict, batch: tuple, steps: int) -> tuple[list[float], list[float]]:
+    """``steps`` steps from ``params``: the loss at θ_n and step n's seconds, each step waited for."""
     rng = jax.random.key(1)
-    state = optimizer.init(params, rng, (x, y))
+    params = jax.tree.map(jnp.copy, params)  # kfac-jax's step donates its arguments' buffers
+    state = optimizer.init(params, rng, batch)
     losses, times = [], []
     for n in range(steps):
         rng, key = jax.random.split(rng)
         start = time.perf_counter()
-        params, state, stats = optimizer.step(params, state, key, batch=(x, y), global_step_int=n)
-        jax.block_until_ready(params)
+        params, state, stats = optimizer.step(params, state, key, batch=batch, global_step_int=n)
+        jax.block_until_ready((params, state))
         times.append(time.perf_counter() - start)
         losses.append(float(stats["loss"]))
-        if (n + 1) % 10 == 0:
-            print(f"step {n + 1:4d}: loss {losses[-1]:.3e}", flush=True)
-    # the median: kfac-jax compiles a step of each kind (inverses, damping adaptation) on first use
-    median = sorted(times[2:])[len(times[2:]) // 2]
-    final = float(loss(params, (x, y)))
-    print(f"kfac-jax {kfac_jax.__version__}, jax {jax.__version__}: loss after {steps} steps {final:.3e}, "
-          f"{median * 1e3:.2f} ms per step (median), {sum(times[2:]) / len(times[2:]) * 1e3:.2f} ms (mean)")
-    return {"losses": losses, "final_loss": final, "ms_per_step": median * 1e3}
+    return losses, times
+
+
+def main(steps: int, seeds: int, out: str | None) -> list[dict]:
+    records = []
+    for decay in (0.95, 0.9):
+        for seed in range(seeds):
+            loss, params, batch = problem(seed)
+            optimizer = kfac_jax.Optimizer(
+                value_and_grad_func=jax.value_and_grad(loss), l2_reg=0.0, use_adaptive_learning_rate=True,
+                use_adaptive_momentum=True, use_adaptive_damping=True, initial_damping=1e-3, curvature_ema=0.95,
+                inverse_update_period=5, damping_adaptation_interval=5, damping_adaptation_decay=decay,
+                num_burnin_steps=0, multi_device=False)
+            start = time.perf_counter()
+            run(optimizer, params, batch, 11)  # every kind of step, compiled: the warm-up run
+            warm = time.perf_counter() - start
+            losses, times = run(optimizer, params, batch, steps)
+            compile_s = warm - sum(times[:11])
+            name = f"kfac-jax {kfac_jax.__version__} (λ × {decay}⁵{', its default' if decay == 0.9 else ''})"
+            records.append({"name": name, "seed": seed, "losses": losses, "times": times, "compile": compile_s,
+                            "jax": jax.__version__})
+            print(f"{name}, seed {seed}: loss {losses[-1]:.3e} after {steps} steps, mean step "
+                  f"{sum(times) / len(times) * 1e3:.2f} ms, compile {compile_s:.2f} s", flush=True)
+    if out:
+        with open(out, "w") as f:
+            json.dump(records, f)
+    return records
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=100)
-    main(parser.parse_args().steps)
+    parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--seeds", type=int, default=5)
+    parser.add_argument("--out", default="kfac_jax.json", help="the JSON records ('' for none)")
+    args = parser.parse_args()
+    main(args.steps, args.seeds, args.out)

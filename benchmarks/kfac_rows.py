@@ -14,10 +14,8 @@ and measuring the loss for the damping, every 5th) are also timed apart.
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import os
-import time
 from collections.abc import Callable
 
 import jax
@@ -32,8 +30,9 @@ SIZES = (64, 128, 128, 10)
 ADAM_RATES = (1e-3, 3e-3, 1e-2, 3e-2, 1e-1)  # the best inside the grid, not at its edge
 
 
-def digits_problem() -> tuple[Callable, dict, tuple]:
-    """The loss (mean cross-entropy of the MLP), its initial parameters and the full batch."""
+def digits_problem(seed: int = 0) -> tuple[Callable, dict, tuple]:
+    """The loss (mean cross-entropy of the MLP), its initial parameters (from ``seed``) and the
+    full batch."""
     from sklearn.datasets import load_digits
 
     images, labels = load_digits(return_X_y=True)
@@ -43,7 +42,7 @@ def digits_problem() -> tuple[Callable, dict, tuple]:
     layers = [lbp.Layer(i + 1, dense if i < len(SIZES) - 2 else head, (i,), (f"W{i}", f"b{i}"))
               for i in range(len(SIZES) - 1)]
     net = lbp.Network(layers, [0], len(SIZES) - 1)
-    keys = jax.random.split(jax.random.key(0), len(SIZES) - 1)
+    keys = jax.random.split(jax.random.key(seed), len(SIZES) - 1)
     params = {}
     for i, (m, n) in enumerate(itertools.pairwise(SIZES)):
         params[f"W{i}"] = jax.random.normal(keys[i], (m, n), jnp.float32) / jnp.sqrt(m)
@@ -195,32 +194,3 @@ def kfac_rows(repeats: int) -> list[tuple[str, str, str]]:
     for row in rows:
         print(row, flush=True)
     return rows
-
-
-def side_by_side(steps: int = 100) -> dict:
-    """Our half of the training guide's side-by-side with kfac-jax (``python -m
-    benchmarks.kfac_rows --steps 100``; kfac-jax's half is ``benchmarks/kfac_jax_digits.py``,
-    in its own environment): the K-FAC step of the rows above with ``value_fn=G.value_at``, from
-    the same start, each step timed to completion; the loss every 10 steps and the median (and
-    mean) time per step after the first two (they compile)."""
-    loss, params, batch = digits_problem()
-    opt = lbp.kfac()
-    step = _kfac_step(loss, batch, opt, value_at=True)
-
-    carry, times = (params, opt.init(params), jax.random.key(1)), []
-    for n in range(steps):
-        start = time.perf_counter()
-        carry = jax.block_until_ready(step(*carry))
-        times.append(time.perf_counter() - start)
-        if (n + 1) % 10 == 0:
-            print(f"step {n + 1:4d}: loss {float(loss(carry[0], *batch)):.3e}", flush=True)
-    late = sorted(times[2:])
-    median, mean = late[len(late) // 2], sum(late) / len(late)
-    print(f"lbp.kfac, jax {jax.__version__}: {median * 1e3:.2f} ms per step (median), {mean * 1e3:.2f} ms (mean)")
-    return {"ms_per_step": median * 1e3, "final_loss": float(loss(carry[0], *batch))}
-
-
-if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=side_by_side.__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=100)
-    side_by_side(parser.parse_args().steps)
