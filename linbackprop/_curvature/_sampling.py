@@ -10,6 +10,8 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from .._graph import sharded_as
+
 # up to this many coordinates a block's Cholesky factor is formed column by column over the whole
 # batch at once, where LAPACK is called once per example (`python benchmarks/profile.py roots`:
 # 1,797 blocks of 4 × 4 0.35 → 0.14 ms, of 6 × 6 0.66 → 0.32 ms); from about 10 the unrolled
@@ -90,7 +92,7 @@ def block_sampler(h: jax.Array) -> Callable[[jax.Array], jax.Array]:
         # the term within row i at the same uniform's remainder (uniform there) — and the
         # uniform's second half draws −v: E[s] = 0, so samples of blocks that meet in one
         # product (positions of a shared weight, groups) do not correlate
-        doubled = jax.random.uniform(key, total.shape, h.dtype) * (2 * total)
+        doubled = sharded_as(jax.random.uniform(key, total.shape, h.dtype), total) * (2 * total)  # total's sharding
         flip = doubled >= total
         u = jnp.where(flip, doubled - total, doubled)
         i = jnp.minimum(jnp.sum(row_upto <= u[:, None], axis=-1), coords - 1)
@@ -104,7 +106,8 @@ def block_sampler(h: jax.Array) -> Callable[[jax.Array], jax.Array]:
         return (jnp.where(flip, -1, 1) * jnp.sqrt(total))[:, None] * v.astype(h.dtype)
 
     def by_roots(key: jax.Array) -> jax.Array:
-        return jnp.einsum("nij,nj->ni", roots, jax.random.normal(key, flat.shape[:-1], h.dtype))
+        return jnp.einsum("nij,nj->ni", roots, sharded_as(jax.random.normal(key, flat.shape[:-1], h.dtype),
+                                                          flat[..., 0]))
 
     def draw(key: jax.Array) -> jax.Array:
         return jax.lax.cond(dominant, by_terms, by_roots, key).reshape(batch, -1)

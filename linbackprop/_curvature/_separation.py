@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._graph import at_random, random_values
+from .._graph import at_random, random_values, sharded_as
 from .._plan import Plan
 
 _checked: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -147,7 +147,7 @@ def check_hessian_keeps_positions_apart(loss: Callable, leaves: list, n: int, ax
         back = lambda m: jnp.moveaxis(m.reshape(moved.shape), 0, axis)
         flat = lambda m: jnp.moveaxis(m, axis, 0).reshape(seq.shape)
         blocks = jax.vmap(lambda e: flat(hvp(back(e))))(basis)  # [j, B, P, i]
-        r = jnp.asarray(np.random.default_rng(1).standard_normal(seq.shape), seq.dtype)
+        r = sharded_as(jnp.asarray(np.random.default_rng(1).standard_normal(seq.shape), seq.dtype), seq)
         expected = np.asarray(jnp.einsum("jbpi,bpj->bpi", blocks, r), np.float64)
         found = np.asarray(flat(hvp(back(r))), np.float64)
     scale = 1 + np.abs(expected).max()
