@@ -42,10 +42,12 @@ class OnePass(NamedTuple):
 def one_pass(split: Split, engine: str, single: bool, *, factors: bool, diagonal: bool, samples: int | None,
              key: jax.Array | None, approximation: str) -> OnePass:
     r"""One forward pass of the split function's network calls (`Calls`, residuals kept), the
-    loss's gradient w.r.t. their outputs g = ∂ℓ/∂(outputs), and ONE back substitution, vmapped
-    over K + 1 right-hand sides: [E* g, E* s_1, …, E* s_K] with s_k H's columns (K = M samples
-    per example with ``samples=M``, or every eigenvector of each example's block, weighted by
-    its eigenvalue). Then
+    loss's gradient w.r.t. their outputs g = ∂ℓ/∂(outputs), and one back substitution of the
+    stored pass over K + 1 right-hand sides: [E* g, E* s_1, …, E* s_K] with s_k H's columns (K = M
+    samples per example with ``samples=M``, or every eigenvector of each example's block,
+    weighted by its eigenvalue) — vmapped where the policy's ``batched_products_pay`` says so
+    (off CPU), one column after another on CPU, where XLA's batched products measured slower.
+    Then
 
     $$\nabla_\theta J = ℳ Λ_0 + \partial_\theta \ell, \qquad
     \Gamma = \tfrac1K \sum_k \sum_b w_{kb}\, \delta_{bk}^T \delta_{bk}, \qquad
