@@ -33,7 +33,9 @@ import numpy as np
 import optax
 
 import linbackprop as lbp
-from benchmarks.kfac_rows import digits_problem
+from benchmarks.kfac_rows import digits_cnn_problem, digits_problem
+
+PROBLEMS = {"mlp": digits_problem, "cnn": digits_cnn_problem}
 
 TARGETS = (1e-2, 1e-3, 1e-4)
 RATES = (1e-3, 3e-3, 1e-2, 3e-2, 1e-1)  # Adam's and Muon's grid: each best rate inside it
@@ -58,8 +60,8 @@ def timed(step, carry: tuple, steps: int) -> tuple[list[float], list[float], flo
     return losses, times, first - sum(times)
 
 
-def kfac_run(seed: int, steps: int, damping_decay: float = 0.95) -> tuple:
-    loss, params, batch = digits_problem(seed)
+def kfac_run(problem: str, seed: int, steps: int, damping_decay: float = 0.95) -> tuple:
+    loss, params, batch = PROBLEMS[problem](seed)
     shapes = jax.eval_shape(lambda p: lbp.gauss_newton(loss, factors=True, samples=1, key=jax.random.key(0))(
         p, *batch)[2].factors, params)
     # the state's structure from init: one program, no second trace
@@ -75,8 +77,8 @@ def kfac_run(seed: int, steps: int, damping_decay: float = 0.95) -> tuple:
     return timed(step, (params, opt.init(params), jnp.zeros((), jnp.float32)), steps)
 
 
-def first_order_run(make, rate: float, seed: int, steps: int) -> tuple:
-    loss, params, batch = digits_problem(seed)
+def first_order_run(problem: str, make, rate: float, seed: int, steps: int) -> tuple:
+    loss, params, batch = PROBLEMS[problem](seed)
     tx = make(rate)
 
     @jax.jit
@@ -105,6 +107,7 @@ def summary(name: str, runs: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> list[str]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--problem", choices=sorted(PROBLEMS), default="mlp")
     parser.add_argument("--seeds", type=int, default=5)
     parser.add_argument("--kfac-steps", type=int, default=150)
     parser.add_argument("--first-order-steps", type=int, default=1000)
@@ -114,7 +117,7 @@ def main(argv: list[str] | None = None) -> list[str]:
     for decay, name in ((0.95, "`lbp.kfac()` (one pass, one sampled column; λ × 0.95⁵, its default)"),
                         (0.9, "`lbp.kfac(damping_decay=0.9)` (λ × 0.9⁵)")):
         for seed in range(args.seeds):
-            losses, times, compile_s = kfac_run(seed, args.kfac_steps, decay)
+            losses, times, compile_s = kfac_run(args.problem, seed, args.kfac_steps, decay)
             groups.setdefault(name, []).append({"losses": losses, "times": times, "compile": compile_s})
     if args.kfac_jax:
         for record in json.loads(Path(args.kfac_jax).read_text()):
@@ -124,13 +127,14 @@ def main(argv: list[str] | None = None) -> list[str]:
         by_rate = {}
         for rate in RATES:
             by_rate[rate] = [dict(zip(("losses", "times", "compile"),
-                                      first_order_run(make, rate, seed, args.first_order_steps)))
+                                      first_order_run(args.problem, make, rate, seed, args.first_order_steps)))
                              for seed in range(args.seeds)]
         best = min(RATES, key=lambda r: np.median([run["losses"][-1] for run in by_rate[r]]))
         edge = " (at the grid's edge)" if best in (RATES[0], RATES[-1]) else ""
         groups[f"{name}, lr {best:g} (best of {', '.join(f'{r:g}' for r in RATES)}){edge}"] = by_rate[best]
     lines = [f"`OPENBLAS_NUM_THREADS={__import__('os').environ.get('OPENBLAS_NUM_THREADS', 'unset')} python "
-             f"benchmarks/kfac_time_to_loss.py --kfac-jax kfac_jax.json`, {args.seeds} seeds, JAX {jax.__version__}:",
+             f"benchmarks/kfac_time_to_loss.py --problem {args.problem}"
+             f"{' --kfac-jax ' + args.kfac_jax if args.kfac_jax else ''}`, {args.seeds} seeds, JAX {jax.__version__}:",
              "", "| optimizer | s to 1e-2 | s to 1e-3 | s to 1e-4 | compile (s) | mean step (ms) |",
              "|---|---|---|---|---|---|"]
     lines += [summary(name, runs) for name, runs in groups.items()]

@@ -41,12 +41,13 @@ def reference(x: np.ndarray, t: np.ndarray, nodes: int = 4001) -> np.ndarray:
     z = np.linspace(-9.0, 9.0, nodes)
     weight = np.exp(-z ** 2)  # e^{−η²/4νt} with η = √(4νt) z
     out = -np.sin(np.pi * x)
-    moving = t > 0
-    y = x[moving][:, None] - np.sqrt(4 * NU * t[moving])[:, None] * z[None, :]
-    # F(y) = e^{−cos πy / 2πν}, scaled by its largest value per point (the ratio is unchanged)
-    exponent = -np.cos(np.pi * y) / (2 * np.pi * NU)
-    f = np.exp(exponent - exponent.max(axis=1, keepdims=True)) * weight
-    out[moving] = -np.trapezoid(np.sin(np.pi * y) * f, z, axis=1) / np.trapezoid(f, z, axis=1)
+    moving = np.flatnonzero(t > 0)
+    for chunk in np.array_split(moving, max(1, len(moving) // 512)):  # [512, nodes] at a time: in cache
+        y = x[chunk][:, None] - np.sqrt(4 * NU * t[chunk])[:, None] * z[None, :]
+        # F(y) = e^{−cos πy / 2πν}, scaled by its largest value per point (the ratio is unchanged)
+        exponent = -np.cos(np.pi * y) / (2 * np.pi * NU)
+        f = np.exp(exponent - exponent.max(axis=1, keepdims=True)) * weight
+        out[chunk] = -np.trapezoid(np.sin(np.pi * y) * f, z, axis=1) / np.trapezoid(f, z, axis=1)
     return out
 
 

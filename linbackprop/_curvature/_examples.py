@@ -238,8 +238,11 @@ def over_columns(share: Callable, examples: Examples, samples: int | None, key: 
     def one(k: jax.Array) -> Any:
         return share(*column(k))
 
-    init = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), jax.eval_shape(one, ks[0]))
-    summed = jax.lax.scan(lambda acc, k: (jax.tree.map(jnp.add, acc, one(k)), None), init, ks)[0]
+    if ks.shape[0] == 1:  # one column (the usual K-FAC sample): no loop (XLA:CPU's convolutions are
+        summed = one(ks[0])  # several times slower inside a loop's body than outside it)
+    else:
+        init = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), jax.eval_shape(one, ks[0]))
+        summed = jax.lax.scan(lambda acc, k: (jax.tree.map(jnp.add, acc, one(k)), None), init, ks)[0]
     return summed if scale is None else jax.tree.map(lambda d: d / scale, summed)
 
 

@@ -86,7 +86,13 @@ def kfac_factors(fun: Callable, argnums: int | Sequence[int] = 0, *, engine: Eng
     positions of a sequence summed); a bias added after such a product (its cotangent $\sum_t \delta_t$,
     x W + b) joins its weight's block, as in kfac-jax and curvlinops: the weight's λ-free factor
     is A = (1/N) Σ [x, 1]ᵀ[x, 1] (a column of zeros for uses without the bias) and the bias's
-    entry is a [`BiasOf`][linbackprop.BiasOf] naming the weight. Every other leaf (norm scales
+    entry is a [`BiasOf`][linbackprop.BiasOf] naming the weight. A convolution's kernel
+    (``lax.conv_general_dilated``: flax's and equinox's ``Conv`` alike; any strides, padding,
+    dilations, spatial rank) is such a product too, of the patches its window reads (x_bt the
+    patch at output position t, in the kernel's layout; Grosse & Martens' KFC) with the output
+    cotangents: its block is [kernel; bias] read as a [patch size (+ 1), channels] matrix.
+    Convolutions with feature groups (depthwise) and kernels whose output-channel axis is
+    neither first nor last are not: their kernels get the diagonal. Every other leaf (norm scales
     and shifts, a gather, a bias shared by two products) gets its exact GGN diagonal, shaped
     like the leaf, from the same back substitutions (as [`diag_ggn`][linbackprop.diag_ggn] would
     give it: no second curvature pass).

@@ -71,7 +71,12 @@ def one_pass(split: Split, engine: str, single: bool, *, factors: bool, diagonal
         lams = jax.vmap(adjoints)(rhs)
         first, rest = jax.tree.map(lambda x: x[0], lams), jax.tree.map(lambda x: x[1:], lams)
     else:  # on CPU XLA's batched products are slower than K + 1 plain ones: one after another
-        first, rest = adjoints(grads[0]), jax.lax.map(adjoints, columns)
+        # (one column, the usual K-FAC sample, runs as it is: XLA:CPU's convolutions are several
+        # times slower inside a loop's body than outside it)
+        single_column = jax.tree.leaves(columns)[0].shape[0] == 1
+        rest = (jax.tree.map(lambda x: x[None], adjoints(jax.tree.map(lambda x: x[0], columns))) if single_column
+                else jax.lax.map(adjoints, columns))
+        first = adjoints(grads[0])
     network = calls.arguments([param_adjoint(plan, prim, lam)
                                for plan, prim, lam in zip(calls.plans, calls.stored, first)])
     grad = tuple(add_trees(g, m) for g, m in zip(grads[1:], network))

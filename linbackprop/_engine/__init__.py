@@ -21,7 +21,9 @@ over the stacked residuals — one batched product per kind instead of one small
 Modules, lowest first: `_rows` (the stored forward pass, buffer rows, loop indices), `_loop`
 (the loop driver and a step's arguments), `_maps` (one layer's block maps), `_sweeps` (the
 forward pass and both substitutions), `_products` (the batched products per kind),
-`_per_example` (ℳΛ split by example, the GGN diagonal's squares, the K-FAC factors).
+`_per_example` (ℳΛ split by example, the GGN diagonal's squares, the K-FAC factors, from
+`_outer_products`, `_outer_factors` and `_patches`: a convolution's kernel cotangent as patches
+times the output cotangent).
 """
 
 from ._contractions import contracted_last

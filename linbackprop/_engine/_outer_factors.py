@@ -16,6 +16,7 @@ from jax.extend.core import Literal
 
 from .._graph import evaluate, replicated_result
 from ._outer_products import leaf_terms
+from ._patches import patch_products
 
 
 class Term(NamedTuple):
@@ -52,7 +53,7 @@ class OuterFactors:
     def __init__(self, per_example: Callable[..., list], example_args: list, varying: list[bool]):
         self.sources: list[Any] = []
         try:
-            closed, leaves = leaf_terms(per_example, example_args, varying)
+            closed, leaves = leaf_terms(patch_products(per_example, example_args, varying), example_args, varying)
             producers = {v: eqn for eqn in closed.jaxpr.eqns for v in eqn.outvars}
             for terms in leaves:
                 found = None if terms is None else [_term(producers, eqn, side, first) for eqn, _, side, first in terms]
@@ -179,12 +180,19 @@ def _biases(jaxpr: Any, sources: list) -> dict[int, tuple[int, set[int]]]:
     bias per weight; anything else keeps its own curvature."""
     producers = {v: eqn for eqn in jaxpr.eqns for v in eqn.outvars}
     adjoints: dict[Any, list[tuple]] = {}  # each use's adjoint operand: var → (weight, use, term, summed axes)
+    aliases: dict[Any, list[tuple]] = {}  # the same entries before axes of size 1 were added or moved
     for m, src in enumerate(sources):
         for u, group in enumerate(src or ()):
             for t, term in enumerate(group):
                 y = term.eqn.invars[term.side]
                 contracted = term.eqn.params["dimension_numbers"][0][term.side]
-                adjoints.setdefault(y, []).append((m, u, t, frozenset(d for d in contracted if y.aval.shape[d] != 1)))
+                axes = frozenset(d for d in contracted if y.aval.shape[d] != 1)
+                adjoints.setdefault(y, []).append((m, u, t, axes))
+                for alias, alias_axes in _unit_aliases(producers, y, axes):
+                    aliases.setdefault(alias, []).append((m, u, t, alias_axes))
+    # a bias may sum the adjoint operand as it was before the product's layout added axes of size 1
+    # (an unbatched layer's example axis, a [1, n] transposed to [n, 1]: equinox's Linear and Conv)
+    adjoints |= {v: found for v, found in aliases.items() if v not in adjoints and len(found) == 1}
     found: dict[int, tuple[int, set[int]]] = {}
     claimed: dict[int, int] = {}  # weight → how many biases matched it
     for n, var in enumerate(jaxpr.outvars):
@@ -212,6 +220,33 @@ def _biases(jaxpr: Any, sources: list) -> dict[int, tuple[int, set[int]]]:
         claimed[m] = claimed.get(m, 0) + 1
         found[m] = (n, uses)
     return {m: pair for m, pair in found.items() if claimed[m] == 1}
+
+
+def _unit_aliases(producers: dict, var: Any, axes: frozenset) -> list[tuple[Any, frozenset]]:
+    """The variables ``var`` was made from by reshapes, broadcasts and transposes that only add,
+    drop or move axes of size 1 (the same entries in the same order), each with ``axes`` (of
+    size > 1) renumbered as its own."""
+    found = []
+    while not isinstance(var, Literal) and var in producers:
+        eqn = producers[var]
+        name = eqn.primitive.name
+        source = eqn.invars[0] if eqn.invars else None
+        if name not in ("reshape", "broadcast_in_dim", "expand_dims", "squeeze", "transpose") or (
+                source is None or isinstance(source, Literal)):
+            break
+        kept, before = _large_axes(var.aval.shape), _large_axes(source.aval.shape)
+        if [var.aval.shape[d] for d in kept] != [source.aval.shape[d] for d in before]:
+            break
+        if name == "transpose" and [eqn.params["permutation"][d] for d in kept] != before:
+            break  # the large axes reordered
+        axes = frozenset(before[kept.index(d)] for d in axes)
+        var = source
+        found.append((var, axes))
+    return found
+
+
+def _large_axes(shape: tuple[int, ...]) -> list[int]:
+    return [d for d, n in enumerate(shape) if n != 1]
 
 
 def _summed_terms(producers: dict, var: Any, stop: dict) -> list[tuple[Any, frozenset]] | None:
