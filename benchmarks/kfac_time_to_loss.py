@@ -1,10 +1,13 @@
-"""Time to a target loss on the digits MLP of ``--rows kfac``, as users time it: ``lbp.kfac``
-(one pass), kfac-jax (its records from ``benchmarks/kfac_jax_digits.py``, run in its own
-environment), Adam and ``optax.contrib.muon`` (each the best rate of a grid whose best is
-inside it), five seeds each.
+"""Time to a target loss on the digits MLP of ``--rows kfac`` (or ``--problem cnn``: the digits
+CNN, conv 3×3 16 → conv 3×3 32 → dense 10), as users time it: ``lbp.kfac`` (one pass; its
+``inverse`` options), kfac-jax (its records from ``benchmarks/kfac_jax_digits.py``, run in its
+own environment), Adam and ``optax.contrib.muon`` (each the best rate of a grid whose best is
+inside it), five seeds each by default.
 
     OPENBLAS_NUM_THREADS=1 /tmp/kfj/bin/python benchmarks/kfac_jax_digits.py --out kfac_jax.json
     OPENBLAS_NUM_THREADS=1 python benchmarks/kfac_time_to_loss.py --kfac-jax kfac_jax.json
+    OPENBLAS_NUM_THREADS=1 python benchmarks/kfac_time_to_loss.py --problem cnn --seeds 2 \
+        --kfac-steps 40 --first-order-steps 250 --rates 0.003,0.01,0.03 --inverses exact,factored
 
 For every run: compile excluded (each seed's run is made once to compile every program it uses,
 then again from the start, timed; the first run's wall time less the timed run's step time is
@@ -60,12 +63,12 @@ def timed(step, carry: tuple, steps: int) -> tuple[list[float], list[float], flo
     return losses, times, first - sum(times)
 
 
-def kfac_run(problem: str, seed: int, steps: int, damping_decay: float = 0.95) -> tuple:
+def kfac_run(problem: str, seed: int, steps: int, damping_decay: float = 0.95, inverse: str = "exact") -> tuple:
     loss, params, batch = PROBLEMS[problem](seed)
     shapes = jax.eval_shape(lambda p: lbp.gauss_newton(loss, factors=True, samples=1, key=jax.random.key(0))(
         p, *batch)[2].factors, params)
     # the state's structure from init: one program, no second trace
-    opt = lbp.kfac(factors=shapes, damping_decay=damping_decay)
+    opt = lbp.kfac(factors=shapes, damping_decay=damping_decay, inverse=inverse)
 
     @jax.jit
     def step(p, state, _value, n):
@@ -112,33 +115,45 @@ def main(argv: list[str] | None = None) -> list[str]:
     parser.add_argument("--kfac-steps", type=int, default=150)
     parser.add_argument("--first-order-steps", type=int, default=1000)
     parser.add_argument("--kfac-jax", default="", help="kfac_jax_digits.py's JSON records ('' for none)")
+    parser.add_argument("--rates", default=",".join(f"{r:g}" for r in RATES),
+                        help="Adam's and Muon's grid ('none': neither)")
+    parser.add_argument("--damping-decays", default="0.95,0.9", help="lbp.kfac's damping_decay values")
+    parser.add_argument("--inverses", default="exact", help="lbp.kfac's inverse values ('exact', 'factored')")
+    parser.add_argument("--out", default="", help="a JSON file for every run's losses and step times")
     args = parser.parse_args(argv)
     groups: dict[str, list[dict]] = {}
-    for decay, name in ((0.95, "`lbp.kfac()` (one pass, one sampled column; λ × 0.95⁵, its default)"),
-                        (0.9, "`lbp.kfac(damping_decay=0.9)` (λ × 0.9⁵)")):
-        for seed in range(args.seeds):
-            losses, times, compile_s = kfac_run(args.problem, seed, args.kfac_steps, decay)
-            groups.setdefault(name, []).append({"losses": losses, "times": times, "compile": compile_s})
+    names = {0.95: "`lbp.kfac()` (one pass, one sampled column; λ × 0.95⁵, its default)"}
+    for inverse in args.inverses.split(","):
+        for decay in (float(d) for d in args.damping_decays.split(",")):
+            name = names.get(decay, f"`lbp.kfac(damping_decay={decay:g})` (λ × {decay:g}⁵)")
+            if inverse != "exact":
+                name = f"`lbp.kfac(inverse={inverse!r}" + (")`" if decay == 0.95 else f", damping_decay={decay:g})`")
+            for seed in range(args.seeds):
+                losses, times, compile_s = kfac_run(args.problem, seed, args.kfac_steps, decay, inverse)
+                groups.setdefault(name, []).append({"losses": losses, "times": times, "compile": compile_s})
     if args.kfac_jax:
         for record in json.loads(Path(args.kfac_jax).read_text()):
             groups.setdefault(record["name"] + f" on JAX {record['jax']}", []).append(record)
-    makers = {"Adam": optax.adam, "Muon (`optax.contrib.muon`)": optax.contrib.muon}
+    makers = {"Adam": optax.adam, "Muon (`optax.contrib.muon`)": optax.contrib.muon} if args.rates != "none" else {}
     for name, make in makers.items():
         by_rate = {}
-        for rate in RATES:
+        rates = tuple(float(r) for r in args.rates.split(","))
+        for rate in rates:
             by_rate[rate] = [dict(zip(("losses", "times", "compile"),
                                       first_order_run(args.problem, make, rate, seed, args.first_order_steps)))
                              for seed in range(args.seeds)]
-        best = min(RATES, key=lambda r: np.median([run["losses"][-1] for run in by_rate[r]]))
-        edge = " (at the grid's edge)" if best in (RATES[0], RATES[-1]) else ""
-        groups[f"{name}, lr {best:g} (best of {', '.join(f'{r:g}' for r in RATES)}){edge}"] = by_rate[best]
+        best = min(rates, key=lambda r: np.median([run["losses"][-1] for run in by_rate[r]]))
+        edge = " (at the grid's edge)" if best in (rates[0], rates[-1]) else ""
+        groups[f"{name}, lr {best:g} (best of {', '.join(f'{r:g}' for r in rates)}){edge}"] = by_rate[best]
     lines = [f"`OPENBLAS_NUM_THREADS={__import__('os').environ.get('OPENBLAS_NUM_THREADS', 'unset')} python "
-             f"benchmarks/kfac_time_to_loss.py --problem {args.problem}"
-             f"{' --kfac-jax ' + args.kfac_jax if args.kfac_jax else ''}`, {args.seeds} seeds, JAX {jax.__version__}:",
+             f"benchmarks/kfac_time_to_loss.py {' '.join(argv if argv is not None else sys.argv[1:])}"
+             f"`, JAX {jax.__version__}:",
              "", "| optimizer | s to 1e-2 | s to 1e-3 | s to 1e-4 | compile (s) | mean step (ms) |",
              "|---|---|---|---|---|---|"]
     lines += [summary(name, runs) for name, runs in groups.items()]
     print("\n".join(lines))
+    if args.out:
+        Path(args.out).write_text(json.dumps(groups))
     return lines
 
 

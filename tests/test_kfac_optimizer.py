@@ -90,6 +90,44 @@ def test_fixed_step_is_the_exactly_damped_kronecker_solve():
     assert int(state.count) == 1 and float(state.learning_rate) == 1.0 and float(state.momentum) == 0.0
 
 
+@pytest.mark.users_settings
+def test_the_factored_inverse_is_the_factored_tikhonov_solve_and_scale_by_kfac_s_direction():
+    """inverse="factored": u = −((A + π√λ I) ⊗ (Γ + √λ/π I))⁻¹ g per Kronecker block (per row of
+    a Row-stacked one, π² the ratio of the factors' mean traces), the diagonal leaves damped
+    exactly; the same direction as ``scale_by_kfac``'s first step. The λ of the decomposing step
+    is held until the next decomposition."""
+    params, _x, _y, _value, grad, _G, factors, diagonal = at_problem()
+    lam = 0.05
+    opt = lbp.kfac(damping=lam, learning_rate=1.0, momentum=0.0, adapt_damping=False, inverse="factored",
+                   update_every=2)
+    update, state = opt.update(grad, opt.init(params), params, factors=factors, diagonal=diagonal)
+
+    def damped(f):
+        if not isinstance(f, lbp.Kronecker):
+            return f
+        mean_trace = lambda m: jnp.trace(m, axis1=-2, axis2=-1)[..., None, None] / m.shape[-1]
+        pi = jnp.sqrt(mean_trace(f.left) / mean_trace(f.right))
+        eye = lambda m: jnp.eye(m.shape[-1])
+        return lbp.Kronecker(f.left + pi * np.sqrt(lam) * eye(f.left), f.right + np.sqrt(lam) / pi * eye(f.right))
+
+    is_factor = lambda f: isinstance(f, (lbp.Kronecker, lbp.BiasOf)) or f is None
+    f = dense_curvature(jax.tree.map(damped, factors, is_leaf=is_factor), jax.tree.map(lambda d: d + lam, diagonal),
+                        params)
+    flat = ravel_pytree(grad)[0]
+    close(ravel_pytree(update)[0], -jnp.linalg.solve(f, flat), rtol=1e-9)
+    tx = lbp.scale_by_kfac(damping=lam)
+    direction, _ = tx.update(grad, tx.init(params), params, factors=factors, diagonal=diagonal)
+    close(ravel_pytree(update)[0], -ravel_pytree(direction)[0], rtol=1e-10)
+    # the next step holds the decomposition made with λ = 0.05, whatever λ is now (every leaf here
+    # is in a Kronecker block: the step is unchanged)
+    assert all(isinstance(x, (lbp.Kronecker, lbp.BiasOf)) for x in jax.tree.leaves(factors, is_leaf=is_factor))
+    holding = state._replace(damping=jnp.asarray(1.0), count=jnp.asarray(3, jnp.int32))  # 3: past the first
+    again, _ = opt.update(grad, holding, params, factors=factors, diagonal=diagonal)  # steps, not a 2nd
+    close(ravel_pytree(again)[0], ravel_pytree(update)[0], rtol=1e-10)
+    with pytest.raises(ValueError, match="inverse"):
+        lbp.kfac(inverse="cholesky")
+
+
 def test_two_terms_are_inverted_as_their_damped_sum():
     """A leaf with two Kronecker terms: u = −(A'⊗B' + C'⊗D')⁻¹ g, the damped factors π-scaled
     with λ/2 each, and that sum bounds F + λI from above."""
@@ -286,14 +324,16 @@ def test_the_odd_corners_of_damping_and_non_finite_factors():
 
 
 @pytest.mark.users_settings
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64], ids=["float32", "float64"])
-@pytest.mark.parametrize("update_every", [1, 5])
-def test_trains_under_one_jit(dtype, update_every):
+@pytest.mark.parametrize("dtype, update_every, inverse", [(jnp.float32, 1, "exact"), (jnp.float32, 5, "exact"),
+                                                          (jnp.float64, 1, "exact"), (jnp.float64, 5, "exact"),
+                                                          (jnp.float32, 5, "factored")],
+                         ids=["float32-1", "float32-5", "float64-1", "float64-5", "float32-5-factored"])
+def test_trains_under_one_jit(dtype, update_every, inverse):
     """A jitted step (factors, G, the update inside) lowers the loss from the first steps on, for
-    every update_every (no early estimate held into a blow-up)."""
+    every update_every (no early estimate held into a blow-up), with either inverse."""
     params, x, _ = problem(7, batch=32, dtype=dtype)
     y = NET(problem(8, dtype=dtype)[0], x)  # a teacher of the same shape: the loss can reach 0
-    opt = lbp.kfac(damping=1e-3, update_every=update_every)
+    opt = lbp.kfac(damping=1e-3, update_every=update_every, inverse=inverse)
 
     @jax.jit
     def step(params, state):

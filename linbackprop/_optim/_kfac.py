@@ -5,7 +5,7 @@ its step size and momentum from the exact quadratic model, the damping by Levenb
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -59,7 +59,8 @@ class KfacState(NamedTuple):
 def kfac(damping: float = 1e-3, decay: float = 0.95, update_every: int = 5, *, learning_rate: float | None = None,
          momentum: float | None = None, adapt_damping: bool = True, damping_interval: int = 5,
          damping_decay: float = 0.95, min_damping: float = 1e-8, max_damping: float = 1e8,
-         reject: bool = False, factors: Any = None) -> optax.GradientTransformationExtraArgs:
+         reject: bool = False, factors: Any = None,
+         inverse: Literal["exact", "factored"] = "exact") -> optax.GradientTransformationExtraArgs:
     r"""K-FAC, the whole optimizer: its updates go to ``optax.apply_updates`` (as ``optax.adam``'s
     do; [`scale_by_kfac`][linbackprop.scale_by_kfac] is the bare direction).
 
@@ -83,6 +84,10 @@ def kfac(damping: float = 1e-3, decay: float = 0.95, update_every: int = 5, *, l
        ``linbackprop._optim._kronecker``); there λ enters each factor as √(λ/2) (π-scaled), so
        the curvature is damped by about √λ times its scale, not λ: a problem that needs little
        damping (a PINN near 10⁻⁷) lowers ``min_damping`` (10⁻²⁰ puts ≈ 10⁻¹⁰ on a factor).
+       ``inverse="factored"`` damps one term's factors apart in the same way, (A + π√λ I)⁻¹ and
+       (Γ + √λ/π I)⁻¹ by Cholesky (kfac-jax's default; `scale_by_kfac`'s): far cheaper than
+       ``eigh`` on a large factor (a dense layer of 2,048 inputs), with the λ of the step that
+       decomposed held until the next decomposition.
     3. **Step size and momentum (KFAC\*).** u = α Δ + μ δ, δ the previous update, with (α, μ)
        minimising the quadratic model m(u) = gᵀu + ½ uᵀ(G + λI)u over that plane: with
        C = G + λI, (α, μ) solves M (α, μ)ᵀ = −(gᵀΔ, gᵀδ)ᵀ, M = ((ΔᵀCΔ, ΔᵀCδ), (δᵀCΔ, δᵀCδ)),
@@ -124,6 +129,8 @@ def kfac(damping: float = 1e-3, decay: float = 0.95, update_every: int = 5, *, l
         reject: measure every step and zero the ones that do not lower the loss.
         factors: an example of ``kfac_factors``' result (any parameters, the same model; or its
             ``jax.eval_shape``) for ``init`` to make the averages with (``nnx.Optimizer``).
+        inverse: ``"exact"`` (λ added exactly to the eigendecomposed factors) or ``"factored"``
+            (one term's factors damped apart and inverted by Cholesky).
 
     Returns:
         An ``optax.GradientTransformationExtraArgs``. Its ``update(grad, state, params, *,
@@ -170,6 +177,10 @@ def kfac(damping: float = 1e-3, decay: float = 0.95, update_every: int = 5, *, l
             raise ValueError(f"kfac({name}={n!r}): a positive int (steps).")
     if not 0 < damping_decay < 1:
         raise ValueError(f"kfac(damping_decay={damping_decay}): needs 0 < damping_decay < 1.")
+    if inverse not in ("exact", "factored"):
+        raise ValueError(f"kfac(inverse={inverse!r}): use 'exact' (λ added exactly, eigendecompositions) or "
+                         "'factored' (the factors damped apart, Cholesky).")
+    factored = inverse == "factored"
     omega = damping_decay ** damping_interval
     adaptive = learning_rate is None or momentum is None
 
@@ -181,9 +192,8 @@ def kfac(damping: float = 1e-3, decay: float = 0.95, update_every: int = 5, *, l
             example = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), factors)
             fresh = [b.curvature for b in blocks_of(params, example, optax.tree.zeros_like(params), "kfac")]
             sums = jax.tree.map(jnp.zeros_like, fresh)
-            inverses = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype),
-                                    jax.eval_shape(lambda c: [decompose(x, jnp.asarray(damping, dtype)) for x in c],
-                                                   fresh))
+            shapes = jax.eval_shape(lambda c: [decompose(x, jnp.asarray(damping, dtype), factored) for x in c], fresh)
+            inverses = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)
         return KfacState(jnp.zeros((), jnp.int32), jnp.asarray(damping, dtype), sums, jnp.zeros((), dtype),
                          inverses, optax.tree.zeros_like(params), nan, nan, nan)
 
@@ -219,8 +229,8 @@ def kfac(damping: float = 1e-3, decay: float = 0.95, update_every: int = 5, *, l
         dtype = state.damping.dtype
         if state.sums is None:  # the first update: zero sums and placeholder decompositions of their shapes
             sums = jax.tree.map(jnp.zeros_like, fresh)
-            held = jax.tree.map(jnp.zeros_like, jax.eval_shape(lambda c: [decompose(x, state.damping) for x in c],
-                                                               fresh))
+            shapes = jax.eval_shape(lambda c: [decompose(x, state.damping, factored) for x in c], fresh)
+            held = jax.tree.map(jnp.zeros_like, shapes)
         else:
             sums, held = state.sums, state.inverses
         # a batch whose factors are not finite is left out of the average (and eigh never sees a
@@ -235,7 +245,7 @@ def kfac(damping: float = 1e-3, decay: float = 0.95, update_every: int = 5, *, l
         def fresh_or_held() -> list:
             # a decomposition of non-finite averages (an overflow) or with non-finite results is not
             # taken: the held one serves (eigh sees the non-finite entries zeroed, never the NaN)
-            new = in_turn(lambda c: decompose(c, lam), averaged)  # LAPACK's calls in turn
+            new = in_turn(lambda c: decompose(c, lam, factored), averaged)  # LAPACK's calls in turn
             ok = _all_finite(averaged) & _all_finite(new)
             return jax.tree.map(lambda n, h: jnp.where(ok, n, h), new, held)
 

@@ -17,6 +17,11 @@ the damping split over the terms and factors as Tikhonov's π-scaled √(λ/2) (
 adds are positive semi-definite: the damped sum is ⪰ F + λI); this λ is the one of the step that
 decomposed. More terms: the second and later are merged into one Kronecker product, (mean of
 their A) ⊗ (sum of their Γ) — exact where they share A — and the pair inverted as above.
+
+Factored (one term, ``factored=True``; `scale_by_kfac`'s, and `kfac(inverse="factored")`'s, as
+kfac-jax by default): (A + π√λ I)⁻¹ X (Γ + √λ/π I)⁻¹ with both inverses by Cholesky — much
+cheaper than ``eigh`` on a large factor, but λ is the one of the step that decomposed and the
+cross terms π√λ I ⊗ Γ + A ⊗ (√λ/π) I are added to the damping.
 """
 
 from __future__ import annotations
@@ -45,6 +50,14 @@ class EigenPair(NamedTuple):
     right_values: jax.Array
 
 
+class FactoredPair(NamedTuple):
+    """One Kronecker term's factors damped apart and inverted: (A + π√λ I)⁻¹ and (Γ + √λ/π I)⁻¹
+    (Martens & Grosse's factored Tikhonov damping, kfac-jax's default; Cholesky, not ``eigh``)."""
+
+    left_inverse: jax.Array
+    right_inverse: jax.Array
+
+
 class JointPair(NamedTuple):
     """Two damped Kronecker terms diagonalised together: K₁, s₁ (left side), K₂, s₂ (right)."""
 
@@ -55,7 +68,7 @@ class JointPair(NamedTuple):
 
 
 Curvature = tuple[Kronecker, ...] | Diagonal
-Inverse = EigenPair | JointPair | Diagonal
+Inverse = EigenPair | FactoredPair | JointPair | Diagonal
 
 
 def symmetric(m: jax.Array) -> jax.Array:
@@ -94,10 +107,21 @@ def _joint(first: jax.Array, second: jax.Array) -> tuple[jax.Array, jax.Array]:
     return root_inverse @ e, s
 
 
-def decompose(curvature: Curvature, damping: jax.Array) -> Inverse:
-    """The decomposition `apply` uses (``damping`` enters only where terms are two or more)."""
+def _spd_inverse(m: jax.Array) -> jax.Array:
+    """A damped factor's inverse by Cholesky (its symmetric part: round-off may break the symmetry)."""
+    eye = jnp.broadcast_to(jnp.eye(m.shape[-1], dtype=m.dtype), m.shape)
+    return jax.scipy.linalg.cho_solve(jax.scipy.linalg.cho_factor(symmetric(m)), eye)
+
+
+def decompose(curvature: Curvature, damping: jax.Array, factored: bool = False) -> Inverse:
+    """The decomposition `apply` uses. ``damping`` enters where terms are two or more, and with
+    ``factored`` (one term: its factors damped apart, π-scaled, and inverted by Cholesky);
+    otherwise `apply` adds it exactly."""
     if isinstance(curvature, Diagonal):
         return curvature
+    if len(curvature) == 1 and factored:
+        left, right = _damped(curvature[0], damping)
+        return FactoredPair(*in_turn(_spd_inverse, [left, right]))  # LAPACK's calls in turn
     if len(curvature) == 1:
         (left, right), = curvature
         (a, qa), (g, qg) = in_turn(_eigh, [left, right])  # LAPACK's calls in turn (`_graph._in_turn`)
@@ -116,6 +140,9 @@ def apply(inverse: Inverse, g: jax.Array, damping: jax.Array) -> jax.Array:
     """(F + λI)⁻¹ g for one leaf ``g`` (read as [..., dim A, dim Γ] row-major)."""
     if isinstance(inverse, Diagonal):
         return g / (inverse.values + damping)
+    if isinstance(inverse, FactoredPair):  # λ inside the damped factors
+        left, right = inverse
+        return (left @ g.reshape(left.shape[:-2] + (left.shape[-1], right.shape[-1])) @ right).reshape(g.shape)
     if isinstance(inverse, EigenPair):  # λ exactly, as it is now
         left, right, shift = inverse.left_vectors, inverse.right_vectors, damping
     else:  # λ inside the damped factors

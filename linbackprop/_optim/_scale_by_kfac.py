@@ -11,13 +11,14 @@ import optax
 
 from .._curvature import GaussNewton, Kronecker
 from ._blocks import Block, block_matrix, blocks_of, blockwise
-from ._kronecker import Diagonal
+from ._kronecker import Diagonal, apply, decompose
 
 
 class ScaleByKfacState(NamedTuple):
     """The moving averages of the factors (a [`Kronecker`][linbackprop.Kronecker] pair or a
-    diagonal per block: a weight with its bias, or one leaf), their damped inverses and the step
-    count; the averages are None until the first update."""
+    diagonal per block: a weight with its bias, or one leaf), their inverses (a pair's damped
+    factors inverted; a diagonal as it is, damped when applied) and the step count; the averages
+    are None until the first update."""
 
     count: jax.Array
     curvature: Any
@@ -107,18 +108,11 @@ def scale_by_kfac(damping: float = 1e-3, decay: float = 0.95, update_every: int 
             averaged = jax.tree.map(lambda old, new: decay * old + (1 - decay) * new, state.curvature, fresh)
             inverses = jax.lax.cond(state.count % update_every == 0, lambda c, i: _inverses(c, damping),
                                     lambda c, i: i, averaged, state.inverses)
-        direction = blockwise(blocks, leaves, [_preconditioned(inv, block_matrix(block, leaves))
+        direction = blockwise(blocks, leaves, [apply(inv, block_matrix(block, leaves), damping)
                                                for inv, block in zip(inverses, blocks)])
         return treedef.unflatten(direction), ScaleByKfacState(state.count + 1, averaged, inverses)
 
     return optax.GradientTransformationExtraArgs(init, update)
-
-
-class _Inverse(NamedTuple):
-    """A block's damped inverse: Kronecker (left⁻¹, right⁻¹) or the diagonal's (right None)."""
-
-    left: jax.Array
-    right: jax.Array | None
 
 
 def _one_term(block: Block, where: str) -> Kronecker | Diagonal:
@@ -130,27 +124,7 @@ def _one_term(block: Block, where: str) -> Kronecker | Diagonal:
     return block.curvature[0]
 
 
-def _inverses(curvature: list, damping: float) -> list[_Inverse]:
-    def one(c: Kronecker | Diagonal) -> _Inverse:
-        if isinstance(c, Diagonal):
-            return _Inverse(1.0 / (c.values + damping), None)
-        left, right = c.left, c.right
-        mean_trace = lambda m: jnp.trace(m, axis1=-2, axis2=-1) / m.shape[-1]
-        pi = jnp.sqrt(jnp.maximum(mean_trace(left), 1e-30) / jnp.maximum(mean_trace(right), 1e-30))[..., None, None]
-        root = jnp.sqrt(damping)
-        return _Inverse(_spd_inverse(left + pi * root * jnp.eye(left.shape[-1], dtype=left.dtype)),
-                        _spd_inverse(right + root / pi * jnp.eye(right.shape[-1], dtype=right.dtype)))
-
-    return [one(c) for c in curvature]
-
-
-def _spd_inverse(m: jax.Array) -> jax.Array:
-    eye = jnp.broadcast_to(jnp.eye(m.shape[-1], dtype=m.dtype), m.shape)
-    return jax.scipy.linalg.cho_solve(jax.scipy.linalg.cho_factor((m + jnp.swapaxes(m, -1, -2)) / 2), eye)
-
-
-def _preconditioned(inverse: _Inverse, g: jax.Array) -> jax.Array:
-    if inverse.right is None:
-        return inverse.left * g
-    matrix = g.reshape(inverse.left.shape[:-2] + (inverse.left.shape[-1], inverse.right.shape[-1]))
-    return (inverse.left @ matrix @ inverse.right).reshape(g.shape)
+def _inverses(curvature: list, damping: float) -> list:
+    """Each block's damped inverse: the diagonal as it is (damped when applied), a Kronecker pair's
+    factors damped apart and inverted by Cholesky (`_kronecker.decompose`, ``factored``)."""
+    return [decompose(c if isinstance(c, Diagonal) else (c,), damping, factored=True) for c in curvature]
