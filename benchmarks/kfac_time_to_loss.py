@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> list[str]:
     args = parser.parse_args(argv)
     groups: dict[str, list[dict]] = {}
     names = {0.95: "`lbp.kfac()` (one pass, one sampled column; λ × 0.95⁵, its default)"}
-    for inverse in args.inverses.split(","):
+    for inverse in args.inverses.split(",") if args.kfac_steps else ():  # --kfac-steps 0: first-order only
         for decay in (float(d) for d in args.damping_decays.split(",")):
             name = names.get(decay, f"`lbp.kfac(damping_decay={decay:g})` (λ × {decay:g}⁵)")
             if inverse != "exact":

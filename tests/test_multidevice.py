@@ -148,7 +148,10 @@ params = {"W1": jnp.asarray(rng.standard_normal((5, 7)) / 2), "b1": jnp.zeros(7)
           "W2": jnp.asarray(rng.standard_normal((7, 3)) / 2), "b2": jnp.zeros(3)}
 x, labels = jnp.asarray(rng.standard_normal((32, 5))), jnp.asarray(rng.integers(0, 3, 32))
 loss = lambda p, x, y: optax.softmax_cross_entropy_with_integer_labels(net(p, x), y).mean()
-opt = lbp.kfac()
+# the state's structure from init (one program per mesh, not a second trace at step 2)
+shapes = jax.eval_shape(lambda p: lbp.gauss_newton(loss, factors=True, samples=1, key=jax.random.key(0))(
+    p, x, labels)[2].factors, params)
+opt = lbp.kfac(factors=shapes)
 
 
 def step(p, s, x, y, i):  # the one-pass K-FAC step

@@ -10,8 +10,8 @@ sum of outer products over the positions,
 
 — what JAX's transpose rule computes as one convolution of x with ȳ (the roles of batch and
 features swapped, strides and dilations exchanged). `patch_products` rewrites such equations of
-a per-example VJP as the patches P of x (a convolution of x with the identity kernel, at the
-forward convolution's strides, dilations and padding) and one ``dot_general`` of P with ȳ over
+a per-example VJP as the patches P of x (im2col: strided slices of the padded input, one per
+window offset, at the forward convolution's strides, dilations and padding) and one ``dot_general`` of P with ȳ over
 the examples' and the positions' axes, then a reshape to the kernel's layout: a product the
 K-FAC machinery reads as it reads x_bᵀ y_b of a dense layer (A = Σ p pᵀ over examples and
 positions, Γ = Σ ȳ ȳᵀ; a bias summed over the positions joins the block with a ones column).
@@ -25,6 +25,7 @@ per group), output-channel axes in the middle of the kernel.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -78,8 +79,8 @@ def _swapped(spec: tuple[int, ...]) -> tuple[int, ...]:
 
 def as_patch_product(params: dict, kernel_shape: tuple[int, ...], x: jax.Array, g: jax.Array) -> jax.Array | None:
     """The kernel cotangent conv(x, ȳ) that JAX's transpose rule forms, as Pᵀ Ȳ: P the patches of
-    x, Ȳ = ``g`` the output's cotangent. None where the kernel's output-channel axis is neither first nor last, or
-    the patches do not come out shaped as ``g``.
+    x, Ȳ = ``g`` the output's cotangent. None where the kernel's output-channel axis is neither
+    first nor last, or the patches do not come out shaped as ``g``.
 
     The transpose rule's parameters are the forward convolution's, exchanged: its window strides
     are the forward rhs dilation and its rhs dilation the forward strides, the lhs dilation and
@@ -93,22 +94,17 @@ def as_patch_product(params: dict, kernel_shape: tuple[int, ...], x: jax.Array, 
     if out_channels not in (0, ndim - 1):
         return None
     strides, rhs_dilation, lhs_dilation = params["rhs_dilation"], params["window_strides"], params["lhs_dilation"]
+    positions = [g.shape[out_spec[2 + k]] for k in range(len(strides))]
     padding = []
     for k, (lo, _) in enumerate(params["padding"]):
         size_in = (x.shape[lhs_spec[2 + k]] - 1) * lhs_dilation[k] + 1
         window = (kernel_shape[kernel_spec[2 + k]] - 1) * rhs_dilation[k] + 1
-        positions = g.shape[out_spec[2 + k]]
-        padding.append((lo, (positions - 1) * strides[k] + window - size_in - lo))
-    # the identity kernel: output channel k of it copies entry k of the patch (the kernel's other
-    # axes read row-major, in the kernel's layout)
-    others = [d for d in range(ndim) if d != out_channels]
-    size = math.prod(kernel_shape[d] for d in others)
-    eye = jnp.eye(size, dtype=x.dtype).reshape(size, *(kernel_shape[d] for d in others))
-    identity = jnp.transpose(eye, np.argsort([out_channels, *others]))
-    dimension_numbers = lax.ConvDimensionNumbers(lhs_spec, kernel_spec, out_spec)
-    # a copy, so at the highest precision (a TPU's default would round x to bfloat16)
-    patches = lax.conv_general_dilated(x, identity, strides, padding, lhs_dilation, rhs_dilation,
-                                       dimension_numbers=dimension_numbers, precision=lax.Precision.HIGHEST)
+        padding.append((lo, (positions[k] - 1) * strides[k] + window - size_in - lo))
+    patches = _patches(x, lhs_spec, out_spec, kernel_spec, kernel_shape, strides, padding, lhs_dilation,
+                       rhs_dilation, positions)
+    if patches is None:
+        return None
+    size = math.prod(n for d, n in enumerate(kernel_shape) if d != out_channels)
     features = out_spec[1]
     if tuple(patches.shape) != tuple(size if d == features else n for d, n in enumerate(g.shape)):
         return None
@@ -117,3 +113,31 @@ def as_patch_product(params: dict, kernel_shape: tuple[int, ...], x: jax.Array, 
     product = lax.dot_general(*operands, ((contracted, contracted), ((), ())), precision=params.get("precision"),
                               preferred_element_type=params.get("preferred_element_type"))
     return product.reshape(kernel_shape)
+
+
+def _patches(x: jax.Array, lhs_spec: tuple, out_spec: tuple, kernel_spec: tuple, kernel_shape: tuple,
+             strides: tuple, padding: list, lhs_dilation: tuple, rhs_dilation: tuple,
+             positions: list) -> jax.Array | None:
+    """The patches of ``x`` the forward convolution's window reads (im2col: strided slices of the
+    padded, dilated input, one per window offset — copies, no arithmetic), laid out as the
+    output: its batch and spatial axes where the output has them, its feature axis the patch's
+    entries, ordered as the kernel's axes other than its output channels, row-major."""
+    spatial = len(strides)
+    canonical = jnp.transpose(x, lhs_spec)  # [N, C, spatial…]
+    low_high_interior = [(0, 0, 0), (0, 0, 0)] + [(lo, hi, d - 1) for (lo, hi), d in zip(padding, lhs_dilation)]
+    padded = lax.pad(canonical, jnp.zeros((), x.dtype), low_high_interior)
+    window = [kernel_shape[kernel_spec[2 + k]] for k in range(spatial)]
+    taken = []
+    for offset in itertools.product(*(range(w) for w in window)):
+        start = [0, 0, *(o * d for o, d in zip(offset, rhs_dilation))]
+        limit = [*padded.shape[:2], *((b + (p - 1) * s + 1) for b, p, s in zip(start[2:], positions, strides))]
+        if any(end > n for end, n in zip(limit, padded.shape)):
+            return None  # not the window of a convolution with these positions
+        taken.append(lax.slice(padded, start, limit, (1, 1, *strides)))
+    stacked = jnp.stack(taken, axis=2).reshape(*padded.shape[:2], *window, *positions)  # [N, C, window…, P…]
+    # the patch's axes in the kernel's order: the input channels (axis 1) and the window's (2 + k)
+    role = {kernel_spec[1]: 1, **{kernel_spec[2 + k]: 2 + k for k in range(spatial)}}
+    order = [role[d] for d in range(len(kernel_shape)) if d != kernel_spec[0]]
+    ordered = jnp.transpose(stacked, [0, *order, *range(2 + spatial, 2 + 2 * spatial)])
+    flat = ordered.reshape(stacked.shape[0], -1, *positions)  # [N, K, P…]: the output's canonical layout
+    return jnp.transpose(flat, np.argsort(out_spec))
