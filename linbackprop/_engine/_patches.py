@@ -11,8 +11,9 @@ sum of outer products over the positions,
 — what JAX's transpose rule computes as one convolution of x with ȳ (the roles of batch and
 features swapped, strides and dilations exchanged). `patch_products` rewrites such equations of
 a per-example VJP as the patches P of x (im2col: strided slices of the padded input, one per
-window offset, at the forward convolution's strides, dilations and padding) and one ``dot_general`` of P with ȳ over
-the examples' and the positions' axes, then a reshape to the kernel's layout: a product the
+window offset, at the forward convolution's strides, dilations and padding) and one
+``dot_general`` of P with ȳ over the examples' and the positions' axes, then a reshape to the
+kernel's layout: a product the
 K-FAC machinery reads as it reads x_bᵀ y_b of a dense layer (A = Σ p pᵀ over examples and
 positions, Γ = Σ ȳ ȳᵀ; a bias summed over the positions joins the block with a ones column).
 The values are the same; only the form changes.
