@@ -88,7 +88,7 @@ def kfac_factors(fun: Callable, argnums: int | Sequence[int] = 0, *, engine: Eng
     is A = (1/N) Σ [x, 1]ᵀ[x, 1] (a column of zeros for uses without the bias) and the bias's
     entry is a [`BiasOf`][linbackprop.BiasOf] naming the weight. A convolution's kernel
     (``lax.conv_general_dilated``: flax's and equinox's ``Conv`` alike; any strides, padding,
-    dilations, spatial rank) is such a product too, of the patches its window reads (x_bt the
+    dilations, spatial rank) is such a product too, of the patches its window reads ($x_{bt}$ the
     patch at output position t, in the kernel's layout; Grosse & Martens' KFC) with the output
     cotangents: its block is [kernel; bias] read as a [patch size (+ 1), channels] matrix.
     Convolutions with feature groups (depthwise) and kernels whose output-channel axis is
