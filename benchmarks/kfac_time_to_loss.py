@@ -135,9 +135,9 @@ def main(argv: list[str] | None = None) -> list[str]:
         for record in json.loads(Path(args.kfac_jax).read_text()):
             groups.setdefault(record["name"] + f" on JAX {record['jax']}", []).append(record)
     makers = {"Adam": optax.adam, "Muon (`optax.contrib.muon`)": optax.contrib.muon} if args.rates != "none" else {}
+    rates = () if args.rates == "none" else tuple(float(r) for r in args.rates.split(","))
     for name, make in makers.items():
         by_rate = {}
-        rates = tuple(float(r) for r in args.rates.split(","))
         for rate in rates:
             by_rate[rate] = [dict(zip(("losses", "times", "compile"),
                                       first_order_run(args.problem, make, rate, seed, args.first_order_steps)))

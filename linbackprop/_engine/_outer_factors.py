@@ -53,7 +53,8 @@ class OuterFactors:
     def __init__(self, per_example: Callable[..., list], example_args: list, varying: list[bool]):
         self.sources: list[Any] = []
         try:
-            closed, leaves = leaf_terms(patch_products(per_example, example_args, varying), example_args, varying)
+            closed, leaves = leaf_terms(patch_products(jax.make_jaxpr(per_example)(*example_args), example_args,
+                                                       varying), varying)
             producers = {v: eqn for eqn in closed.jaxpr.eqns for v in eqn.outvars}
             for terms in leaves:
                 found = None if terms is None else [_term(producers, eqn, side, first) for eqn, _, side, first in terms]

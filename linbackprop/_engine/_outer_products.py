@@ -167,12 +167,10 @@ def first_operand(eqn: Any, path: list[Any]) -> int | None:
     return labels[0]
 
 
-def leaf_terms(per_example: Callable[..., list], example_args: list, varying: list[bool]
-               ) -> tuple[Any, list[list[tuple[Any, list[Any], int, int]] | None]]:
-    """``per_example``'s jaxpr and, per output leaf, its outer-product terms as (eqn, path, the
-    moving operand, the first operand) — None where the leaf is no such sum or a term has not
-    exactly one operand moving with the varying arguments."""
-    closed = jax.make_jaxpr(per_example)(*example_args)
+def leaf_terms(closed: Any, varying: list[bool]) -> tuple[Any, list[list[tuple[Any, list[Any], int, int]] | None]]:
+    """The jaxpr of a per-example VJP (``closed``) and, per output leaf, its outer-product terms
+    as (eqn, path, the moving operand, the first operand) — None where the leaf is no such sum or
+    a term has not exactly one operand moving with the varying arguments."""
     moving = depending(closed.jaxpr, varying)
     leaves: list = []
     for var in closed.jaxpr.outvars:
@@ -221,7 +219,7 @@ class OuterTerms:
     def __init__(self, per_example: Callable[..., list], example_args: list, varying: list[bool]):
         self.terms: list[Any] = []
         try:
-            closed, leaves = leaf_terms(per_example, example_args, varying)
+            closed, leaves = leaf_terms(jax.make_jaxpr(per_example)(*example_args), varying)
             for found in leaves:
                 described: list | None = []
                 for eqn, path, _, first in found or ():

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -41,16 +40,15 @@ from .._graph import evaluate
 from ._outer_products import depending
 
 
-def patch_products(per_example: Callable[..., list], example_args: list, varying: list[bool]) -> Callable[..., list]:
-    """``per_example`` with the kernel cotangents of its convolutions (a ``conv_general_dilated``
-    of a λ-free input with an operand moving with the ``varying`` arguments) computed as
-    patches times the output cotangent (`as_patch_product`); ``per_example`` itself where there
-    are none."""
-    closed = jax.make_jaxpr(per_example)(*example_args)
+def patch_products(closed: Any, example_args: list, varying: list[bool]) -> Any:
+    """The jaxpr of a per-example VJP (``closed``, at ``example_args``) with the kernel cotangents
+    of its convolutions (a ``conv_general_dilated`` of a λ-free input with an operand moving with
+    the ``varying`` arguments) computed as patches times the output cotangent
+    (`as_patch_product`); ``closed`` itself where there are none (the VJP is traced once)."""
     moving = depending(closed.jaxpr, varying)
     chosen = {id(eqn) for eqn in closed.jaxpr.eqns if _kernel_cotangent(eqn, moving)}
     if not chosen:
-        return per_example
+        return closed
 
     def rule(eqn: Any, ins: list) -> list | None:
         if id(eqn) not in chosen:
@@ -58,7 +56,7 @@ def patch_products(per_example: Callable[..., list], example_args: list, varying
         product = as_patch_product(eqn.params, tuple(eqn.outvars[0].aval.shape), *ins)
         return None if product is None else [product]
 
-    return lambda *args: evaluate(closed.jaxpr, closed.consts, args, rule=rule)
+    return jax.make_jaxpr(lambda *args: evaluate(closed.jaxpr, closed.consts, args, rule=rule))(*example_args)
 
 
 def _kernel_cotangent(eqn: Any, moving: set) -> bool:
