@@ -2,6 +2,7 @@
 JAX starts): the same gradients as on one device, and replicated."""
 
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -16,8 +17,15 @@ EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "data_parallel.py"
 EIGHT_DEVICES = "--xla_force_host_platform_device_count=8 --xla_cpu_collective_call_terminate_timeout_seconds=900"
 
 
+def eight_devices() -> dict:
+    """The environment of a fresh process on 8 CPU devices, compiling as the tests do (the
+    conftest's XLA flags kept: at XLA's defaults these processes took twice as long)."""
+    return {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {EIGHT_DEVICES}".strip(),
+            "JAX_PLATFORMS": "cpu"}
+
+
 def test_data_parallel_gradients_on_eight_devices():
-    env = {**os.environ, "XLA_FLAGS": EIGHT_DEVICES, "JAX_PLATFORMS": "cpu"}
+    env = eight_devices()
     done = subprocess.run([sys.executable, str(EXAMPLE)], capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "8 devices, batch 32, Auto axes" in done.stdout and "8 devices, batch 32, Explicit axes" in done.stdout
@@ -85,7 +93,7 @@ for name, (net, params) in cases.items():
 def test_explicit_sharding_data_tensor_and_fully_sharded_parallel():
     """Explicit mesh axes (jax.make_mesh's default): the same values as on one device, and the
     gradients sharded as jax.grad shards them."""
-    env = {**os.environ, "XLA_FLAGS": EIGHT_DEVICES, "JAX_PLATFORMS": "cpu"}
+    env = eight_devices()
     done = subprocess.run([sys.executable, "-c", EXPLICIT], capture_output=True, text=True, timeout=600, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     for name in ("tensor-parallel", "tensor-parallel, one array per block", "fsdp", "data-parallel"):
@@ -126,14 +134,14 @@ for name, (net, params) in cases.items():
 def test_explicitly_sharded_batch_without_set_mesh():
     """Batch on NamedSharding(mesh, P("data")), parameters replicated, no ``jax.set_mesh``: jitted
     gradients as jax.grad's, with its shardings (the ℳΛ products contract over the sharded batch)."""
-    env = {**os.environ, "XLA_FLAGS": EIGHT_DEVICES, "JAX_PLATFORMS": "cpu"}
+    env = eight_devices()
     done = subprocess.run([sys.executable, "-c", WITHOUT_SET_MESH], capture_output=True, text=True, timeout=600,
                           env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.count("ok ") == 2
 
 
-ONE_PASS_KFAC = """
+KFAC_PROBLEM = """
 import jax, jax.numpy as jnp, numpy as np, optax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 import linbackprop as lbp
@@ -144,14 +152,15 @@ linear = lambda th, x: x @ th[0] + th[1]
 net = lbp.Network([lbp.Layer("h", dense, ("x",), ("W1", "b1")), lbp.Layer("y", linear, ("h",), ("W2", "b2"))],
                   ["x"], "y")
 rng = np.random.default_rng(0)
-params = {"W1": jnp.asarray(rng.standard_normal((5, 7)) / 2), "b1": jnp.zeros(7),
-          "W2": jnp.asarray(rng.standard_normal((7, 3)) / 2), "b2": jnp.zeros(3)}
-x, labels = jnp.asarray(rng.standard_normal((32, 5))), jnp.asarray(rng.integers(0, 3, 32))
+params = {"W1": rng.standard_normal((5, 7)) / 2, "b1": np.zeros(7),
+          "W2": rng.standard_normal((7, 3)) / 2, "b2": np.zeros(3)}
+x, labels = rng.standard_normal((32, 5)), rng.integers(0, 3, 32)
 loss = lambda p, x, y: optax.softmax_cross_entropy_with_integer_labels(net(p, x), y).mean()
 # the state's structure from init (one program per mesh, not a second trace at step 2)
 shapes = jax.eval_shape(lambda p: lbp.gauss_newton(loss, factors=True, samples=1, key=jax.random.key(0))(
     p, x, labels)[2].factors, params)
 opt = lbp.kfac(factors=shapes)
+local = lambda a: np.asarray(a.addressable_data(0))  # this process's copy of a replicated array
 
 
 def step(p, s, x, y, i):  # the one-pass K-FAC step
@@ -165,21 +174,43 @@ def run(p, x, y, steps=6):
     s, values, jitted = opt.init(p), [], jax.jit(step)
     for i in range(steps):
         p, s, value = jitted(p, s, x, y, i)
-        values.append(float(value))
+        values.append(float(local(value)))
     return p, values
 
 
-one_p, one_values = run(params, x, labels)  # one device
+def check(name, p, values, one_p, one_values):
+    assert all(leaf.sharding.is_fully_replicated for leaf in jax.tree.leaves(p)), name
+    np.testing.assert_allclose(values, one_values, rtol=1e-10)
+    for a, b in zip(jax.tree.leaves(p), jax.tree.leaves(one_p)):
+        np.testing.assert_allclose(local(a), local(b), rtol=1e-8, atol=1e-10)
+    print("ok", name)
+"""
+
+ONE_PASS_KFAC = KFAC_PROBLEM + """
+one_p, one_values = run(*jax.device_put((params, x, labels), jax.devices()[0]))  # one device
 for name, kind in (("automatic", AxisType.Auto), ("explicit", AxisType.Explicit)):
     mesh = jax.make_mesh((8,), ("data",), axis_types=(kind,))
     put = lambda a, *spec: jax.device_put(a, NamedSharding(mesh, P(*spec)))
     with jax.set_mesh(mesh):  # explicit axes: the trace-time checks' random values need JAX's mesh
-        p, values = run(jax.tree.map(put, params), put(x, "data"), put(labels, "data"))
-    assert all(leaf.sharding.is_fully_replicated for leaf in jax.tree.leaves(p)), name
-    np.testing.assert_allclose(values, one_values, rtol=1e-10)
-    for a, b in zip(jax.tree.leaves(p), jax.tree.leaves(one_p)):
-        np.testing.assert_allclose(a, b, rtol=1e-8, atol=1e-10)
-    print("ok", name)
+        check(name, *run(jax.tree.map(put, params), put(x, "data"), put(labels, "data")), one_p, one_values)
+"""
+
+# each process: 4 CPU devices, gloo's collectives, its half of the batch on one global mesh of 8
+TWO_PROCESSES_KFAC = """
+import sys
+import jax
+jax.config.update("jax_cpu_collectives_implementation", "gloo")
+process = int(sys.argv[1])
+jax.distributed.initialize(coordinator_address=f"localhost:{sys.argv[2]}", num_processes=2, process_id=process)
+""" + KFAC_PROBLEM + """
+one_p, one_values = run(*jax.device_put((params, x, labels), jax.local_devices()[0]))  # one device here
+half = slice(16 * process, 16 * (process + 1))
+for name, kind in (("automatic", AxisType.Auto), ("explicit", AxisType.Explicit)):
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(kind,))
+    whole = lambda a: jax.make_array_from_process_local_data(NamedSharding(mesh, P()), a)
+    rows = lambda a: jax.make_array_from_process_local_data(NamedSharding(mesh, P("data")), a[half])
+    with jax.set_mesh(mesh):
+        check(name, *run(jax.tree.map(whole, params), rows(x), rows(labels)), one_p, one_values)
 """
 
 
@@ -187,7 +218,25 @@ def test_the_one_pass_kfac_step_with_the_batch_on_eight_devices():
     """``gauss_newton(factors=True)`` and ``lbp.kfac`` under ``jax.jit``, the batch sharded over 8
     devices (automatic and explicit meshes), parameters replicated: six steps equal to one
     device's, the parameters replicated."""
-    env = {**os.environ, "XLA_FLAGS": EIGHT_DEVICES, "JAX_PLATFORMS": "cpu"}
+    env = eight_devices()
     done = subprocess.run([sys.executable, "-c", ONE_PASS_KFAC], capture_output=True, text=True, timeout=600, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.count("ok ") == 2, done.stdout
+
+
+def test_the_one_pass_kfac_step_on_two_processes():
+    """The same step on two processes of 4 CPU devices each (``jax.distributed`` with gloo's CPU
+    collectives, one global mesh of 8, each process holding half of the batch): the values and
+    parameters of one device. The trace-time checks run on random values sharded over the
+    global mesh (arrays no single process addresses whole)."""
+    with socket.socket() as s:  # a free port for the coordinator
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=4",
+           "JAX_PLATFORMS": "cpu"}
+    workers = [subprocess.Popen([sys.executable, "-c", TWO_PROCESSES_KFAC, str(i), str(port)], env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    outputs = [w.communicate(timeout=600) for w in workers]
+    for w, (out, err) in zip(workers, outputs):
+        assert w.returncode == 0, err[-3000:]
+        assert out.count("ok ") == 2, out

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._graph import at_random, random_values, sharded_as
+from .._graph import at_random, on_host, random_values, sharded_as
 from .._plan import Plan
 
 _checked: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -102,15 +102,15 @@ def check_losses_keep_examples_apart(losses: Callable, outs: tuple, axes: list[l
     example's (``firsts[c]``, in call order) may change."""
     evaluate, args, _ = at_random(losses, outs, *diff)
     with jax.ensure_compile_time_eval():
-        run = lambda a: np.asarray(evaluate(*a)[0], np.float64)
+        run = lambda a: on_host(evaluate.run(lambda ev, a: ev(*a)[0], a)).astype(np.float64)
         base = run(args)
         start = 0
         for call, (leaf_axes, first) in enumerate(zip(axes, firsts)):
             moved = list(args)
             for n, axis in zip(range(start, start + len(leaf_axes)), leaf_axes):
-                x = np.asarray(args[n])
+                x = args[n]
                 if x.ndim > axis and np.issubdtype(x.dtype, np.inexact):  # example 0 moved
-                    moved[n] = jnp.asarray(x).at[(slice(None),) * axis + (0,)].add(1.0)
+                    moved[n] = _first_moved(x, axis)
             start += len(leaf_axes)
             changed = np.abs(run(moved) - base) > 1e-6 * (1 + np.abs(base))
             changed[first] = False
@@ -134,22 +134,25 @@ def check_hessian_keeps_positions_apart(loss: Callable, leaves: list, n: int, ax
     position are made of). They agree only where the loss is a sum of per-position terms."""
     evaluate, point, _ = at_random(loss, *leaves)
     with jax.ensure_compile_time_eval():
-        grad = jax.grad(lambda xs: evaluate(*xs)[0])
-
-        def hvp(t: jax.Array) -> jax.Array:  # H's product with t on leaf n (zeros elsewhere), leaf n's part
-            tangents = [t if m == n else jnp.zeros_like(x) for m, x in enumerate(point)]
-            return jax.jvp(grad, (point,), (tangents,))[1][n]
-
         moved = jnp.moveaxis(point[n], axis, 0)
         coords = int(np.prod(moved.shape[2:], dtype=np.int64))
         seq = moved.reshape(*moved.shape[:2], coords)
-        basis = jnp.broadcast_to(jnp.eye(coords, dtype=seq.dtype)[:, None, None, :], (coords, *seq.shape))
         back = lambda m: jnp.moveaxis(m.reshape(moved.shape), 0, axis)
         flat = lambda m: jnp.moveaxis(m, axis, 0).reshape(seq.shape)
-        blocks = jax.vmap(lambda e: flat(hvp(back(e))))(basis)  # [j, B, P, i]
         r = sharded_as(jnp.asarray(np.random.default_rng(1).standard_normal(seq.shape), seq.dtype), seq)
-        expected = np.asarray(jnp.einsum("jbpi,bpj->bpi", blocks, r), np.float64)
-        found = np.asarray(flat(hvp(back(r))), np.float64)
+
+        def products(ev: Callable, point: list, r: jax.Array) -> tuple[jax.Array, jax.Array]:
+            grad = jax.grad(lambda xs: ev(*xs)[0])
+
+            def hvp(t: jax.Array) -> jax.Array:  # H's product with t on leaf n (zeros elsewhere), leaf n's part
+                tangents = [t if m == n else jnp.zeros_like(x) for m, x in enumerate(point)]
+                return jax.jvp(grad, (point,), (tangents,))[1][n]
+
+            basis = jnp.broadcast_to(jnp.eye(coords, dtype=seq.dtype)[:, None, None, :], (coords, *seq.shape))
+            blocks = jax.vmap(lambda e: flat(hvp(back(e))))(basis)  # [j, B, P, i]
+            return jnp.einsum("jbpi,bpj->bpi", blocks, r), flat(hvp(back(r)))
+
+        expected, found = (on_host(x).astype(np.float64) for x in evaluate.run(products, point, r))
     scale = 1 + np.abs(expected).max()
     tolerance = 1e-4 if np.finfo(seq.dtype).eps > 1e-10 else 1e-9
     if np.allclose(found, expected, rtol=tolerance, atol=tolerance * scale):
@@ -171,15 +174,15 @@ def check_hessian_keeps_examples_apart(loss: Callable, leaves: list, axes: list[
     the loss is a sum of per-example terms, whatever those are."""
     evaluate, point, _ = at_random(loss, *leaves)
     with jax.ensure_compile_time_eval():
-        grad = jax.grad(lambda xs: evaluate(*xs)[0])
-        base = [np.asarray(x, np.float64) for x in grad(point)]
+        grad = lambda xs: evaluate.run(lambda ev, xs: jax.grad(lambda xs: ev(*xs)[0])(xs), xs)
+        base = [on_host(x).astype(np.float64) for x in grad(point)]
         for group in sorted(set(groups)):
             moved = [_first_moved(x, ax)
                      if groups[n] == group and np.issubdtype(x.dtype, np.inexact) and x.ndim > ax else x
                      for n, (x, ax) in enumerate(zip(point, axes))]
             for n, (after, before) in enumerate(zip(grad(moved), base)):
-                after = np.asarray(after, np.float64)
-                tolerance = 1e-4 if np.finfo(np.asarray(point[n]).dtype).eps > 1e-10 else 1e-9
+                after = on_host(after).astype(np.float64)
+                tolerance = 1e-4 if np.finfo(point[n].dtype).eps > 1e-10 else 1e-9
                 changed = np.abs(after - before) > tolerance * (1 + np.abs(before).max(initial=0.0))
                 if groups[n] == group and changed.ndim > axes[n]:
                     changed[(slice(None),) * axes[n] + (0,)] = False  # example 0's own part may change

@@ -12,6 +12,7 @@ from tells a stale plan (``_plan.current_plan``) before it is used.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import Any
 
@@ -43,7 +44,7 @@ def random_values() -> Callable[[Any], Any]:
 
 
 def at_random(fn: Callable, *args: Any) -> tuple[Callable, list[Any], Any]:
-    """``fn`` as a function of its flat arguments' leaves, run op by op, with values drawn at
+    """``fn`` as a function of its flat arguments' leaves, run op by op (`_Evaluate`), with values drawn at
     random (`random_values`) for whatever it closes over that is a tracer (labels or parameters
     under ``jax.jit``: only their shapes are known at trace time): ``(evaluate, values, shape)``,
     ``evaluate(*leaves)`` the flat list of its outputs' leaves, ``values`` random leaves for its
@@ -56,8 +57,56 @@ def at_random(fn: Callable, *args: Any) -> tuple[Callable, list[Any], Any]:
     with jax.ensure_compile_time_eval():
         consts = [placed(c.aval) if isinstance(c, jax.core.Tracer) else c for c in closed.consts]
         values = [placed(v.aval) for v in closed.jaxpr.invars]
+    return _Evaluate(closed.jaxpr, consts), values, shape
 
-    return (lambda *leaves: jax.core.eval_jaxpr(closed.jaxpr, consts, *leaves)), values, shape
+
+class _Evaluate:
+    """A jaxpr evaluated op by op at its constants: ``evaluate(*leaves)``. ``evaluate.run(fn,
+    *args)`` is ``fn(evaluate, *args)`` — where the constants span several processes' devices (a
+    mesh over processes), one compiled program with the constants as its arguments: JAX refuses
+    to embed such arrays, which differentiating the op-by-op evaluation does; every process runs
+    the program in step, as it runs the trace that called it."""
+
+    def __init__(self, jaxpr: Any, consts: list):
+        self.jaxpr, self.consts = jaxpr, consts
+
+    def __call__(self, *leaves: Any) -> list:
+        return jax.core.eval_jaxpr(self.jaxpr, self.consts, *leaves)
+
+    def run(self, fn: Callable, *args: Any) -> Any:
+        if all(_addressable(x) for x in (*self.consts, *jax.tree.leaves(args))):
+            return fn(self, *args)
+        # traced without the caller's compile-time evaluation (which would fold what the program
+        # builds from constants into arrays over the mesh, embedded again), then run at once
+        with _staging():
+            program = jax.jit(lambda consts, *a: fn(_Evaluate(self.jaxpr, consts), *a))
+            compiled = program.lower(self.consts, *args).compile()
+        return compiled(self.consts, *args)
+
+
+def _staging() -> Any:
+    """A context in which JAX stages operations on constants instead of evaluating them (inside
+    ``jax.ensure_compile_time_eval``); JAX's own switch is private: without it, no change."""
+    try:
+        from jax._src.config import eager_constant_folding
+    except ImportError:  # pragma: no cover - another JAX layout
+        return contextlib.nullcontext()
+    return eager_constant_folding(False)
+
+
+def _addressable(x: Any) -> bool:
+    return getattr(x, "is_fully_addressable", True)
+
+
+def on_host(x: Any) -> np.ndarray:
+    """``x``'s values as a NumPy array on this process: an array over several processes'
+    devices gathered from all of them (a collective: every process calls it in step)."""
+    if _addressable(x):
+        return np.asarray(x)
+    from jax.experimental import multihost_utils  # the multi-process case alone needs it
+
+    with jax.ensure_compile_time_eval():
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
 def _placed_as(value: Any, aval: Any, meshes: dict) -> Any:

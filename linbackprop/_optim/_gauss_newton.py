@@ -14,6 +14,7 @@ from jax.flatten_util import ravel_pytree
 
 from .._curvature import GaussNewton
 from ._arguments import accepted, params_dtype, shaped_as
+from ._damping import DampingBounds, nielsen
 from ._spectral import directions, probed, spectral
 
 Solver = Literal["auto", "cg", "woodbury", "dense", "svd"]
@@ -174,6 +175,8 @@ def scale_by_gauss_newton(damping: float | None = None, maxiter: int = 50, *, to
         raise ValueError(f"scale_by_gauss_newton(damping_scale={damping_scale}): τ of λ₀ = τ · max diag G must "
                          "be positive.")
 
+    bounds = DampingBounds(min_damping, max_damping)
+
     def init(params: Any) -> ScaleByGaussNewtonState:
         zeros = optax.tree.zeros_like(params)
         dtype = params_dtype(params)
@@ -213,13 +216,7 @@ def scale_by_gauss_newton(damping: float | None = None, maxiter: int = 50, *, to
         before = value_fn(params, **kwargs) if value is None else value
         after = value_fn(optax.tree.sub(params, direction), **kwargs)
         predicted = optax.tree.vdot(updates, direction) - 0.5 * matrix.quadratic(direction)
-        decreased = jnp.isfinite(after) & (after < before)
-        rho = jnp.where(decreased, (before - after) / jnp.maximum(predicted, jnp.finfo(lam.dtype).tiny), -1.0)
-        factor = jnp.where(decreased, jnp.maximum(1 / 3, 1 - (2 * rho - 1) ** 3), state.nu)
-        # a NaN λ (a non-finite first step's scale) is measured again at the next step
-        lam = jnp.clip(lam * factor.astype(lam.dtype), min_damping, max_damping)
-        # ν doubles with each failure in a row (kept finite: λ is clipped anyway)
-        nu = jnp.where(decreased, 2, jnp.minimum(2 * state.nu, 2.0 ** 60)).astype(state.nu.dtype)
+        lam, nu, decreased = nielsen(lam, state.nu, before, after, predicted, bounds)
         if reject:
             direction = jax.tree.map(lambda d: jnp.where(decreased, d, jnp.zeros_like(d)), direction)
         return direction, ScaleByGaussNewtonState(lam, direction, state.count + 1, nu)

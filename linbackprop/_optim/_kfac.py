@@ -12,10 +12,11 @@ import jax.numpy as jnp
 import optax
 
 from .._curvature import GaussNewton
-from .._graph import in_turn
 from ._arguments import accepted, params_dtype, shaped_as
-from ._blocks import block_matrix, blocks_of, blockwise
-from ._kronecker import apply, decompose
+from ._blocks import blocks_of
+from ._damping import DampingBounds, gain_ratio, martens_grosse, raised
+from ._kfac_star import KfacStarStep, kfac_star
+from ._preconditioner import FactorSums, Preconditioner
 
 
 class KfacState(NamedTuple):
@@ -180,157 +181,118 @@ def kfac(damping: float = 1e-3, decay: float = 0.95, update_every: int = 5, *, l
     if inverse not in ("exact", "factored"):
         raise ValueError(f"kfac(inverse={inverse!r}): use 'exact' (λ added exactly, eigendecompositions) or "
                          "'factored' (the factors damped apart, Cholesky).")
-    factored = inverse == "factored"
+    preconditioner = Preconditioner(inverse == "factored")
     omega = damping_decay ** damping_interval
+    bounds = DampingBounds(min_damping, max_damping)
     adaptive = learning_rate is None or momentum is None
+    measures = adapt_damping or reject
+    rule = _Rule(adapt_damping, reject, damping_interval, omega, bounds)
 
     def init(params: Any) -> KfacState:
         dtype = params_dtype(params)
-        nan = jnp.asarray(jnp.nan, dtype)
-        sums = inverses = None
+        nan, lam = jnp.asarray(jnp.nan, dtype), jnp.asarray(damping, dtype)
+        sums, weight, inverses = None, jnp.zeros((), dtype), None
         if factors is not None:  # the averages' structure now, from the example factors' shapes
             example = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), factors)
             fresh = [b.curvature for b in blocks_of(params, example, optax.tree.zeros_like(params), "kfac")]
-            sums = jax.tree.map(jnp.zeros_like, fresh)
-            shapes = jax.eval_shape(lambda c: [decompose(x, jnp.asarray(damping, dtype), factored) for x in c], fresh)
-            inverses = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)
-        return KfacState(jnp.zeros((), jnp.int32), jnp.asarray(damping, dtype), sums, jnp.zeros((), dtype),
-                         inverses, optax.tree.zeros_like(params), nan, nan, nan)
+            sums, inverses = FactorSums.zeros(fresh, dtype).sums, preconditioner.placeholders(fresh, lam)
+        return KfacState(jnp.zeros((), jnp.int32), lam, sums, weight, inverses, optax.tree.zeros_like(params),
+                         nan, nan, nan)
 
     def update(updates: Any, state: KfacState, params: Any = None, *, factors: Any = None,
                curvature: GaussNewton | None = None, value: Any = None, value_fn: Callable | None = None,
                diagonal: Any = None, **extra: Any) -> tuple[Any, KfacState]:
-        grad = updates
-        if isinstance(curvature, GaussNewton):  # what G's pass holds: factors, value, the loss function
-            factors = curvature.factors if factors is None else factors
-            if value_fn is None:  # the loss and its value on G's batch (a value_fn given: measured as before)
-                value_fn, value = curvature.value_at, curvature.value if value is None else value
-        if factors is None:
-            raise TypeError("kfac needs the factors: opt.update(grad, state, params, curvature=G) with "
-                            "value, grad, G = lbp.gauss_newton(loss, factors=True, samples=1, key=key)(params, *batch) "
-                            "(one pass), or factors=lbp.kfac_factors(loss)(params, *batch).")
-        needs_g = adaptive or adapt_damping
-        if needs_g and not isinstance(curvature, GaussNewton):
-            raise TypeError("kfac needs the Gauss–Newton matrix for its step size, momentum and damping: "
-                            "value, grad, G = lbp.gauss_newton(loss)(params, *batch); opt.update(..., curvature=G) "
-                            "(or fix learning_rate= and momentum= and pass adapt_damping=False)"
-                            + ("" if curvature is None else f"; got curvature of type {type(curvature).__name__}."))
-        measures = adapt_damping or reject
-        if measures and value_fn is None:
-            raise TypeError("kfac with adapt_damping or reject needs value_fn, the loss on the same batch: "
-                            "opt.update(..., value_fn=G.value_at) (the loss G was made from), or "
-                            "value_fn=lambda p, **_: loss(p, *batch) (or adapt_damping=False).")
-        if measures and params is None:
-            raise ValueError("kfac with value_fn needs params: opt.update(grad, state, params, ...).")
-
+        grad, lam = updates, state.damping
+        factors, value, value_fn = _from_curvature(curvature, factors, value, value_fn)
+        _check_arguments(factors, curvature, value_fn, params, adaptive or adapt_damping, measures)
         leaves, treedef = jax.tree.flatten(grad)
         blocks = blocks_of(grad, factors, diagonal, "kfac")
         fresh = [block.curvature for block in blocks]
-        dtype = state.damping.dtype
         if state.sums is None:  # the first update: zero sums and placeholder decompositions of their shapes
-            sums = jax.tree.map(jnp.zeros_like, fresh)
-            shapes = jax.eval_shape(lambda c: [decompose(x, state.damping, factored) for x in c], fresh)
-            held = jax.tree.map(jnp.zeros_like, shapes)
+            sums, held = FactorSums.zeros(fresh, lam.dtype), preconditioner.placeholders(fresh, lam)
         else:
-            sums, held = state.sums, state.inverses
-        # a batch whose factors are not finite is left out of the average (and eigh never sees a
-        # NaN: LAPACK's iterations need not end on one)
-        finite = _all_finite(fresh)
-        sums = jax.tree.map(lambda s, f: jnp.where(finite, decay * s + f, s), sums, fresh)
-        weight = jnp.where(finite, decay * state.weight + 1, state.weight)
-        averaged = jax.tree.map(lambda s: s / jnp.maximum(weight, 1e-30).astype(s.dtype), sums)
-        lam = state.damping
-        recompute = ((state.count < update_every) | (state.count % update_every == 0)) & (weight > 0)
-
-        def fresh_or_held() -> list:
-            # a decomposition of non-finite averages (an overflow) or with non-finite results is not
-            # taken: the held one serves (eigh sees the non-finite entries zeroed, never the NaN)
-            new = in_turn(lambda c: decompose(c, lam, factored), averaged)  # LAPACK's calls in turn
-            ok = _all_finite(averaged) & _all_finite(new)
-            return jax.tree.map(lambda n, h: jnp.where(ok, n, h), new, held)
-
-        inverses = jax.lax.cond(recompute, fresh_or_held, lambda: held)
-
-        direction = treedef.unflatten(blockwise(blocks, leaves, [-apply(inv, block_matrix(block, leaves), lam)
-                                                                 for inv, block in zip(inverses, blocks)]))
+            sums, held = FactorSums(state.sums, state.weight), state.inverses
+        sums = sums.add(fresh, decay)
+        # decomposed at every one of the first update_every steps (no early single-batch estimate held)
+        now = ((state.count < update_every) | (state.count % update_every == 0)) & (sums.weight > 0)
+        inverses = preconditioner.refreshed(sums.average(), held, lam, now)
+        direction = treedef.unflatten([-d for d in preconditioner.direction(blocks, leaves, inverses, lam)])
         # no finite factors yet (every batch so far non-finite): no curvature, no step, for every
         # leaf alike (the placeholder decompositions gave Kronecker leaves 0 and diagonal ones g/λ)
-        direction = jax.tree.map(lambda d: jnp.where(weight > 0, d, jnp.zeros_like(d)), direction)
-        previous = shaped_as(state.previous, grad)
-        vdot = optax.tree.vdot
-        b = jnp.stack([vdot(grad, direction), vdot(grad, previous)]).astype(dtype)
-        if not needs_g:
-            gram = jnp.zeros((2, 2), dtype)
-        elif momentum is not None and momentum == 0:  # δ's products would be multiplied by μ = 0
-            gram = jnp.zeros((2, 2), dtype).at[0, 0].set(curvature.gram([direction])[0, 0].astype(dtype))
-        else:
-            gram = curvature.gram([direction, previous]).astype(dtype)
-        norms = jnp.array([[vdot(direction, direction), vdot(direction, previous)],
-                           [vdot(direction, previous), vdot(previous, previous)]], dtype)
-        alpha, mu = _coefficients(gram + lam * norms, b, learning_rate, momentum, dtype)
-        step = optax.tree.add(optax.tree.scale(alpha, direction), optax.tree.scale(mu, previous))
-        # a non-finite step (a singular model, an overflow) comes out as zeros and raises λ
-        broken = ~_all_finite(step)
-        step = jax.tree.map(lambda u: jnp.where(broken, jnp.zeros_like(u), u), step)
-        lam = jnp.where(broken, jnp.clip(lam / omega, min_damping, max_damping), lam).astype(dtype)
-
-        rho = state.rho
+        direction = jax.tree.map(lambda d: jnp.where(sums.weight > 0, d, jnp.zeros_like(d)), direction)
+        step = kfac_star(grad, direction, shaped_as(state.previous, grad),
+                         curvature if adaptive or adapt_damping else None, lam, learning_rate, momentum)
+        lam = jnp.where(step.broken, raised(lam, omega, bounds), lam)  # a step that is not finite: more damping
+        update, rho = step.update, state.rho
         if measures:
-            kwargs = accepted(value_fn, extra)
-            before = value_fn(params, **kwargs) if value is None else value
-            w = jnp.stack([alpha, mu])
-            predicted = w @ b + 0.5 * w @ gram @ w  # the model's change without λ, as kfac-jax
-            measure_now = (state.count % damping_interval == 0) if not reject else jnp.asarray(True)
-            after = jax.lax.cond(measure_now, lambda: jnp.asarray(value_fn(optax.tree.add(params, step), **kwargs),
-                                                                  dtype),
-                                 lambda: jnp.asarray(jnp.nan, dtype))
-            measured_rho = (after - before) / predicted
-            # a model that predicts no decrease (fixed coefficients along an ascent) has no ratio to
-            # trust: counted as a failure, so that a loss increase never lowers λ through ρ's sign
-            measured_rho = jnp.where(jnp.isfinite(after) & (predicted < 0),
-                                     jnp.nan_to_num(measured_rho, nan=-jnp.inf), -jnp.inf)
-            if adapt_damping:
-                adapt_now = (state.count % damping_interval == 0) & ~broken  # a broken step raised λ already
-                rho = jnp.where(adapt_now, measured_rho, rho).astype(dtype)
-                factor = jnp.where(rho < 0.25, 1 / omega, jnp.where(rho > 0.75, omega, 1.0))
-                lam = jnp.where(adapt_now, jnp.clip(lam * factor, min_damping, max_damping), lam).astype(dtype)
-            if reject:
-                failed = ~(jnp.isfinite(after) & (after < before))
-                step = jax.tree.map(lambda u: jnp.where(failed, jnp.zeros_like(u), u), step)
-                if not adapt_damping:
-                    rho = measured_rho.astype(dtype)
-                raise_now = failed & ~broken  # a broken step raised λ once already
-                lam = jnp.where(raise_now, jnp.clip(lam / omega, min_damping, max_damping), lam).astype(dtype)
-        new_state = KfacState(state.count + 1, lam, sums, weight, inverses, step, alpha, mu, rho)
-        return step, new_state
+            update, lam, rho = _levenberg_marquardt(step, state, lam, params, value, value_fn,
+                                                    accepted(value_fn, extra), rule)
+        return update, KfacState(state.count + 1, lam, sums.sums, sums.weight, inverses, update, step.alpha,
+                                 step.mu, rho)
 
     return optax.GradientTransformationExtraArgs(init, update)
 
 
-def _all_finite(tree: Any) -> jax.Array:
-    leaves = jax.tree.leaves(tree)
-    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves])) if leaves else jnp.asarray(True)
+class _Rule(NamedTuple):
+    """When and how `kfac` measures its steps and moves λ."""
+
+    adapt: bool
+    reject: bool
+    interval: int
+    omega: float
+    bounds: DampingBounds
 
 
-def _coefficients(m: jax.Array, b: jax.Array, learning_rate: float | None, momentum: float | None,
-                  dtype: Any) -> tuple[jax.Array, jax.Array]:
-    """(α, μ) minimising bᵀw + ½ wᵀ M w over the coefficients not fixed; the momentum's row and
-    column vanish on the first step (δ = 0), where μ is 0 and α is the 1-D minimiser."""
-    tiny = jnp.finfo(dtype).tiny
-    if learning_rate is not None and momentum is not None:
-        return jnp.asarray(learning_rate, dtype), jnp.asarray(momentum, dtype)
-    if momentum is not None:  # α alone: −(b₀ + μ M₀₁) / M₀₀
-        mu = jnp.asarray(momentum, dtype)
-        return -(b[0] + mu * m[0, 1]) / jnp.maximum(m[0, 0], tiny), mu
-    if learning_rate is not None:  # μ alone
-        alpha = jnp.asarray(learning_rate, dtype)
-        mu = jnp.where(m[1, 1] > 0, -(b[1] + alpha * m[0, 1]) / jnp.where(m[1, 1] > 0, m[1, 1], 1), 0)
-        return alpha, mu.astype(dtype)
-    det = m[0, 0] * m[1, 1] - m[0, 1] ** 2
-    # δ = 0 (the first step, a rejected one) or Δ ∥ δ: the plane is a line, α alone
-    degenerate = det <= 64 * jnp.finfo(dtype).eps * m[0, 0] * m[1, 1]
-    safe_det = jnp.where(degenerate, 1, det)
-    alpha2 = (-b[0] * m[1, 1] + b[1] * m[0, 1]) / safe_det
-    mu2 = (-b[1] * m[0, 0] + b[0] * m[0, 1]) / safe_det
-    alpha1 = -b[0] / jnp.maximum(m[0, 0], tiny)
-    return jnp.where(degenerate, alpha1, alpha2).astype(dtype), jnp.where(degenerate, 0, mu2).astype(dtype)
+def _levenberg_marquardt(step: KfacStarStep, state: KfacState, lam: jax.Array, params: Any, value: Any,
+                         value_fn: Callable, kwargs: dict, rule: _Rule) -> tuple[Any, jax.Array, jax.Array]:
+    """(update, λ, ρ): Martens & Grosse's rule (`_damping.martens_grosse`) from f(θ + u), measured
+    every ``interval`` steps (every step with ``reject``, which zeroes a step that did not lower
+    the loss and raises λ)."""
+    dtype = lam.dtype
+    before = value_fn(params, **kwargs) if value is None else value
+    measure_now = (state.count % rule.interval == 0) if not rule.reject else jnp.asarray(True)
+    after = jax.lax.cond(measure_now,
+                         lambda: jnp.asarray(value_fn(optax.tree.add(params, step.update), **kwargs), dtype),
+                         lambda: jnp.asarray(jnp.nan, dtype))
+    measured_rho = gain_ratio(before, after, step.predicted_change())
+    update, rho = step.update, state.rho
+    if rule.adapt:
+        adapt_now = (state.count % rule.interval == 0) & ~step.broken  # a broken step raised λ already
+        rho = jnp.where(adapt_now, measured_rho, rho).astype(dtype)
+        lam = jnp.where(adapt_now, martens_grosse(lam, rho, rule.omega, rule.bounds), lam)
+    if rule.reject:
+        failed = ~(jnp.isfinite(after) & (after < before))
+        update = jax.tree.map(lambda u: jnp.where(failed, jnp.zeros_like(u), u), update)
+        if not rule.adapt:
+            rho = measured_rho.astype(dtype)
+        lam = jnp.where(failed & ~step.broken, raised(lam, rule.omega, rule.bounds), lam)  # broken: raised once
+    return update, lam, rho
+
+
+def _from_curvature(curvature: Any, factors: Any, value: Any, value_fn: Callable | None) -> tuple:
+    """What G's pass holds: the factors, and the loss on G's batch with its value (a ``value_fn``
+    given is measured as before)."""
+    if isinstance(curvature, GaussNewton):
+        factors = curvature.factors if factors is None else factors
+        if value_fn is None:
+            value_fn, value = curvature.value_at, curvature.value if value is None else value
+    return factors, value, value_fn
+
+
+def _check_arguments(factors: Any, curvature: Any, value_fn: Callable | None, params: Any, needs_g: bool,
+                     measures: bool) -> None:
+    if factors is None:
+        raise TypeError("kfac needs the factors: opt.update(grad, state, params, curvature=G) with "
+                        "value, grad, G = lbp.gauss_newton(loss, factors=True, samples=1, key=key)(params, *batch) "
+                        "(one pass), or factors=lbp.kfac_factors(loss)(params, *batch).")
+    if needs_g and not isinstance(curvature, GaussNewton):
+        raise TypeError("kfac needs the Gauss–Newton matrix for its step size, momentum and damping: "
+                        "value, grad, G = lbp.gauss_newton(loss)(params, *batch); opt.update(..., curvature=G) "
+                        "(or fix learning_rate= and momentum= and pass adapt_damping=False)"
+                        + ("" if curvature is None else f"; got curvature of type {type(curvature).__name__}."))
+    if measures and value_fn is None:
+        raise TypeError("kfac with adapt_damping or reject needs value_fn, the loss on the same batch: "
+                        "opt.update(..., value_fn=G.value_at) (the loss G was made from), or "
+                        "value_fn=lambda p, **_: loss(p, *batch) (or adapt_damping=False).")
+    if measures and params is None:
+        raise ValueError("kfac with value_fn needs params: opt.update(grad, state, params, ...).")

@@ -10,8 +10,9 @@ import jax.numpy as jnp
 import optax
 
 from .._curvature import GaussNewton, Kronecker
-from ._blocks import Block, block_matrix, blocks_of, blockwise
-from ._kronecker import Diagonal, apply, decompose
+from ._blocks import Block, blocks_of
+from ._kronecker import Diagonal
+from ._preconditioner import Preconditioner, moving_average
 
 
 class ScaleByKfacState(NamedTuple):
@@ -82,6 +83,8 @@ def scale_by_kfac(damping: float = 1e-3, decay: float = 0.95, update_every: int 
         raise ValueError(f"scale_by_kfac: needs damping > 0 ({damping}), 0 ≤ decay < 1 ({decay}) and "
                          f"update_every ≥ 1 ({update_every}).")
 
+    preconditioner = Preconditioner(factored=True)
+
     def init(params: Any) -> ScaleByKfacState:
         del params
         return ScaleByKfacState(jnp.zeros((), jnp.int32), None, None)
@@ -100,16 +103,9 @@ def scale_by_kfac(damping: float = 1e-3, decay: float = 0.95, update_every: int 
         leaves, treedef = jax.tree.flatten(updates)
         blocks = blocks_of(updates, factors, diagonal, "scale_by_kfac")
         paths = [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_flatten_with_path(updates)[0]]
-        fresh = [_one_term(block, paths[block.leaf]) for block in blocks]
-        if state.curvature is None:
-            averaged = fresh
-            inverses = _inverses(averaged, damping)
-        else:
-            averaged = jax.tree.map(lambda old, new: decay * old + (1 - decay) * new, state.curvature, fresh)
-            inverses = jax.lax.cond(state.count % update_every == 0, lambda c, i: _inverses(c, damping),
-                                    lambda c, i: i, averaged, state.inverses)
-        direction = blockwise(blocks, leaves, [apply(inv, block_matrix(block, leaves), damping)
-                                               for inv, block in zip(inverses, blocks)])
+        averaged = moving_average(state.curvature, [_one_term(block, paths[block.leaf]) for block in blocks], decay)
+        inverses = preconditioner.refreshed(averaged, state.inverses, damping, state.count % update_every == 0)
+        direction = preconditioner.direction(blocks, leaves, inverses, damping)
         return treedef.unflatten(direction), ScaleByKfacState(state.count + 1, averaged, inverses)
 
     return optax.GradientTransformationExtraArgs(init, update)
@@ -123,8 +119,3 @@ def _one_term(block: Block, where: str) -> Kronecker | Diagonal:
                          "leaf (lbp.kfac inverts a sum of terms).")
     return block.curvature[0]
 
-
-def _inverses(curvature: list, damping: float) -> list:
-    """Each block's damped inverse: the diagonal as it is (damped when applied), a Kronecker pair's
-    factors damped apart and inverted by Cholesky (`_kronecker.decompose`, ``factored``)."""
-    return [decompose(c if isinstance(c, Diagonal) else (c,), damping, factored=True) for c in curvature]

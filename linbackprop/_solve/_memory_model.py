@@ -60,6 +60,14 @@ def checkpoint_memory_ratio(plan: Plan, theta: dict, inputs: tuple, levels: tupl
     Where every state is an output (a ``Stack`` of them), or with one checkpoint (two halves),
     checkpointing keeps no less; the call then runs without it.
 
+    A leaf segment that loops over kinds (not unrolled) gathers the blocks of each parameter
+    group that has several named members into one stacked buffer and scatters into its
+    cotangent, in its recomputation and in its back substitution: twice two copies of those
+    blocks (`_looped_block_copies`). The plain call's one loop does so too, but the states it
+    keeps hold those buffers' space in XLA's assignment where they are large, and where they are
+    small (one example) counting it there would predict a saving that segments do not make. Not
+    counted under vmap, where the states counted are one example's.
+
     Products with the Jacobians of a checkpointed call (``settings.products``: gauss_newton)
     transpose the scan over its segments once per product, each into a parameter-sized cotangent
     stack that XLA allocates before the first; under vmap the scan's parameter cotangents are
@@ -76,6 +84,7 @@ def checkpoint_memory_ratio(plan: Plan, theta: dict, inputs: tuple, levels: tupl
     residuals = 0 if settings.remat else sum(nbytes(a) * (n + 1) for a, n in zip(plan.res_avals, plan.res_rows))
     layers = [layer.name for layer in net.layers]
     states = sum(state[name] for name in layers)
+    block_copies = _looped_block_copies(plan)
     plain = 2 * states + residuals
     segments = split(net, levels[0], settings.policy.longest_checkpoint_period)
     kept = sum(state[layers[sg.start + j]] for sg in segments for j in sg.returns)
@@ -88,10 +97,22 @@ def checkpoint_memory_ratio(plan: Plan, theta: dict, inputs: tuple, levels: tupl
     for (kind, name), rows in rows_cut(net, levels[0], settings.policy.longest_checkpoint_period).items():
         source = theta[name] if kind == "block" else given[name]
         cut += 2 * nbytes(source) * rows // max(jax.tree.leaves(source)[0].shape[0], 1)
-    checkpointed = 2 * kept + below + 2 * leaf * plain / len(layers) + cut + param_cotangents
+    # under vmap the states here are one example's (the vmapped size is not known) and the blocks
+    # are not batched: their copies would outweigh states that are in fact many times larger
+    leaf_loops = not plan.unrolled and not under_vmap() and (settings.engine == "loop"
+                                                             or settings.policy.loop_pays(leaf, len(plan.kinds)))
+    checkpointed = (2 * kept + below + 2 * leaf * plain / len(layers) + cut + param_cotangents
+                    + (2 * block_copies if leaf_loops else 0))
     segment_rows = 2 * leaf * _own_param_row_bytes(plan) / len(layers)
     least = states + residuals if solve_variant(plan, settings, True).params is Params.IN_LOOP else plain
     return checkpointed / plain, (checkpointed + segment_rows) / least
+
+
+def _looped_block_copies(plan: Plan) -> int:
+    """Bytes a loop over kinds copies of the blocks: each parameter group of several named
+    blocks (not one stacked block read by rows) stacked once and its cotangent scattered into."""
+    return sum(2 * nbytes(g.row_avals()) * g.rows for g in plan.param_groups
+               if g.stacked_rows is None and len(g.names) > 1)
 
 
 def _own_param_row_bytes(plan: Plan) -> int:
