@@ -157,25 +157,8 @@ def scale_by_gauss_newton(damping: float | None = None, maxiter: int = 50, *, to
         >>> [round(float(w), 4) for w in fitted.ravel()]
         [0.1111, 0.7778]
     """
-    if solver not in ("auto", "cg", "woodbury", "dense", "svd"):
-        raise ValueError(f"scale_by_gauss_newton(solver={solver!r}): use 'auto', 'cg', 'woodbury', 'dense' or 'svd'.")
-    if step not in ("lm", "probe"):
-        raise ValueError(f"scale_by_gauss_newton(step={step!r}): use 'lm' (Levenberg–Marquardt) or 'probe'.")
-    if step == "probe" and (not isinstance(probes, int) or probes < 2 or not spread > 0 or not 0 <= target < 1):
-        raise ValueError(f"scale_by_gauss_newton(step='probe'): needs probes ≥ 2 (got {probes!r}), spread > 0 "
-                         f"(got {spread!r}) and 0 ≤ target < 1 (got {target!r}).")
-    if momentum is not None and not 0 <= momentum < 1:
-        raise ValueError(f"scale_by_gauss_newton(momentum={momentum!r}): SPRING's μ is in [0, 1), or None.")
-    if min_damping is None:  # the probed step's directions are exact at any λ: no floor beyond round-off
-        min_damping = 1e-300 if step == "probe" else 1e-8
-    if not 0 < min_damping <= max_damping or (damping is not None and not min_damping <= damping <= max_damping):
-        raise ValueError(f"scale_by_gauss_newton: needs 0 < min_damping ({min_damping}) ≤ damping ({damping}) "
-                         f"≤ max_damping ({max_damping}).")
-    if not damping_scale > 0:
-        raise ValueError(f"scale_by_gauss_newton(damping_scale={damping_scale}): τ of λ₀ = τ · max diag G must "
-                         "be positive.")
-
-    bounds = DampingBounds(min_damping, max_damping)
+    o = _options(damping, maxiter, tol, solver, adapt, min_damping, max_damping, reject, warm_start, damping_scale,
+                 step, probes, spread, target, momentum, probe_batch)
 
     def init(params: Any) -> ScaleByGaussNewtonState:
         zeros = optax.tree.zeros_like(params)
@@ -199,49 +182,100 @@ def scale_by_gauss_newton(damping: float | None = None, maxiter: int = 50, *, to
                              "rows, residuals = lbp.ggn_factor(loss, rank=1, residuals=True)(params, *batch).")
         lam = state.damping
         if damping is None:  # λ₀ = τ · G's scale, measured at the first step whose λ is not finite (a NaN row)
-            lam = jax.lax.cond(~jnp.isfinite(lam),
-                               lambda: jnp.clip(damping_scale * matrix.scale(updates), min_damping,
-                                                max_damping).astype(lam.dtype),
-                               lambda: lam)
-        if step == "probe":
-            return _probe(matrix, updates, state, lam, params, residuals, value, value_fn, extra)
-        prior = None if momentum is None else optax.tree.scale(momentum, shaped_as(state.direction, updates))
-        start = shaped_as(state.direction, updates) if warm_start else None
-        direction = matrix.solve(_chosen(solver, matrix), updates, lam, start, maxiter, tol, residuals, prior)
-        if value_fn is None or not adapt:
-            return direction, ScaleByGaussNewtonState(lam, direction, state.count + 1, state.nu)
-        if params is None:
-            raise ValueError("scale_by_gauss_newton with value_fn needs params: tx.update(grad, state, params, ...).")
-        kwargs = accepted(value_fn, extra)
-        before = value_fn(params, **kwargs) if value is None else value
-        after = value_fn(optax.tree.sub(params, direction), **kwargs)
-        predicted = optax.tree.vdot(updates, direction) - 0.5 * matrix.quadratic(direction)
-        lam, nu, decreased = nielsen(lam, state.nu, before, after, predicted, bounds)
-        if reject:
-            direction = jax.tree.map(lambda d: jnp.where(decreased, d, jnp.zeros_like(d)), direction)
-        return direction, ScaleByGaussNewtonState(lam, direction, state.count + 1, nu)
-
-    def _probe(matrix: _Curvature, g: Any, state: ScaleByGaussNewtonState, lam: jax.Array, params: Any,
-               residuals: Any, value: Any, value_fn: Callable | None,
-               extra: dict) -> tuple[Any, ScaleByGaussNewtonState]:
-        if matrix.flat is None or value_fn is None or params is None:
-            raise ValueError("scale_by_gauss_newton(step='probe') needs the rows, value_fn and params: "
-                             "tx.update(grad, state, params, rows=K, residuals=b, value_fn=lambda p: loss(p, *batch)) "
-                             "with K, b = lbp.ggn_factor(loss, rank=1, residuals=True)(params, *batch).")
-        g_flat, unravel = ravel_pytree(g)
-        prior = None if momentum is None else momentum * ravel_pytree(shaped_as(state.direction, g))[0]
-        kwargs = accepted(value_fn, extra)
-        before = value_fn(params, **kwargs) if value is None else value
-        value_of = lambda d: value_fn(optax.tree.sub(params, unravel(d)), **kwargs)
-        sp = spectral(matrix.flat, g_flat, residuals)
-        # the candidates' losses by lax.map in batches of probe_batch: a vmap over all of them ran
-        # the PINN's lifted network 3–4× slower on the CPU (batched products of batched weights)
-        values = lambda ds: jax.lax.map(value_of, ds, batch_size=probe_batch)
-        d, lam = probed(sp, lam, before, values, probes, spread, target, min_damping, max_damping, prior)
-        direction = unravel(d)
-        return direction, ScaleByGaussNewtonState(lam, direction, state.count + 1, state.nu)
+            first = lambda: o.bounds.clip(damping_scale * matrix.scale(updates)).astype(lam.dtype)
+            lam = jax.lax.cond(~jnp.isfinite(lam), first, lambda: lam)
+        take = _probed_step if step == "probe" else _levenberg_marquardt_step
+        return take(o, matrix, updates, state, lam, params, residuals, value, value_fn, extra)
 
     return optax.GradientTransformationExtraArgs(init, update)
+
+
+class _Options(NamedTuple):
+    """`scale_by_gauss_newton`'s settings, checked."""
+
+    maxiter: int
+    tol: float
+    solver: Solver
+    adapt: bool
+    bounds: DampingBounds
+    reject: bool
+    warm_start: bool
+    probes: int
+    spread: float
+    target: float
+    momentum: float | None
+    probe_batch: int | None
+
+
+def _options(damping: float | None, maxiter: int, tol: float, solver: Solver, adapt: bool,
+             min_damping: float | None, max_damping: float, reject: bool, warm_start: bool, damping_scale: float,
+             step: Step, probes: int, spread: float, target: float, momentum: float | None,
+             probe_batch: int | None) -> _Options:
+    if solver not in ("auto", "cg", "woodbury", "dense", "svd"):
+        raise ValueError(f"scale_by_gauss_newton(solver={solver!r}): use 'auto', 'cg', 'woodbury', 'dense' or 'svd'.")
+    if step not in ("lm", "probe"):
+        raise ValueError(f"scale_by_gauss_newton(step={step!r}): use 'lm' (Levenberg–Marquardt) or 'probe'.")
+    if step == "probe" and (not isinstance(probes, int) or probes < 2 or not spread > 0 or not 0 <= target < 1):
+        raise ValueError(f"scale_by_gauss_newton(step='probe'): needs probes ≥ 2 (got {probes!r}), spread > 0 "
+                         f"(got {spread!r}) and 0 ≤ target < 1 (got {target!r}).")
+    if momentum is not None and not 0 <= momentum < 1:
+        raise ValueError(f"scale_by_gauss_newton(momentum={momentum!r}): SPRING's μ is in [0, 1), or None.")
+    if min_damping is None:  # the probed step's directions are exact at any λ: no floor beyond round-off
+        min_damping = 1e-300 if step == "probe" else 1e-8
+    if not 0 < min_damping <= max_damping or (damping is not None and not min_damping <= damping <= max_damping):
+        raise ValueError(f"scale_by_gauss_newton: needs 0 < min_damping ({min_damping}) ≤ damping ({damping}) "
+                         f"≤ max_damping ({max_damping}).")
+    if not damping_scale > 0:
+        raise ValueError(f"scale_by_gauss_newton(damping_scale={damping_scale}): τ of λ₀ = τ · max diag G must "
+                         "be positive.")
+    return _Options(maxiter, tol, solver, adapt, DampingBounds(min_damping, max_damping), reject, warm_start,
+                    probes, spread, target, momentum, probe_batch)
+
+
+def _levenberg_marquardt_step(o: _Options, matrix: _Curvature, g: Any, state: ScaleByGaussNewtonState,
+                              lam: jax.Array, params: Any, residuals: Any, value: Any, value_fn: Callable | None,
+                              extra: dict) -> tuple[Any, ScaleByGaussNewtonState]:
+    """The direction (G + λI)⁻¹ g by the chosen solver, then λ by Nielsen's rule where the loss
+    after the step is measured (`_damping.nielsen`)."""
+    prior = None if o.momentum is None else optax.tree.scale(o.momentum, shaped_as(state.direction, g))
+    start = shaped_as(state.direction, g) if o.warm_start else None
+    direction = matrix.solve(_chosen(o.solver, matrix), g, lam, start, o.maxiter, o.tol, residuals, prior)
+    if value_fn is None or not o.adapt:
+        return direction, ScaleByGaussNewtonState(lam, direction, state.count + 1, state.nu)
+    if params is None:
+        raise ValueError("scale_by_gauss_newton with value_fn needs params: tx.update(grad, state, params, ...).")
+    kwargs = accepted(value_fn, extra)
+    before = value_fn(params, **kwargs) if value is None else value
+    after = value_fn(optax.tree.sub(params, direction), **kwargs)
+    predicted = optax.tree.vdot(g, direction) - 0.5 * matrix.quadratic(direction)
+    lam, nu, decreased = nielsen(lam, state.nu, before, after, predicted, o.bounds)
+    if o.reject:
+        direction = jax.tree.map(lambda d: jnp.where(decreased, d, jnp.zeros_like(d)), direction)
+    return direction, ScaleByGaussNewtonState(lam, direction, state.count + 1, nu)
+
+
+def _probed_step(o: _Options, matrix: _Curvature, g: Any, state: ScaleByGaussNewtonState, lam: jax.Array,
+                 params: Any, residuals: Any, value: Any, value_fn: Callable | None,
+                 extra: dict) -> tuple[Any, ScaleByGaussNewtonState]:
+    """The probed step (`_spectral.probed`): candidates from one SVD of the rows, their losses
+    measured, the longest whose gain ratio meets the target."""
+    if matrix.flat is None or value_fn is None or params is None:
+        raise ValueError("scale_by_gauss_newton(step='probe') needs the rows, value_fn and params: "
+                         "tx.update(grad, state, params, rows=K, residuals=b, value_fn=lambda p: loss(p, *batch)) "
+                         "with K, b = lbp.ggn_factor(loss, rank=1, residuals=True)(params, *batch).")
+    g_flat, unravel = ravel_pytree(g)
+    prior = None if o.momentum is None else o.momentum * ravel_pytree(shaped_as(state.direction, g))[0]
+    kwargs = accepted(value_fn, extra)
+    before = value_fn(params, **kwargs) if value is None else value
+    value_of = lambda d: value_fn(optax.tree.sub(params, unravel(d)), **kwargs)
+    sp = spectral(matrix.flat, g_flat, residuals)
+    # the candidates' losses by lax.map in batches of probe_batch: a vmap over all of them ran
+    # the PINN's lifted network 3–4× slower on the CPU (batched products of batched weights)
+    values = lambda ds: jax.lax.map(value_of, ds, batch_size=o.probe_batch)
+    d, lam = probed(sp, lam, before, values, o.probes, o.spread, o.target, o.bounds.min_damping,
+                    o.bounds.max_damping, prior)
+    direction = unravel(d)
+    return direction, ScaleByGaussNewtonState(lam, direction, state.count + 1, state.nu)
 
 
 class _Curvature:

@@ -168,19 +168,8 @@ def kfac(damping: float = 1e-3, decay: float = 0.95, update_every: int = 5, *, l
         >>> bool(loss(params) < 1e-10)
         True
     """
-    if damping <= 0 or not min_damping <= damping <= max_damping or min_damping <= 0:
-        raise ValueError(f"kfac: needs 0 < min_damping ({min_damping}) ≤ damping ({damping}) ≤ max_damping "
-                         f"({max_damping}).")
-    if not 0 <= decay < 1:
-        raise ValueError(f"kfac(decay={decay}): the factors' moving average needs 0 ≤ decay < 1.")
-    for name, n in (("update_every", update_every), ("damping_interval", damping_interval)):
-        if not isinstance(n, int) or n < 1:
-            raise ValueError(f"kfac({name}={n!r}): a positive int (steps).")
-    if not 0 < damping_decay < 1:
-        raise ValueError(f"kfac(damping_decay={damping_decay}): needs 0 < damping_decay < 1.")
-    if inverse not in ("exact", "factored"):
-        raise ValueError(f"kfac(inverse={inverse!r}): use 'exact' (λ added exactly, eigendecompositions) or "
-                         "'factored' (the factors damped apart, Cholesky).")
+    _check_options(damping, decay, update_every, damping_interval, damping_decay, min_damping, max_damping,
+                   inverse)
     preconditioner = Preconditioner(inverse == "factored")
     omega = damping_decay ** damping_interval
     bounds = DampingBounds(min_damping, max_damping)
@@ -231,6 +220,23 @@ def kfac(damping: float = 1e-3, decay: float = 0.95, update_every: int = 5, *, l
                                  step.mu, rho)
 
     return optax.GradientTransformationExtraArgs(init, update)
+
+
+def _check_options(damping: float, decay: float, update_every: int, damping_interval: int,
+                   damping_decay: float, min_damping: float, max_damping: float, inverse: str) -> None:
+    if damping <= 0 or not min_damping <= damping <= max_damping or min_damping <= 0:
+        raise ValueError(f"kfac: needs 0 < min_damping ({min_damping}) ≤ damping ({damping}) ≤ max_damping "
+                         f"({max_damping}).")
+    if not 0 <= decay < 1:
+        raise ValueError(f"kfac(decay={decay}): the factors' moving average needs 0 ≤ decay < 1.")
+    for name, n in (("update_every", update_every), ("damping_interval", damping_interval)):
+        if not isinstance(n, int) or n < 1:
+            raise ValueError(f"kfac({name}={n!r}): a positive int (steps).")
+    if not 0 < damping_decay < 1:
+        raise ValueError(f"kfac(damping_decay={damping_decay}): needs 0 < damping_decay < 1.")
+    if inverse not in ("exact", "factored"):
+        raise ValueError(f"kfac(inverse={inverse!r}): use 'exact' (λ added exactly, eigendecompositions) or "
+                         "'factored' (the factors damped apart, Cholesky).")
 
 
 class _Rule(NamedTuple):
