@@ -107,13 +107,11 @@ def _kfac_step(loss: Callable, batch: tuple, opt, value_at: bool, one_pass: bool
     return step
 
 
-def plain_parts(params: dict, batch: tuple, key: jax.Array) -> tuple:
-    """What the step's parts compute, written for this MLP alone in plain JAX: the loss and its
-    gradient, one sampled label per example (K-FAC's Fisher estimator, kfac-jax's `fisher_gradients`:
-    s = p − e_y, y ~ p) back
-    substituted to the pre-activations, A = Σ [x, 1]ᵀ[x, 1] and Γ = Σ sᵀs per layer, and the
-    2 × 2 Gram matrix of G's products with the gradient and another vector (two JVPs) — the
-    arithmetic of a K-FAC step without the update, for a floor to compare with."""
+def _plain_pass(params: dict, batch: tuple, key: jax.Array) -> tuple:
+    """This MLP's value, gradient, factor sums and G's Gram matrix (as a function of vectors),
+    in plain JAX: the loss and its gradient, one sampled label per example (K-FAC's Fisher
+    estimator, kfac-jax's `fisher_gradients`: s = p − e_y, y ~ p) back substituted to the
+    pre-activations, A = Σ [x, 1]ᵀ[x, 1] and Γ = Σ sᵀs per layer, and [vᵢᵀ G vⱼ] by JVPs."""
     x, y = batch
     depth = len(SIZES) - 1
 
@@ -140,10 +138,87 @@ def plain_parts(params: dict, batch: tuple, key: jax.Array) -> tuple:
     sampled = prob - jax.nn.one_hot(jax.random.categorical(key, logp), SIZES[-1])
     (deltas,) = jax.vjp(lambda z: logits(params, z), zeros)[1](sampled)
     factors = [(a.T @ a, d.T @ d) for a, d in zip(inputs(params), deltas)]
-    tangents = jax.tree.map(lambda a, b: jnp.stack([a, b]), grad, _other_vector(params))
-    jv = jax.vmap(lambda t: jax.jvp(lambda q: logits(q, zeros), (params,), (t,))[1])(tangents)
-    hjv = prob * jv - prob * jnp.sum(prob * jv, axis=-1, keepdims=True)
-    return value, grad, factors, jnp.einsum("inj,knj->ik", jv, hjv) / x.shape[0]
+
+    def gram(vectors: list) -> jax.Array:
+        tangents = jax.tree.map(lambda *v: jnp.stack(v), *vectors)
+        jv = jax.vmap(lambda t: jax.jvp(lambda q: logits(q, zeros), (params,), (t,))[1])(tangents)
+        hjv = prob * jv - prob * jnp.sum(prob * jv, axis=-1, keepdims=True)
+        return jnp.einsum("inj,knj->ik", jv, hjv) / x.shape[0]
+
+    return value, grad, factors, gram
+
+
+def plain_parts(params: dict, batch: tuple, key: jax.Array) -> tuple:
+    """What the step's parts compute, written for this MLP alone in plain JAX (`_plain_pass`) and
+    the 2 × 2 Gram matrix of G's products with the gradient and another vector (two JVPs) — the
+    arithmetic of a K-FAC step without the update, for a floor to compare with."""
+    value, grad, factors, gram = _plain_pass(params, batch, key)
+    return value, grad, factors, gram([grad, _other_vector(params)])
+
+
+def plain_kfac(params: dict, batch: tuple, damping: float = 1e-3, decay: float = 0.95, update_every: int = 5,
+               damping_interval: int = 5, damping_decay: float = 0.95) -> tuple[Callable, dict]:
+    """The whole KFAC* step written for this MLP alone in plain JAX — the floor of ``lbp.kfac``'s
+    step, with its defaults: `_plain_pass`; the factors' bias-corrected average; per layer one
+    block [W; b], eigendecompositions of A/N and Γ/N every ``update_every`` steps (and each of the
+    first), Δ = −(F̄ + λI)⁻¹ g with λ added exactly; (α, μ) from the 2 × 2 model with G's
+    products of Δ and the previous update; every ``damping_interval`` steps the loss at θ + u and
+    Martens & Grosse's rule for λ. Returns the jitted ``step(params, state, key)`` and the first
+    state."""
+    x, y = batch
+    n, depth, omega = x.shape[0], len(SIZES) - 1, damping_decay ** damping_interval
+    as_blocks = lambda t: [jnp.concatenate([t[f"W{i}"], t[f"b{i}"][None]], axis=0) for i in range(depth)]
+    from_blocks = lambda bs: {k: v for i, b in enumerate(bs) for k, v in ((f"W{i}", b[:-1]), (f"b{i}", b[-1]))}
+    vdot = lambda a, b: sum(jnp.vdot(a[k], b[k]) for k in a)
+
+    def eigh(m):
+        values, vectors = jnp.linalg.eigh(m)
+        return jnp.maximum(values, 0), vectors
+
+    def loss_at(p):
+        h = x
+        for i in range(depth):
+            h = h @ p[f"W{i}"] + p[f"b{i}"]
+            h = jnp.tanh(h) if i < depth - 1 else h
+        return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(h), y[:, None], axis=1))
+
+    @jax.jit
+    def step(p, s, key):
+        key, sample = jax.random.split(key)
+        value, grad, factors, gram = _plain_pass(p, batch, sample)
+        sums = [(decay * a0 + a / n, decay * g0 + g / n) for (a0, g0), (a, g) in zip(s["sums"], factors)]
+        weight = decay * s["weight"] + 1
+        now = (s["count"] < update_every) | (s["count"] % update_every == 0)
+        eigs = jax.lax.cond(now, lambda: [(eigh(a / weight), eigh(g / weight)) for a, g in sums], lambda: s["eigs"])
+        lam = s["damping"]
+        blocks = [qa @ ((qa.T @ m @ qg) / (a[:, None] * g[None, :] + lam)) @ qg.T
+                  for ((a, qa), (g, qg)), m in zip(eigs, as_blocks(grad))]
+        direction, previous = jax.tree.map(jnp.negative, from_blocks(blocks)), s["previous"]
+        products = gram([direction, previous])
+        m = products + lam * jnp.array([[vdot(direction, direction), vdot(direction, previous)],
+                                        [vdot(direction, previous), vdot(previous, previous)]])
+        b = jnp.stack([vdot(grad, direction), vdot(grad, previous)])
+        det = m[0, 0] * m[1, 1] - m[0, 1] ** 2
+        line = det <= 64 * jnp.finfo(det.dtype).eps * m[0, 0] * m[1, 1]  # the first step: δ = 0
+        w = jnp.where(line, jnp.stack([-b[0] / m[0, 0], 0.0]),
+                      jnp.stack([-b[0] * m[1, 1] + b[1] * m[0, 1], -b[1] * m[0, 0] + b[0] * m[0, 1]])
+                      / jnp.where(line, 1, det))
+        update = jax.tree.map(lambda d, u: w[0] * d + w[1] * u, direction, previous)
+        measure = s["count"] % damping_interval == 0
+        after = jax.lax.cond(measure, lambda: loss_at(jax.tree.map(jnp.add, p, update)), lambda: jnp.nan)
+        rho = (after - value) / (w @ b + 0.5 * w @ products @ w)  # the model without λ
+        factor = jnp.where(rho < 0.25, 1 / omega, jnp.where(rho > 0.75, omega, 1.0))
+        lam = jnp.where(measure, jnp.clip(lam * factor, 1e-8, 1e8), lam)
+        new = {"count": s["count"] + 1, "damping": lam, "sums": sums, "weight": weight, "eigs": eigs,
+               "previous": update}
+        return jax.tree.map(jnp.add, p, update), new, key
+
+    zeros = [(jnp.zeros((a, a)), jnp.zeros((g, g))) for a, g in zip((m + 1 for m in SIZES[:-1]), SIZES[1:])]
+    state = {"count": jnp.zeros((), jnp.int32), "damping": jnp.asarray(damping, jnp.float32), "sums": zeros,
+             "weight": jnp.zeros(()), "eigs": [((jnp.zeros(a.shape[0]), a), (jnp.zeros(g.shape[0]), g))
+                                             for a, g in zeros],
+             "previous": jax.tree.map(jnp.zeros_like, params)}
+    return step, state
 
 
 def _other_vector(p: dict) -> dict:
@@ -166,6 +241,9 @@ def kfac_rows(repeats: int) -> list[tuple[str, str, str]]:
     (late, late_state, late_key), t_kfac = seconds_per_step(kfac_step, (params, opt.init(params), jax.random.key(1)),
                                                             98, warmup=2)
     kfac_loss = float(loss(late, *batch))
+    plain_step, plain_state = plain_kfac(params, batch)
+    (plain_late, _, _), t_plain = seconds_per_step(plain_step, (params, plain_state, jax.random.key(1)), 98,
+                                                   warmup=2)
     two_pass_step = _kfac_step(loss, batch, opt, value_at=False, one_pass=False)
     _, t_two = seconds_per_step(two_pass_step, (params, opt.init(params), jax.random.key(1)), 98, warmup=2)
 
@@ -187,6 +265,11 @@ def kfac_rows(repeats: int) -> list[tuple[str, str, str]]:
                                  f"{', '.join(f'{r:g}' for r in ADAM_RATES)}: {rate:g})"),
             ("same, a K-FAC step (one pass) / a gradient + Adam step (means over the runs)",
              f"{t_kfac / t_adam:.1f} ({t_kfac * 1e3:.1f} / {t_adam * 1e3:.2f} ms)", "≤ 2.5"),
+            ("same, the whole KFAC* step written for this MLP alone in plain JAX (the floor: "
+             "`kfac_rows.plain_kfac`, update, eigendecompositions every 5th step and ρ included) / a gradient + "
+             "Adam step (means over the runs)",
+             f"{t_plain / t_adam:.1f} ({t_plain * 1e3:.1f} / {t_adam * 1e3:.2f} ms; loss after 100 steps "
+             f"{float(loss(plain_late, *batch)):.2e})", "—"),
             ("same, a K-FAC step with `gauss_newton` and `kfac_factors` apart (two passes) / a gradient + Adam step",
              f"{t_two / t_adam:.1f} ({t_two * 1e3:.1f} / {t_adam * 1e3:.2f} ms)", "—")]
     # the two kinds of K-FAC step apart (interleaved medians, late): one that applies the held

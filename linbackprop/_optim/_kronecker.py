@@ -136,6 +136,30 @@ def decompose(curvature: Curvature, damping: jax.Array, factored: bool = False) 
     return JointPair(k1, s1, k2, s2)
 
 
+def decompose_all(curvatures: list, damping: jax.Array, factored: bool = False) -> list:
+    """`decompose` of every block's curvature, the exact one-term blocks' factors of equal shape
+    eigendecomposed together (one batched ``eigh`` per shape: the MLP's 129 × 129 and 128 × 128
+    pairs), LAPACK's calls one after another (`in_turn`)."""
+    single = [i for i, c in enumerate(curvatures) if not factored and not isinstance(c, Diagonal) and len(c) == 1]
+    out = dict(zip((i for i in range(len(curvatures)) if i not in single),
+                   in_turn(lambda c: decompose(c, damping, factored),
+                           [c for i, c in enumerate(curvatures) if i not in single])))
+    by_shape: dict[tuple, list[tuple[int, int]]] = {}
+    for i in single:
+        for side, m in enumerate(curvatures[i][0]):
+            by_shape.setdefault((m.shape, m.dtype), []).append((i, side))
+    groups = list(by_shape.values())
+    eighs = in_turn(lambda ms: _eigh(jnp.stack(ms)), [[curvatures[i][0][side] for i, side in g] for g in groups])
+    parts: dict[tuple[int, int], tuple[jax.Array, jax.Array]] = {}
+    for g, (values, vectors) in zip(groups, eighs):
+        for n, where in enumerate(g):
+            parts[where] = values[n], vectors[n]
+    for i in single:
+        (a, qa), (gamma, qg) = parts[i, 0], parts[i, 1]
+        out[i] = EigenPair(qa, a, qg, gamma)
+    return [out[i] for i in range(len(curvatures))]
+
+
 def apply(inverse: Inverse, g: jax.Array, damping: jax.Array) -> jax.Array:
     """(F + λI)⁻¹ g for one leaf ``g`` (read as [..., dim A, dim Γ] row-major)."""
     if isinstance(inverse, Diagonal):

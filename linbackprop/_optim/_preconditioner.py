@@ -16,9 +16,8 @@ import jax
 import jax.numpy as jnp
 
 from .._curvature import Kronecker
-from .._graph import in_turn
 from ._blocks import Block, block_matrix, blockwise
-from ._kronecker import apply, decompose
+from ._kronecker import apply, decompose, decompose_all
 
 
 def all_finite(tree: Any) -> jax.Array:
@@ -68,8 +67,8 @@ class Preconditioner(NamedTuple):
     factored: bool
 
     def decompose(self, averaged: list, damping: jax.Array) -> list:
-        """Every block's decomposition (LAPACK's calls one after another: `in_turn`)."""
-        return in_turn(lambda c: decompose(_terms(c), damping, self.factored), averaged)
+        """Every block's decomposition (`_kronecker.decompose_all`: equal shapes together)."""
+        return decompose_all([_terms(c) for c in averaged], damping, self.factored)
 
     def placeholders(self, averaged: list, damping: jax.Array) -> list:
         """Zero decompositions of the right shapes (a state's structure before the first)."""
