@@ -4,6 +4,8 @@ JAX ≤ 0.7, linbackprop needs 0.10 or newer, so the two cannot share a process.
 
     python3.11 -m venv /tmp/kfj && /tmp/kfj/bin/pip install "kfac-jax==0.0.8" "jax[cpu]==0.7.0" scikit-learn
     OPENBLAS_NUM_THREADS=1 /tmp/kfj/bin/python benchmarks/kfac_jax_digits.py --out kfac_jax.json
+    OPENBLAS_NUM_THREADS=1 /tmp/kfj/bin/python benchmarks/kfac_jax_digits.py --problem cnn --steps 8 \
+        --seeds 1 --warmup 6 --decays 0.95 --out kfac_jax_cnn.json
 
 The same network (tanh MLP 64-128-128-10, full batch of 1,797 images, float32, the same
 initialisation as ``kfac_rows.digits_problem(seed)``), kfac-jax's adaptive learning rate,
@@ -59,6 +61,36 @@ def problem(seed: int) -> tuple:
     return loss, params, (x, y)
 
 
+CNN_CHANNELS = (16, 32)
+
+
+def cnn_problem(seed: int) -> tuple:
+    """The digits CNN of ``kfac_time_to_loss.py --problem cnn`` (``kfac_rows.digits_cnn_problem``:
+    8×8×1 → conv 3×3 16 → conv 3×3 32, SAME, tanh → dense 10), the same initialisation; kfac-jax
+    finds the convolutions and the dense layer by its graph matching."""
+    images, labels = load_digits(return_X_y=True)
+    x, y = jnp.asarray(images.reshape(-1, 8, 8, 1) / 16.0, jnp.float32), jnp.asarray(labels)
+    keys = jax.random.split(jax.random.key(seed), 3)
+    c1, c2 = CNN_CHANNELS
+    params = {"K1": jax.random.normal(keys[0], (3, 3, 1, c1), jnp.float32) / 3.0, "k1": jnp.zeros(c1, jnp.float32),
+              "K2": jax.random.normal(keys[1], (3, 3, c1, c2), jnp.float32) / jnp.sqrt(9.0 * c1),
+              "k2": jnp.zeros(c2, jnp.float32),
+              "H": jax.random.normal(keys[2], (64 * c2, 10), jnp.float32) / jnp.sqrt(64.0 * c2),
+              "h": jnp.zeros(10, jnp.float32)}
+    conv = lambda u, k, b: jnp.tanh(jax.lax.conv_general_dilated(
+        u, k, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")) + b)
+
+    def loss(p, batch):
+        x, y = batch
+        h = conv(conv(x, p["K1"], p["k1"]), p["K2"], p["k2"])
+        h = h.reshape(h.shape[0], -1) @ p["H"] + p["h"]
+        kfac_jax.register_softmax_cross_entropy_loss(h, y)
+        logp = jax.nn.log_softmax(h)
+        return -jnp.mean(jnp.take_along_axis(logp, y[:, None], axis=1))
+
+    return loss, params, (x, y)
+
+
 def run(optimizer, params: dict, batch: tuple, steps: int) -> tuple[list[float], list[float]]:
     """``steps`` steps from ``params``: the loss at θ_n and step n's seconds, each step waited for."""
     rng = jax.random.key(1)
@@ -75,21 +107,22 @@ def run(optimizer, params: dict, batch: tuple, steps: int) -> tuple[list[float],
     return losses, times
 
 
-def main(steps: int, seeds: int, out: str | None) -> list[dict]:
+def main(steps: int, seeds: int, out: str | None, which: str = "mlp", warmup: int = 11,
+         decays: tuple[float, ...] = (0.95, 0.9)) -> list[dict]:
     records = []
-    for decay in (0.95, 0.9):
+    for decay in decays:
         for seed in range(seeds):
-            loss, params, batch = problem(seed)
+            loss, params, batch = (problem if which == "mlp" else cnn_problem)(seed)
             optimizer = kfac_jax.Optimizer(
                 value_and_grad_func=jax.value_and_grad(loss), l2_reg=0.0, use_adaptive_learning_rate=True,
                 use_adaptive_momentum=True, use_adaptive_damping=True, initial_damping=1e-3, curvature_ema=0.95,
                 inverse_update_period=5, damping_adaptation_interval=5, damping_adaptation_decay=decay,
                 num_burnin_steps=0, multi_device=False)
             start = time.perf_counter()
-            run(optimizer, params, batch, 11)  # every kind of step, compiled: the warm-up run
+            run(optimizer, params, batch, warmup)  # every kind of step, compiled: the warm-up run
             warm = time.perf_counter() - start
             losses, times = run(optimizer, params, batch, steps)
-            compile_s = warm - sum(times[:11])
+            compile_s = warm - sum(times[:warmup])
             name = f"kfac-jax {kfac_jax.__version__} (λ × {decay}⁵{', its default' if decay == 0.9 else ''})"
             records.append({"name": name, "seed": seed, "losses": losses, "times": times, "compile": compile_s,
                             "jax": jax.__version__})
@@ -106,5 +139,12 @@ if __name__ == "__main__":
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--seeds", type=int, default=5)
     parser.add_argument("--out", default="kfac_jax.json", help="the JSON records ('' for none)")
+    parser.add_argument("--problem", choices=["mlp", "cnn"], default="mlp",
+                        help="the digits MLP, or the digits CNN (its steps take seconds here: few steps, one seed)")
+    parser.add_argument("--warmup", type=int, default=11,
+                        help="the warm-up run's steps (every kind of step; 6 covers them: steps 0 and 5 update "
+                             "the inverses and the damping)")
+    parser.add_argument("--decays", default="0.95,0.9", help="λ's adaptation settings, comma-separated")
     args = parser.parse_args()
-    main(args.steps, args.seeds, args.out)
+    main(args.steps, args.seeds, args.out, args.problem, args.warmup,
+         tuple(float(d) for d in args.decays.split(",")))

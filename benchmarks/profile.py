@@ -8,7 +8,6 @@
     python benchmarks/profile.py engine-rule [--builds 2]  # loop or unrolled: compile and run time
     python benchmarks/profile.py gram                      # G.gram's products: one by one or vmapped
     python benchmarks/profile.py roots                     # H's small blocks' Cholesky: LAPACK or ours
-    python benchmarks/profile.py sampler                   # kfac_factors(samples=1): H's terms or roots
     python benchmarks/profile.py float64                   # the PINN's K-FAC step with/without YNNPACK
     python benchmarks/profile.py woodbury                  # ENGD's Woodbury solve: Gram or QR form
 
@@ -46,12 +45,6 @@ an RNN of 32 steps and a chain of 16 layers: the measurement behind
 4, 6 and 10 coordinates with LAPACK's batched Cholesky (``SMALL_BLOCK`` 0) and with the one formed
 column by column over the examples, interleaved medians and each one's compile time: the
 measurement behind ``_curvature._sampling.SMALL_BLOCK``.
-``sampler``: ``kfac_factors(samples=1)`` on the digits MLP of ``--rows kfac`` with the samples
-drawn as ``Examples.draws`` draws them (one rank-one term of each diagonally dominant block)
-and as s = R z through the Cholesky roots of every block (``block_roots``, what it drew before),
-against a gradient, at the initial parameters and after 100 ``lbp.kfac`` steps (softmax
-saturated: float32 round-off sends blocks to the roots' repair), interleaved medians; and each
-way's relative error of Γ from one sample against the exact factors (mean over 20 keys).
 ``float64``: the parts of ``examples/pinn_poisson.py``'s K-FAC step on 2-64-1 (``gauss_newton``
 with the two G products, ``kfac_factors`` of the two-call loss, the whole ``lbp.kfac`` step), each
 compiled with XLA's defaults and with the example's ``CPU_OPTIONS`` (YNNPACK's dot fusions off),
@@ -388,49 +381,6 @@ def small_roots(repeats: int = 30) -> None:
               f"column by column {ours * 1e3:.3f} ms (compile {programs[1][1]:.2f} s)", flush=True)
 
 
-def samplers(repeats: int = 40) -> None:
-    from benchmarks.kfac_rows import _kfac_step, digits_problem
-    from linbackprop._curvature import _examples, _sampling
-
-    loss, params, batch = digits_problem()
-    opt = lbp.kfac()
-    step = _kfac_step(loss, batch, opt, value_at=True)
-    carry = (params, opt.init(params), jax.random.key(1))
-    for _ in range(100):
-        carry = step(*carry)
-    key = jax.random.key(3)
-
-    def by_roots(h):
-        flat = h.reshape(-1, *h.shape[-2:])
-        roots = _sampling.block_roots(flat)
-        return lambda k: jnp.einsum("nij,nj->ni", roots, jax.random.normal(k, flat.shape[:-1], h.dtype)).reshape(
-            h.shape[0], -1)
-
-    gradient = jax.jit(lambda p: lbp.grad_by_solve(loss)(p, *batch))
-    exact = jax.jit(lambda p: lbp.kfac_factors(loss)(p, *batch))
-    terms = jax.jit(lambda p, k: lbp.kfac_factors(loss, samples=1, key=k)(p, *batch))
-    terms(params, key)
-    drawn = _examples.block_sampler
-    _examples.block_sampler = by_roots  # read while tracing (a function of its own: a trace of its own)
-    roots = jax.jit(lambda p, k: lbp.kfac_factors(loss, samples=1, key=k)(p, *batch))
-    roots(params, key)
-    _examples.block_sampler = drawn
-
-    def error(sampled, p) -> str:  # Γ's relative error from one sample, per weight, mean over 20 keys
-        reference = exact(p)
-        runs = [sampled(p, jax.random.key(100 + i)) for i in range(20)]
-        relative = lambda n: np.mean([float(jnp.linalg.norm(r[n].right - reference[n].right)) for r in runs]) / float(
-            jnp.linalg.norm(reference[n].right))
-        return ", ".join(f"{n} {relative(n):.2f}" for n, f in reference.items() if isinstance(f, lbp.Kronecker))
-
-    for when, p in (("initial parameters", params), ("after 100 lbp.kfac steps", carry[0])):
-        g, r, t = interleaved([(gradient, (p,)), (roots, (p, key)), (terms, (p, key))], repeats)
-        print(f"digits MLP, {when}: kfac_factors(samples=1) {t * 1e3:.2f} ms with H's terms, {r * 1e3:.2f} ms "
-              f"through the Cholesky roots; a gradient {g * 1e3:.2f} ms", flush=True)
-        print(f"  Γ's relative error from one sample: H's terms {error(terms, p)}; the roots {error(roots, p)}",
-              flush=True)
-
-
 def float64_options(repeats: int = 30) -> None:
     import optax
 
@@ -496,7 +446,7 @@ def woodbury(repeats: int = 7) -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("what", choices=["compile", "gn-halves", "gn-temporaries", "xla", "engine-rule",
-                                         "checkpoint-memory", "gram", "roots", "sampler", "float64",
+                                         "checkpoint-memory", "gram", "roots", "float64",
                                          "woodbury"])
     parser.add_argument("which", nargs="?", choices=["ours", "scan"], default="ours", help="xla: whose program")
     parser.add_argument("--builds", type=int, default=6)
@@ -521,8 +471,6 @@ if __name__ == "__main__":
         gram_products()
     elif options.what == "roots":
         small_roots()
-    elif options.what == "sampler":
-        samplers()
     elif options.what == "float64":
         float64_options()
     elif options.what == "woodbury":

@@ -19,7 +19,7 @@ eqx = pytest.importorskip("equinox", reason="pip install 'linbackprop[test]' ins
 W = 6
 
 
-def close(a, b, tol=1e-9):
+def close(a, b, tol=1e-9):  # this file's tolerance, the one tree comparison
     assert_trees_close(a, b, rtol=tol, atol=tol)
 
 

@@ -5,6 +5,8 @@ weights reading Row("xs", t), and a tied-embedding transformer; both engines, un
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,9 +17,7 @@ from trees import assert_trees_close
 
 import linbackprop as lbp
 
-
-def close(a, b, rtol=1e-9, atol=1e-11):
-    assert_trees_close(a, b, rtol=rtol, atol=atol)
+close = functools.partial(assert_trees_close, rtol=1e-9, atol=1e-11)  # this file's tolerances
 
 
 # -- networks whose states have the batch on the leading axis ------------------------------------

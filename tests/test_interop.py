@@ -17,7 +17,7 @@ nn = pytest.importorskip("flax.linen")
 D, DEPTH, B = 6, 4, 3
 
 
-def close(a, b, tol=1e-10):
+def close(a, b, tol=1e-10):  # this file's tolerance, the one tree comparison
     assert_trees_close(a, b, rtol=tol, atol=tol)
 
 

@@ -7,17 +7,18 @@ of each example's uses summed first."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.flatten_util import ravel_pytree
+from trees import assert_trees_close
 
 import linbackprop as lbp
 
-
-def close(a, b, rtol=1e-8, atol=1e-10):
-    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=rtol, atol=atol)
+close = functools.partial(assert_trees_close, rtol=1e-8, atol=1e-10)  # this file's tolerances
 
 
 def xent(logits, labels):

@@ -15,13 +15,12 @@ import numpy as np
 import optax
 import pytest
 from jax.flatten_util import ravel_pytree
+from trees import assert_trees_close
 
 import linbackprop as lbp
 from linbackprop._optim._kronecker import Diagonal, decompose, dense
 
-
-def close(a, b, rtol=1e-8, atol=1e-10):
-    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=rtol, atol=atol)
+close = functools.partial(assert_trees_close, rtol=1e-8, atol=1e-10)  # this file's tolerances
 
 
 # two Row-stacked tanh layers with biases and a linear head; batch 6

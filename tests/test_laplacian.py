@@ -12,12 +12,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.flatten_util import ravel_pytree
+from trees import assert_trees_close
 
 import linbackprop as lbp
 
-
-def close(a, b, rtol=1e-9, atol=1e-11):
-    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=rtol, atol=atol)
+close = functools.partial(assert_trees_close, rtol=1e-9, atol=1e-11)  # this file's tolerances
 
 
 dense = lambda th, u: jnp.tanh(u @ th[0] + th[1])

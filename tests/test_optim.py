@@ -14,12 +14,11 @@ import numpy as np
 import optax
 import pytest
 from jax.flatten_util import ravel_pytree
+from trees import assert_trees_close
 
 import linbackprop as lbp
 
-
-def close(a, b, rtol=1e-8, atol=1e-10):
-    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=rtol, atol=atol)
+close = functools.partial(assert_trees_close, rtol=1e-8, atol=1e-10)  # this file's tolerances
 
 
 # a tanh network with a skip connection and a weight shared by two layers; batch 3, 2 outputs

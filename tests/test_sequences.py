@@ -44,7 +44,7 @@ def loss_of(net):
     return lambda p, h0, xs: sum(jnp.sum(jnp.sin(o) * (1 + n)) for n, o in enumerate(jax.tree.leaves(net(p, h0, xs))))
 
 
-def close(a, b, tol=1e-10):
+def close(a, b, tol=1e-10):  # this file's tolerance, the one tree comparison
     assert_trees_close(a, b, rtol=tol, atol=tol)
 
 
