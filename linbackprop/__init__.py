@@ -20,8 +20,8 @@ from ._curvature import (
                          per_example_grad_norms,
                          per_example_grads,
 )
+from ._frameworks import Functional, functional
 from ._graph import GraphError, Layer, Network, Row, Stack
-from ._interop import Functional, functional
 from ._laplacian import forward_laplacian
 from ._operators import Block, Linearization, LinearOperator, ParamOperator, StateOperator, linearize
 from ._optim import KfacState, kfac, scale_by_gauss_newton, scale_by_kfac

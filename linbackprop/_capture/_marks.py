@@ -1,19 +1,20 @@
 """Marking the calls that are layers: for the duration of a capture, each call of a ``layers=``
-class (its ``__call__`` patched; nnx and linen modules with their state in and out) or of an
+class (its ``__call__`` patched; its framework's adapter marks it: nnx and linen modules with
+their state in and out) or of an
 `layer` function is a ``jax.jit`` named ``linbackprop_layer<k>``, found again in the jaxpr.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
-import sys
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
-from jax.extend.core import Literal
 
+from .._frameworks import Adapter, Marking, adapter_of_class
 from .._options import current
 
 MARK = "linbackprop_layer"
@@ -83,70 +84,6 @@ def _opaque(call: Callable[[], Any], name: str) -> Any:
     return _opaque_with_args(call, (), name)
 
 
-def _nnx_call(method: Callable, self: Any, args: tuple, kwargs: dict) -> Any:
-    """An nnx module's call, opaque: its parameters go in as operands, and of the rest of its state
-    (RNG keys and counts, batch statistics) the leaves the call reads; the leaves it changes (an
-    RNG count advanced by dropout) come out and are written back, as nnx does. A leaf neither read
-    nor changed (a dropout's stream in eval mode) is no operand: the layer does not read it."""
-    nnx = sys.modules["flax.nnx"]
-    graphdef, params, rest = nnx.split(self, nnx.Param, ...)
-    leaves, treedef = jax.tree.flatten(rest)
-
-    def call(params: Any, chosen: Sequence[int], values: Sequence[Any], changed: Sequence[int] | None) -> Any:
-        full = list(leaves)
-        for i, v in zip(chosen, values):
-            full[i] = v
-        module = nnx.merge(graphdef, params, jax.tree.unflatten(treedef, full))
-        out = method(module, *args, **kwargs)
-        after = jax.tree.leaves(nnx.split(module, nnx.Param, ...)[2])
-        return out, after if changed is None else [after[i] for i in changed]
-
-    everything = range(len(leaves))
-    state = capturing()
-    state.inside += 1  # a probe: which leaves the call reads and which it changes
-    try:
-        probe = jax.make_jaxpr(lambda p, v: call(p, everything, v, None))(params, leaves).jaxpr
-    finally:
-        state.inside -= 1
-    leaf_vars = probe.invars[len(jax.tree.leaves(params)):]
-    read_vars = {a for e in probe.eqns for a in e.invars if not isinstance(a, Literal)}
-    after_vars = probe.outvars[len(probe.outvars) - len(leaves):]
-    changed = [i for i, (v, o) in enumerate(zip(leaf_vars, after_vars)) if o is not v]
-    chosen = [i for i, v in enumerate(leaf_vars) if v in read_vars or i in changed]
-    out, new = _opaque_with_args(lambda p, v: call(p, chosen, v, changed), (params, [leaves[i] for i in chosen]),
-                                 type(self).__name__)
-    full = list(leaves)
-    for i, v in zip(changed, new):
-        full[i] = v
-    nnx.update(self, jax.tree.unflatten(treedef, full))
-    return out
-
-
-def _linen_call(method: Callable, module: Any, args: tuple, kwargs: dict) -> Any:
-    """A bound linen module's call, opaque: the mutable collections it writes (``batch_stats``
-    under ``mutable=["batch_stats"]``, sown intermediates) come out of the call and are written
-    into the scope's variables in place, as the call would have written them."""
-    scope = module.scope
-
-    def call() -> Any:
-        out = method(module, *args, **kwargs)
-        return out, dict(scope.mutable_variables())
-
-    out, after = _opaque(call, type(module).__name__)
-    _assign(scope.mutable_variables(), after)
-    return out
-
-
-def _assign(target: dict, values: dict) -> None:
-    """``values`` written into the nested dicts of ``target`` in place (the scopes of the
-    submodules hold references to them)."""
-    for k, v in values.items():
-        if isinstance(v, dict) and isinstance(target.get(k), dict):
-            _assign(target[k], v)
-        else:
-            target[k] = v
-
-
 def _opaque_with_args(call: Callable, args: tuple, name: str) -> Any:
     """``call(*args)`` as one equation of the trace: a ``jax.jit`` named after the call's index."""
     state = capturing()
@@ -207,23 +144,36 @@ class Patched:
                         cls.__call__ = entry[0]
 
 
+class _CaptureMarking(Marking):
+    """What an adapter marks a module's call with: this capture's opaque calls and probes."""
+
+    def opaque(self, call: Callable, args: tuple, name: str) -> Any:
+        return _opaque_with_args(call, args, name)
+
+    @contextlib.contextmanager
+    def probing(self) -> Iterator[None]:
+        state = capturing()
+        state.inside += 1
+        try:
+            yield
+        finally:
+            state.inside -= 1
+
+
+_MARKING = _CaptureMarking()
+
+
 def _patched_call(cls: type, original: Callable) -> Callable:
-    """``cls.__call__`` that makes an opaque call inside a capture that names ``cls``."""
-    nnx = sys.modules.get("flax.nnx")
-    linen = sys.modules.get("flax.linen")
-    is_nnx = nnx is not None and issubclass(cls, nnx.Module)
-    is_linen = linen is not None and issubclass(cls, linen.Module)
+    """``cls.__call__`` that makes an opaque call inside a capture that names ``cls`` (its
+    framework's adapter marks it: nnx and linen modules with their state in and out)."""
+    adapter = adapter_of_class(cls) or Adapter()
 
     def patched(module: Any, *args: Any, **kwargs: Any) -> Any:
         state = capturing()
         if state is None or state.inside or cls not in state.classes:  # not this capture's layer
             return original(module, *args, **kwargs)
         state.seen.add(cls)
-        if is_nnx:
-            return _nnx_call(original, module, args, kwargs)
-        if is_linen and module.scope is not None:
-            return _linen_call(original, module, args, kwargs)
-        return _opaque(lambda: original(module, *args, **kwargs), type(module).__name__)
+        return adapter.layer_call(original, module, args, kwargs, _MARKING)
 
     return patched
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import itertools
-import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -16,6 +15,7 @@ import jax
 import numpy as np
 from jax.extend.core import Literal
 
+from .._frameworks import split_argument
 from .._graph import Constant, Stack, agree_at_random, at_random
 from .._options import settings_changed
 from ._marks import Capturing, Patched
@@ -45,38 +45,14 @@ class _Argument:
 
 
 def _argument(arg: Any, prefix: str) -> _Argument:
-    nnx, eqx = sys.modules.get("flax.nnx"), sys.modules.get("equinox")
-    if nnx is not None and isinstance(arg, nnx.Module):
-        graphdef, params, rest = nnx.split(arg, nnx.Param, ...)
-        paths, treedef = jax.tree_util.tree_flatten_with_path(params)
-        rest_paths, rest_def = jax.tree_util.tree_flatten_with_path(rest)
-        rest_leaves = [leaf for _, leaf in rest_paths]
-
-        def rebuild(d: list, r: list) -> Any:
-            return nnx.merge(graphdef, jax.tree.unflatten(treedef, d), jax.tree.unflatten(rest_def, r))
-
-        def state_out(module: Any) -> list:
-            return jax.tree.leaves(nnx.split(module, nnx.Param, ...)[2])
-
-        def write_back(r: list) -> None:
-            nnx.update(arg, jax.tree.unflatten(rest_def, r))
-
-        def leaves_of(t: Any) -> list:
-            return jax.tree.leaves(nnx.split(t, nnx.Param, ...)[1] if isinstance(t, nnx.Module) else t)
-
-        return _Argument([leaf for _, leaf in paths], [prefix + _path(p) for p, _ in paths], treedef, rest_leaves,
-                         rebuild, lambda g: jax.tree.unflatten(treedef, g), state_out, write_back, leaves_of,
-                         [prefix + _path(p) for p, _ in rest_paths])
-    if eqx is not None and isinstance(arg, eqx.Module):
-        diff, static = eqx.partition(arg, eqx.is_inexact_array)
-        paths, treedef = jax.tree_util.tree_flatten_with_path(diff)
-        return _Argument([leaf for _, leaf in paths], [prefix + _path(p) for p, _ in paths], treedef, [],
-                         lambda d, r: eqx.combine(jax.tree.unflatten(treedef, d), static),
-                         lambda g: jax.tree.unflatten(treedef, g),
-                         leaves_of=lambda t: jax.tree.leaves(eqx.filter(t, eqx.is_inexact_array)))
-    paths, treedef = jax.tree_util.tree_flatten_with_path(arg)
-    return _Argument([leaf for _, leaf in paths], [prefix + _path(p) for p, _ in paths], treedef, [],
-                     lambda d, r: jax.tree.unflatten(treedef, d), lambda g: jax.tree.unflatten(treedef, g))
+    """``arg`` split as its framework splits it (`_frameworks.split_argument`), its leaves named."""
+    split = split_argument(arg)
+    names = lambda paths: [prefix + _path(p) for p, _ in paths]
+    extra = {} if split.leaves_of is None else {"leaves_of": split.leaves_of}
+    return _Argument([leaf for _, leaf in split.paths], names(split.paths), split.treedef,
+                     [leaf for _, leaf in split.rest_paths], split.rebuild,
+                     lambda g, treedef=split.treedef: jax.tree.unflatten(treedef, g), split.state_out,
+                     split.write_back, rest_names=names(split.rest_paths), **extra)
 
 
 def _parameter_name(fun: Callable, i: int) -> str:
