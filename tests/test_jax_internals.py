@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import threading
 
 import jax
 import jax.numpy as jnp
@@ -16,7 +15,6 @@ import pytest
 import linbackprop as lbp
 from linbackprop import _plan
 from linbackprop._graph import _buffers as _stacking
-from linbackprop._options import _settings
 
 UNCHANGED = """
 import jax
@@ -63,32 +61,6 @@ def test_custom_linear_solve_of_jax_still_rejects_what_it_rejected():
     b = jnp.array([1.0, -1.0])
     x = jax.scipy.sparse.linalg.cg(lambda v: a @ v, b)[0]
     np.testing.assert_allclose(x, np.linalg.solve(a, b), rtol=1e-6)
-
-
-def test_thread_local_fallback_has_its_default_in_every_thread():
-    """Without ``jax.make_user_context``, the solve mode and the settings are thread-local values
-    whose default holds in threads other than the importing one."""
-    modes = [_settings._ThreadLocal(d) for d in (False, 0, _settings.Settings())]
-    seen = []
-    thread = threading.Thread(target=lambda: seen.extend(m.value for m in modes))
-    thread.start()
-    thread.join()
-    assert seen == [False, 0, _settings.Settings()]
-    loop = _settings.Settings(engine="loop")
-    with modes[2](loop):
-        assert modes[2].value == loop
-        other = []
-        t = threading.Thread(target=lambda: other.append(modes[2].value))
-        t.start()
-        t.join()
-        assert other == [_settings.Settings()]  # a mode entered in one thread is not seen in another
-    assert modes[2].value == _settings.Settings()
-
-
-def test_context_values_fall_back_to_thread_locals_without_make_user_context(monkeypatch):
-    monkeypatch.delattr(jax, "make_user_context")
-    value = _settings.context_value(_settings.Settings())
-    assert isinstance(value, _settings._ThreadLocal) and value.value == _settings.Settings()
 
 
 def _scalar_network():

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import threading
 from collections.abc import Callable, Iterator
 from typing import Any, Literal, get_args
 
@@ -94,29 +93,9 @@ class Settings:
         return dataclasses.replace(self, **changes)
 
 
-class _ThreadLocal(threading.local):
-    """The fallback where JAX lacks ``make_user_context``: a per-thread value whose default holds
-    in every thread (``threading.local`` runs ``__init__`` again in each new thread). It is not
-    part of jit's key: there ``grad_by_solve(jax.jit(f))`` reuses a plain trace (see README)."""
-
-    def __init__(self, default: Any):
-        self.value = default
-
-    @contextlib.contextmanager
-    def __call__(self, value: Any) -> Iterator[None]:
-        old, self.value = self.value, value
-        try:
-            yield
-        finally:
-            self.value = old
-
-
 def context_value(default: Any) -> Any:
-    """A value keyed into JAX's caches (``jax.make_user_context``), or a thread-local without it."""
-    make = getattr(jax, "make_user_context", None)
-    if make is None:
-        return _ThreadLocal(default)
-    return make(default)
+    """A value keyed into JAX's caches (``jax.make_user_context``: JAX ≥ 0.10, as required)."""
+    return jax.make_user_context(default)
 
 
 NetworkCall = Callable[[Any, Any, tuple[Any, ...]], Any]

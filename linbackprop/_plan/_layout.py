@@ -44,6 +44,7 @@ class Plan:
     to_compact: tuple[np.ndarray, ...] | None = None  # ... and per state group, its row of each full row
     # per kind: (its first layer, θ avals, input avals, what it computed there: computation_of)
     computations: tuple[tuple[Layer, tuple, tuple, Hashable], ...] = ()
+    serial: int = 0  # when it was made, in plans made by this process (`_make.current_plan`)
 
     @functools.cached_property
     def compact(self) -> Plan:

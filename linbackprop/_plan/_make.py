@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import functools
+import itertools
 import threading
 from collections.abc import Hashable
 from typing import Any
@@ -27,7 +28,6 @@ def make_plan(net: Network, param_structs: tuple, input_structs: tuple, engine: 
     """The layout for ``net`` at the given shapes (``param_structs`` follows ``net.param_names``);
     ``generation`` (`plans_generation`) keys the cache only; ``policy``: where a loop pays and its
     longest period."""
-    _plans_made.count += 1
     params = {p: _unstruct(s) for p, s in zip(net.param_names, param_structs)}
     plain = [(p, a) for p, a in params.items() if p not in net.stacked_blocks]
     param_groups, param_loc = _group(plain, pad=False)
@@ -90,7 +90,7 @@ def make_plan(net: Network, param_structs: tuple, input_structs: tuple, engine: 
     return Plan(net=net, state_groups=state_groups, param_groups=param_groups, state_loc=state_loc,
                 param_loc=param_loc, kinds=tuple(kinds), step_kind=step_kind, res_avals=tuple(residuals.avals),
                 res_rows=tuple(residuals.rows), res_as_rows=tuple(residuals.as_rows), unrolled=unrolled,
-                max_period=policy.max_period, computations=tuple(computations))
+                max_period=policy.max_period, computations=tuple(computations), serial=next(_serials))
 
 
 def _table(rows: list[list[int]], width: int) -> np.ndarray:
@@ -258,11 +258,9 @@ _generation = [0]
 _generation_lock = threading.Lock()
 
 
-class _Counter(threading.local):
-    count = 0
-
-
-_plans_made = _Counter()  # plans made by this thread (make_plan runs in the thread that asks)
+# each plan made takes the next number: a plan numbered after a call began was made during it,
+# from what the layers compute now (in whichever thread made it)
+_serials = itertools.count(1)
 
 
 def plans_generation() -> int:
@@ -277,9 +275,9 @@ def current_plan(net: Network, theta: dict[Hashable, Any], inputs: tuple[Any, ..
     ``computation_of`` differs). Called where a network call enters the solve from user code
     (once per trace: each kind's layer traced once more), so that outside the user's ``jit`` a
     result is always what ``jax.grad`` gives; under it, JAX's own caching holds."""
-    made = _plans_made.count
+    began = next(_serials)
     plan = plan_for(net, theta, inputs, engine, policy)
-    if _plans_made.count != made:  # made just now, from what the layers compute now
+    if plan.serial > began:  # made just now, from what the layers compute now
         return plan
     with mesh_of((theta, inputs)):
         stale = any(computation_of(layer, th, ins) != was for layer, th, ins, was in plan.computations)
