@@ -1,6 +1,10 @@
 """The engine's switches: ℳΛ in the loop or batched after it, and rematerialisation. Every
 combination must give jax.grad's gradient; remat must really keep fewer bytes."""
 
+import os
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -168,3 +172,27 @@ def test_the_solve_variant_is_decided_once_and_runs_as_decided(monkeypatch):
         assert_trees_close(got, want, rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="carried_back"):
         SolveVariant(Params.IN_LOOP, True, carried_back=True)
+
+
+PROGRAM = """
+import jax, jax.numpy as jnp
+import linbackprop as lbp
+jax.config.update("jax_enable_x64", True)
+step = lambda th, u: u + jnp.tanh(u @ th[0] + th[1])
+net = lbp.Network([lbp.Layer(i, step, (i - 1,), (lbp.Row("W", i - 1), lbp.Row("b", i - 1))) for i in range(1, 9)],
+                  [0], 8)
+loss = lambda p, x: jnp.sum(net(p, x) ** 2)
+p, x = {"W": jnp.zeros((8, 4, 4)), "b": jnp.zeros((8, 4))}, jnp.ones((3, 4))
+print(jax.make_jaxpr(lbp.grad_by_solve(loss, engine="loop"))(p, x))
+"""
+
+
+@pytest.mark.slow
+def test_a_program_is_the_same_in_every_process():
+    """The jaxpr of a gradient does not depend on Python's string hashing (``PYTHONHASHSEED``):
+    the loop's write slots were ordered by iterating a set of buffers, so two processes built the
+    same program with its updates in different orders — different programs to XLA and to the
+    persistent compilation cache."""
+    runs = [subprocess.run([sys.executable, "-c", PROGRAM], capture_output=True, text=True, timeout=300,
+                           env={**os.environ, "PYTHONHASHSEED": seed}, check=True).stdout for seed in ("1", "2")]
+    assert runs[0] == runs[1]

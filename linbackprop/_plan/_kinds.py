@@ -123,7 +123,7 @@ def make_writes(kinds: tuple[Kind, ...], step_kind: np.ndarray, targets: list[li
     """``targets[k]``: per value kind k writes, its buffer and the row for each member."""
     need: dict[Hashable, int] = {}
     for values in targets:
-        for b in {b for b, _ in values}:
+        for b in dict.fromkeys(b for b, _ in values):  # first-seen order: a set's would vary by process
             need[b] = max(need.get(b, 0), sum(1 for bb, _ in values if bb == b))
     slots = [(b, j) for b in need for j in range(need[b])]
     index = {slot: n for n, slot in enumerate(slots)}
