@@ -78,9 +78,4 @@ def functional(model: Any, variables: Any = None, *, method: str | None = None,
         >>> type(grads["mlp"]).__name__, grads["mlp"].layers[0].weight.shape
         ('MLP', (16, 4))
     """
-    adapter = adapter_of(model)
-    if adapter is None:
-        raise TypeError(f"functional() takes an equinox Module, a flax nnx Module or a flax linen Module (with its "
-                        f"variables), got {type(model).__module__}.{type(model).__qualname__}. A plain function of "
-                        "its parameters needs no wrapping: use fn(theta, *states) as the layer function.")
-    return adapter.functional(model, variables, method, rng_streams)
+    return (adapter_of(model) or Adapter()).functional(model, variables, method, rng_streams)

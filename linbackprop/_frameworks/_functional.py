@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from contextlib import AbstractContextManager
+from typing import Any, Protocol
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -113,23 +114,22 @@ class ArgumentSplit:
     leaves_of: Callable[[Any], list] | None = None  # a tangent (or like value) -> its differentiated leaves
 
 
-class Marking:
+class Marking(Protocol):
     """What the capture lends an adapter to mark a module's call as one layer: ``opaque(call,
     args, name)`` makes ``call(*args)`` one equation of the trace (its arguments its operands),
     ``probing()`` traces inside it without marking the calls it makes."""
 
-    def opaque(self, call: Callable, args: tuple, name: str) -> Any:  # pragma: no cover - the capture's
-        raise NotImplementedError
+    def opaque(self, call: Callable, args: tuple, name: str) -> Any: ...
 
-    def probing(self) -> Any:  # pragma: no cover - the capture's
-        raise NotImplementedError
+    def probing(self) -> AbstractContextManager[None]: ...
 
 
 class Adapter:
     """One framework's knowledge, in one place: whether a value or class is its module, the
     module as a `Functional`, the module as a differentiated argument, and its call marked as a
     layer with its state in and out. The framework is never imported here: a model is recognised
-    by the modules its own code has already imported (``module`` names it in ``sys.modules``)."""
+    by the modules its own code has already imported (``module`` names it in ``sys.modules``).
+    This base is what anything else is: a pytree, a class whose call is marked as it is."""
 
     name: str = ""
     module: str = ""  # the framework's module in sys.modules ("equinox", "flax.nnx", "flax.linen")
@@ -149,9 +149,11 @@ class Adapter:
         base = self.base()
         return base is not None and issubclass(cls, base)
 
-    def functional(self, model: Any, variables: Any, method: str | None,
-                   rng_streams: tuple[str, ...]) -> Functional:  # pragma: no cover - each adapter's
-        raise NotImplementedError
+    def functional(self, model: Any, variables: Any, method: str | None, rng_streams: tuple[str, ...]) -> Functional:
+        """The model as a `Functional` (a framework's; here, for anything else, the reason why not)."""
+        raise TypeError(f"functional() takes an equinox Module, a flax nnx Module or a flax linen Module (with its "
+                        f"variables), got {type(model).__module__}.{type(model).__qualname__}. A plain function of "
+                        "its parameters needs no wrapping: use fn(theta, *states) as the layer function.")
 
     def split(self, arg: Any) -> ArgumentSplit:
         """The argument as its framework splits it (by default a pytree: every leaf)."""
