@@ -231,7 +231,7 @@ def adam(loss, params, points, learning_rate: float):
 
 
 def run(step, state, error, seconds: float, overhead: float = 0.05,
-        clock=time.perf_counter) -> tuple[np.ndarray, np.ndarray, int, float]:
+        clock=time.perf_counter, max_steps: int = 0) -> tuple[np.ndarray, np.ndarray, int, float]:
     """Steps for ``seconds`` of step time (after compiling): (seconds, L2 error) after some of the
     steps, how many steps, and the seconds the first call took (compiling, excluded from the budget).
 
@@ -239,7 +239,8 @@ def run(step, state, error, seconds: float, overhead: float = 0.05,
     its own cost over ``overhead``, and after the last step: a cheap step (Adam's) is not measured
     after each one, so the wall time stays near the budget instead of doubling. ``clock``: wall
     time by default; ``time.process_time`` counts this process's CPU seconds (all its threads), a
-    budget that another process's load does not shrink."""
+    budget that another process's load does not shrink. ``max_steps``: stop after that many steps
+    instead (0: the seconds decide)."""
     began = clock()
     state = jax.block_until_ready(step(state))  # compile
     compiled = clock() - began
@@ -248,12 +249,12 @@ def run(step, state, error, seconds: float, overhead: float = 0.05,
     times, errors = [0.0], [float(error(state[0]))]
     cost = clock() - start
     spent, measured, steps = 0.0, 0.0, 0
-    while spent < seconds:
+    while (steps < max_steps) if max_steps else (spent < seconds):
         start = clock()
         state = jax.block_until_ready(step(state))
         spent += clock() - start
         steps += 1
-        if spent - measured >= cost / overhead or spent >= seconds:
+        if spent - measured >= cost / overhead or spent >= seconds or steps == max_steps:
             start = clock()
             times.append(spent)
             errors.append(float(error(state[0])))
@@ -271,6 +272,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                         help="K-FAC's factors of the weights shared by u, ∇u and Δu")
     parser.add_argument("--out", default="pinn_poisson.png", help="PNG of the error curves ('' for none)")
     parser.add_argument("--seed", type=int, default=0, help="the initial parameters' seed (the points stay)")
+    parser.add_argument("--steps", type=int, default=0,
+                        help="each method runs this many steps instead of --seconds (0: the seconds decide)")
     parser.add_argument("--clock", default="wall", choices=("wall", "cpu"),
                         help="the budget's clock: wall time, or this process's CPU time (steady under others' load)")
     args = parser.parse_args(argv)
@@ -280,7 +283,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         params = make_problem(widths, seed=args.seed)[0]
     n = sum(x.size for x in jax.tree.leaves(params))
     methods = args.methods.split(",")
-    print(f"2-{'-'.join(map(str, widths))}-1: {n} parameters, {points.shape[0]} points, {args.seconds:g} s per method"
+    budget = f"{args.steps} steps" if args.steps else f"{args.seconds:g} s"
+    print(f"2-{'-'.join(map(str, widths))}-1: {n} parameters, {points.shape[0]} points, {budget} per method"
           f" (jax {jax.__version__}, compiler options {CPU_OPTIONS or 'default'}"
           f"{'; the Woodbury ENGD step with XLA defaults' if CPU_OPTIONS and points.shape[0] < n else ''})")
     runs = {}
@@ -300,9 +304,11 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     curves, result = {}, {}
     for name, make in runs.items():
         times, errors, steps, compiled = run(*make(), error, args.seconds,
-                                             clock=time.process_time if args.clock == "cpu" else time.perf_counter)
+                                             clock=time.process_time if args.clock == "cpu" else time.perf_counter,
+                                             max_steps=args.steps)
         curves[name], result[name] = (times, errors), float(np.nanmin(errors))
-        at = {s: float(np.nanmin(errors[times <= s])) for s in (10.0, 30.0, 100.0) if s < args.seconds}
+        at = {s: float(np.nanmin(errors[times <= s])) for s in (10.0, 30.0, 100.0)
+              if s < args.seconds and not args.steps}
         print(f"{name:26s} {steps:7d} steps  L2 error {result[name]:.2e}  relative {result[name] / scale:.2e}"
               f"  compile {compiled:.1f} s" + "".join(f"  ({e:.2e} at {s:g} s)" for s, e in at.items()),
               flush=True)
