@@ -15,6 +15,7 @@ from trees import assert_trees_close
 import linbackprop as lbp
 from linbackprop._options._policy import Policy
 from linbackprop._options._settings import Settings, using
+from linbackprop._solve._params_after import ParamsAfter
 
 
 def rnn_cell(th, h, x):
@@ -110,14 +111,14 @@ def test_a_chain_keeps_two_rows_in_both_substitutions():
     gauss_newton = lbp.gauss_newton(loss, param_products="in_loop", engine="loop")
 
     found = solves(jax.make_jaxpr(lambda p, x, v: gauss_newton(p, x)[2].mv(v))(params, x, params))
-    assert len(found) == 3 and all(eqn.params["system"].compact for eqn in found)
+    assert len(found) == 3 and all(eqn.params["variant"].compact for eqn in found)
     for eqn in found:
         assert {v.aval.shape[0] for v in eqn.outvars if v.aval.shape[1:] == (batch, width)} == {3}
     # ℳ* h before the loop: rhs at every row, the forward substitution's Z still three rows
     after = lbp.gauss_newton(loss, param_products="after", engine="loop")
     found = solves(jax.make_jaxpr(lambda p, x, v: after(p, x)[2].mv(v))(params, x, params))
     forward = [eqn for eqn in found if not eqn.params["transposed"]]
-    assert forward and all(eqn.params["system"].rhs_full for eqn in forward)
+    assert forward and all(isinstance(eqn.params["variant"], ParamsAfter) for eqn in forward)
     for eqn in forward:
         assert {v.aval.shape[0] for v in eqn.outvars if v.aval.shape[1:] == (batch, width)} == {3}
     G = jax.jit(gauss_newton)(params, x)[2]  # the linearisation held: the product's arguments
@@ -246,8 +247,8 @@ def test_the_back_substitution_carries_lambda_or_not_with_the_same_result(name):
         with using(Settings(policy=Policy(carried_back_max_kept=float(carried)))):
             grad = lbp.grad_by_solve(loss, argnums, **settings)
             found = solves(jax.make_jaxpr(grad)(params, *inputs))
-            transposed = [eqn.params["system"] for eqn in found if eqn.params["transposed"]]
-            assert transposed and all(s.rhs_full and s.carried_back == carried for s in transposed)
+            transposed = [eqn.params["variant"] for eqn in found if eqn.params["transposed"]]
+            assert transposed and all(isinstance(s, ParamsAfter) and s.carried_back == carried for s in transposed)
             assert_close(jax.jit(grad)(params, *inputs), expected_grad)
             if carried:
                 assert_close(jax.jit(lambda: jax.jvp(grad, (params, *inputs), moved)[1])(), expected_hvp, rtol=1e-7)

@@ -12,6 +12,7 @@ import linbackprop as lbp
 from linbackprop._engine._contractions import contracted_last
 from linbackprop._options._policy import Policy
 from linbackprop._options._settings import Settings, using
+from linbackprop._solve._params_after import ParamsAfter
 
 
 def _barriers(fn, *args):
@@ -65,9 +66,9 @@ def test_the_gradient_solve_moves_short_contractions_on_cpu_only():
     for bound in (16, 0):
         with using(Settings(policy=Policy(contract_first_max_cpu=bound))):
             grad = lbp.grad_by_solve(loss, param_products="after", engine="loop")
-            found = [eqn.params["system"] for eqn in equations(jax.make_jaxpr(grad)(params, x))
+            found = [eqn.params["variant"] for eqn in equations(jax.make_jaxpr(grad)(params, x))
                      if eqn.primitive.name == "linbackprop_solve" and eqn.params["transposed"]]
-            assert found and all(s.joint and s.rhs_full for s in found)
+            assert found and all(isinstance(s, ParamsAfter) for s in found)
             assert {s.contract_first for s in found} == {(4, bound) if jax.default_backend() == "cpu" else None}
             for a, e in zip(jax.tree.leaves(jax.jit(grad)(params, x)), jax.tree.leaves(expected), strict=True):
                 np.testing.assert_allclose(a, e, rtol=1e-10)

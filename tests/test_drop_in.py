@@ -16,7 +16,7 @@ from trees import assert_trees_close as shared_trees_close
 
 import linbackprop as lbp
 from linbackprop._options import _settings
-from linbackprop._solve import _call
+from linbackprop._solve import prepare
 
 SETTINGS = [dict(engine="unrolled"), dict(engine="loop"), dict(engine="unrolled", param_products="after"),
             dict(engine="loop", param_products="in_loop"), dict(engine="loop", remat=True),
@@ -234,7 +234,7 @@ def test_weakly_typed_and_repeated_arguments_still_reuse_the_forward_linearisati
     def traced(p, x):
         theta = net.select_params(p)
         with _settings.using(_settings.Settings(engine=engine)):
-            prim = _call.prepare(net, theta, (x,), _settings.Settings())[1]
+            prim = prepare(net, theta, (x,), _settings.Settings())[1]
         seen.append(prim.residuals is not None)
         return prim.states
 

@@ -8,7 +8,7 @@ import sys
 import jax
 import jax.numpy as jnp
 import pytest
-from networks import REGISTRY
+from networks import REGISTRY, equations
 from trees import assert_trees_close
 
 import linbackprop as lbp
@@ -140,10 +140,15 @@ def test_every_transform_and_linearize_see_the_settings_they_were_given(monkeypa
 
 def test_the_solve_variant_is_decided_once_and_runs_as_decided(monkeypatch):
     """`solve_variant` is the one place that decides how a call's linear part is solved; the
-    variant it returns is what the solve primitive gets (recorded where `_call` asks), for each
-    kind of call, and each gives jax.grad's gradient."""
+    variant object it returns (recorded where `_call` asks) is what runs — the solve primitive's
+    parameter where the call stores its linearisation, the fused forward sweep under
+    `jvp_by_solve` — for each kind of call, each giving plain JAX's derivative."""
     from linbackprop._solve import _call
-    from linbackprop._solve._variant import Params, SolveVariant
+    from linbackprop._solve._in_forward_sweep import InForwardSweep
+    from linbackprop._solve._params_after import ParamsAfter
+    from linbackprop._solve._params_before import ParamsBefore
+    from linbackprop._solve._params_in_loop import ParamsInLoop
+    from linbackprop._solve._states_only import StatesOnly
 
     asked = []
     decide = _call.solve_variant
@@ -158,20 +163,36 @@ def test_the_solve_variant_is_decided_once_and_runs_as_decided(monkeypatch):
     p, x = {"W": 0.5 * jax.random.normal(jax.random.key(0), (8, 3, 3))}, jnp.ones((2, 3))
     loss = lambda p, x: jnp.sum(net(p, x) ** 2)
     cases = {
-        "loop": (dict(engine="loop"), 0, (Params.AFTER, True)),
-        "in the loop": (dict(engine="loop", param_products="in_loop"), 0, (Params.IN_LOOP, True)),
-        "unrolled": (dict(engine="unrolled", param_products="after"), 0, (Params.AFTER, False)),
-        "inputs only": (dict(engine="loop"), 1, (Params.NONE, True)),
+        "loop": (dict(engine="loop"), 0, ParamsAfter, "loop"),
+        "in the loop": (dict(engine="loop", param_products="in_loop"), 0, ParamsInLoop, "loop"),
+        "unrolled": (dict(engine="unrolled", param_products="after"), 0, ParamsBefore, "unrolled"),
+        "unrolled in the loop": (dict(engine="unrolled", param_products="in_loop"), 0, ParamsInLoop, "unrolled"),
+        "inputs only": (dict(engine="loop"), 1, StatesOnly, "loop"),
     }
-    for name, (options, argnums, (params, compact)) in cases.items():
+    for name, (options, argnums, kind, engine) in cases.items():
         asked.clear()
         got = jax.jit(lbp.grad_by_solve(loss, argnums=argnums, **options))(p, x)
         want = jax.grad(loss, argnums=argnums)(p, x)
         assert len(asked) == 1, (name, asked)  # one decision per call traced
-        assert (asked[0].params, asked[0].compact) == (params, compact), (name, asked[0])
+        assert type(asked[0]) is kind and asked[0].engine == engine, (name, asked[0])
+        assert asked[0].compact == (engine == "loop"), (name, asked[0])
+        solves = [e.params["variant"] for e in equations(jax.make_jaxpr(lbp.grad_by_solve(loss, argnums=argnums,
+                                                                                           **options))(p, x))
+                  if e.primitive.name == "linbackprop_solve"]
+        assert solves and {type(v) for v in solves} == {StatesOnly if kind is ParamsBefore else kind}, (name, solves)
         assert_trees_close(got, want, rtol=1e-5, atol=1e-6)
-    with pytest.raises(ValueError, match="carried_back"):
-        SolveVariant(Params.IN_LOOP, True, carried_back=True)
+    for engine in ("loop", "unrolled"):  # jvp_by_solve alone: nothing stored, no primitive bound
+        asked.clear()
+        t = jax.tree.map(jnp.ones_like, p)
+        got = lbp.jvp_by_solve(loss, (p, x), (t, jnp.zeros_like(x)), engine=engine)
+        assert [type(v) for v in asked] == [InForwardSweep] and asked[0].moves_params, asked
+        assert not [e for e in equations(jax.make_jaxpr(lambda: lbp.jvp_by_solve(loss, (p, x), (t, jnp.zeros_like(x)),
+                                                                                  engine=engine))())
+                    if e.primitive.name == "linbackprop_solve"]
+        assert_trees_close(got, jax.jvp(loss, (p, x), (t, jnp.zeros_like(x))), rtol=1e-6)
+    # the memory model's count: ℳΛ in the loop keeps no Λ beyond the step's
+    plan = asked[0].plan
+    assert ParamsInLoop(plan).least_kept(10, 3) == 13 and ParamsAfter(plan).least_kept(10, 3) == 23
 
 
 PROGRAM = """

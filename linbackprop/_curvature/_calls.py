@@ -115,7 +115,8 @@ class Calls:
         lams = []
         for plan, call, prim in zip(self.plans, self.solved, self.stored):
             check_per_example(plan, batch if isinstance(batch, int) else batch[call])
-            lams.append(back_substitution(plan, prim, self._rhs(plan, self.nets[call], g_outs[call])))
+            lams.append(back_substitution(plan, prim, self._rhs(plan, self.nets[call], g_outs[call]),
+                                              grads=None, compact=False, every_row=False))
         return lams
 
     def per_example(self, lams: list, batch: int, examples: Any = None, only: Sequence[int] | None = None) -> tuple:

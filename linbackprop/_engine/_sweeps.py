@@ -235,11 +235,12 @@ def forward(plan: Plan, params: list[Any], states: list[Any], residuals: bool = 
     return (prim, tans) if tangents is not None else prim
 
 
-def forward_substitution(plan: Plan, prim: Primal, rhs: list[Any], h: list[Any] | None = None,
-                         compact: bool = False, rhs_full: bool = False) -> list[Any]:
+def forward_substitution(plan: Plan, prim: Primal, rhs: list[Any], *, h: list[Any] | None, compact: bool,
+                         rhs_full: bool) -> list[Any]:
     """Z with ℒ Z = rhs: Z_i = rhs_i + Σ_j ∂Φ_i/∂U_j Z_j, first layer to last. With ``h``
-    (parameter-layout tangents), ℒ Z = rhs + ℳ* h: ∂Φ_i/∂θ h is formed in the loop, from the same
-    linearisation of each layer (the transpose of ℳΛ accumulated in the back substitution).
+    (parameter-layout tangents; None: none), ℒ Z = rhs + ℳ* h: ∂Φ_i/∂θ h is formed in the loop, from
+    the same linearisation of each layer (the transpose of ℳΛ accumulated in the back
+    substitution). Each argument is the caller's `SolveVariant`'s: nothing here chooses.
 
     ``compact``: Z in the layout of ``plan.compact`` — rows only for the states read again from
     the buffer or returned (inputs and outputs); the others go from step to step in the loop's
@@ -247,7 +248,7 @@ def forward_substitution(plan: Plan, prim: Primal, rhs: list[Any], h: list[Any] 
     writes is set, not added to). Returns that layout, its pad row zero. With ``rhs_full`` rhs is
     in the full layout and read at every row (ℳ* h formed before the loop): Z_i = rhs_i + ..., Z
     still compact."""
-    assert not (compact and plan.unrolled), "compact is the loop engine's layout (the SolveVariant's)"
+    assert not (compact and plan.unrolled), "compact is the loop engine's layout"
     zplan = plan.compact if compact else plan
     writes = zplan.writes(Sweep.FORWARD_SUBSTITUTION)
     everywhere = rhs if compact and rhs_full else None
@@ -315,12 +316,13 @@ def forward_substitution(plan: Plan, prim: Primal, rhs: list[Any], h: list[Any] 
     return without_pad(zplan, z) if compact else z
 
 
-def back_substitution(plan: Plan, prim: Primal, rhs: list[Any], grads: list[Any] | None = None,
-                      compact: bool = False, every_row: bool = False) -> Any:
+def back_substitution(plan: Plan, prim: Primal, rhs: list[Any], *, grads: list[Any] | None, compact: bool,
+                      every_row: bool) -> Any:
     """Λ with ℒ* Λ = rhs: Λ_j = rhs_j + Σ_{i reads j} (∂Φ_i/∂U_j)* Λ_i, last layer to first.
 
-    With ``grads`` (parameter-layout buffers), ℳΛ is also added into them inside the loop, from
-    the same linearisation of each layer; returns (Λ, grads + ℳΛ) then.
+    With ``grads`` (parameter-layout buffers; None: no ℳΛ here), ℳΛ is also added into them inside
+    the loop, from the same linearisation of each layer; returns (Λ, grads + ℳΛ) then. Each
+    argument is the caller's `SolveVariant`'s: nothing here chooses.
 
     ``compact``: the transpose of `forward_substitution`'s. rhs and Λ in the layout of
     ``plan.compact``; the cotangent of a read the forward substitution carried goes to the
@@ -336,7 +338,7 @@ def back_substitution(plan: Plan, prim: Primal, rhs: list[Any], grads: list[Any]
     its input's row: a round trip through the buffer that dominates latency-bound steps.
     """
     in_loop = grads is not None
-    assert not (compact and plan.unrolled), "compact is the loop engine's layout (the SolveVariant's)"
+    assert not (compact and plan.unrolled), "compact is the loop engine's layout"
     assert not (every_row and (in_loop or not compact)), "every_row: a compact solve without ℳΛ in the loop"
     zplan = plan.compact if compact else plan
     absent = frozenset(g for g, b in enumerate(rhs) if b is None)  # no cotangent wanted (or none exists)

@@ -132,7 +132,10 @@ class StateOperator(_Operator):
         Returns:
             Z (or Λ), a dict over every state.
         """
-        sub = self._lin._staged(back_substitution if self._adjoint else forward_substitution)
+        if self._adjoint:
+            sub = self._lin._staged(back_substitution, grads=None, compact=False, every_row=False)
+        else:
+            sub = self._lin._staged(forward_substitution, h=None, compact=False, rhs_full=False)
         return self._states_out(sub(self._prim, self._states_in(g)))
 
     @property

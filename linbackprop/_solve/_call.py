@@ -20,23 +20,22 @@ from __future__ import annotations
 import collections
 import functools
 import threading
-from collections.abc import Callable, Hashable
+from collections.abc import Callable
 from typing import Any
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 from jax.custom_derivatives import SymbolicZero
 
-from .._engine import Primal, forward, read_row, read_rows
-from .._graph import Network, Stack, explicit_sharding, mesh_of, stack_trees, take, zeros_of
+from .._engine import Primal, forward
+from .._graph import Network, mesh_of
 from .._options import Settings, current, settings_changed
-from .._plan import Plan, RowList, current_plan, differentiable_dtype, plan_for, plans_generation
+from .._plan import Plan, current_plan, plan_for, plans_generation
+from ._boundary import anchor, moves_params, outputs_of, symbolic, zero_tangent
 from ._checkpoint import checkpointed_call
+from ._choice import solve_variant
 from ._memory_model import checkpoint_levels
-from ._primitive import solve
 from ._segments import row_spans
-from ._variant import Params, solve_variant
+from ._variant import StoredSolve
 
 
 def network_call(net: Network, theta: dict, inputs: tuple[Any, ...]) -> Any:
@@ -85,85 +84,6 @@ def _checkpointed(levels: tuple[int, ...], settings: Settings) -> Callable[[Netw
     return call
 
 
-def outputs_of(plan: Plan, bufs: list[Any]) -> tuple[Any, ...]:
-    """The call's output items (as ``net(...)`` returns them, always a tuple) from state buffers."""
-    return _outputs(plan, bufs)
-
-
-def output_tangents(plan: Plan, z: list[Any]) -> tuple[Any, ...]:
-    """The output items' tangents 𝒫 Z from state-layout tangents Z (linear in Z; its transpose
-    places output cotangents into the right-hand side of the back substitution).
-
-    The single states of one buffer are read together (`take`: one gather, whose transpose is
-    one scatter): read one by one, each read's transpose pads a cotangent to the whole buffer,
-    and a network returning each of its T states (a captured ``lax.scan``'s ys) spent O(T²)
-    there — 2.2× ``jax.grad`` where the same network returning a ``Stack`` ran at 0.85×."""
-    items = plan.net.output_spec
-    by_group: dict[int, list[int]] = {}
-    for n, item in enumerate(items):
-        if not isinstance(item, Stack):
-            g, row = _rows_of(plan, item)
-            if row is not None and z[g] is not None and not isinstance(z[g], RowList):
-                by_group.setdefault(g, []).append(n)
-    out: list[Any] = [None] * len(items)
-    for g, members in by_group.items():
-        if len(members) > 1:
-            rows = take(z[g], [_rows_of(plan, items[n])[1] for n in members])
-            for n, row in zip(members, rows):
-                out[n] = plan.state_groups[g].full_tangent(row)
-    return tuple(_tangent_or_zero(plan, item, z) if value is None else value for item, value in zip(items, out))
-
-
-def _outputs(plan: Plan, bufs: list[Any]) -> tuple[Any, ...]:
-    """The call's results from the state buffers: a name's row, or a Stack's rows (one slice
-    where they are consecutive, else one gather)."""
-    singles = [item for item in plan.net.output_spec if not isinstance(item, Stack)]
-    outs = plan.unpack(bufs, tuple(singles), plan.state_loc)
-    result = []
-    for item in plan.net.output_spec:
-        g, rows = _rows_of(plan, item)
-        if g is None:  # a Stack over groups that differ in weak types only: strongly typed
-            result.append(stack_trees([read_row(bufs[gn], r) for gn, r in map(plan.state_loc.get, item.names)]))
-            continue
-        value = read_rows(bufs[g], rows) if isinstance(item, Stack) else outs[item]
-        result.append(plan.state_groups[g].typed(value))
-    return tuple(result)
-
-
-def _rows_of(plan: Plan, item: Hashable | Stack) -> tuple[int | None, Any]:
-    """The group and row (a Stack: the rows, as a static table) of an output item; (None, None)
-    for a Stack whose states lie in several groups (same types but for weak types)."""
-    if isinstance(item, Stack):
-        if len({plan.state_loc[n][0] for n in item.names}) > 1:
-            return None, None
-        return plan.state_loc[item.names[0]][0], np.array([plan.state_loc[n][1] for n in item.names], np.int32)
-    return plan.state_loc[item]
-
-
-def prepare(net: Network, theta: dict[Hashable, Any], inputs: tuple[Any, ...],
-            settings: Settings) -> tuple[Plan, Primal]:
-    """The plan at these shapes and the forward pass with every layer's residuals (only the
-    states with ``settings.remat``)."""
-    plan = plan_for(net, theta, inputs, settings.engine, settings.policy)
-    prim = _forward_pass(plan, not settings.remat, plan.pack_params(theta),
-                         plan.pack_states(dict(zip(net.inputs, inputs))))
-    return plan, prim
-
-
-# The forward pass as a custom_jvp whose rule is its plain JVP: a network call's JVP rule is
-# partially evaluated under jax.grad, and JAX's partial evaluation of a loop re-analyses its body
-# even where every input is known (the forward pass's are); a custom_jvp call with known inputs is
-# bound as it is (less tracing: docs/performance.md, "Measurements behind the code").
-@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
-def _forward_pass(plan: Plan, residuals: bool, params: list[Any], states: list[Any]) -> Primal:
-    return forward(plan, params, states, residuals=residuals)
-
-
-@_forward_pass.defjvp
-def _forward_pass_jvp(plan: Plan, residuals: bool, primals: tuple, tangents: tuple) -> tuple:
-    return jax.jvp(lambda p, s: forward(plan, p, s, residuals=residuals), primals, tangents)
-
-
 def _call_by_solve(net: Network, theta: dict, inputs: tuple) -> tuple[Any, ...]:
     """The call's outputs (the primal of the custom JVP made per network in ``_jitted_call_by_solve``)."""
     return _outputs_by_solve(net, theta, inputs, current())
@@ -174,99 +94,21 @@ def _outputs_by_solve(net: Network, theta: dict, inputs: tuple, settings: Settin
     plan = plan_for(net, theta, inputs, settings.engine, settings.policy).compact
     prim = forward(plan, plan.pack_params(theta), plan.pack_states(dict(zip(net.inputs, inputs))),
                    residuals=False)
-    return _outputs(plan, prim.states)
-
-
-def _is_zero(t: Any) -> bool:
-    return all(isinstance(leaf, SymbolicZero) for leaf in jax.tree.leaves(t, is_leaf=_symbolic))
-
-
-def _symbolic(x: Any) -> bool:
-    return isinstance(x, SymbolicZero)
-
-
-def _instantiate(t: Any) -> Any:
-    """Symbolic zeros as arrays (None where the leaf has no tangent: a float0 zero)."""
-    def one(z):
-        if not _symbolic(z):
-            return z
-        if not differentiable_dtype(z.aval.dtype):
-            return None
-        return zeros_of(z.aval)
-
-    if isinstance(t, dict):  # by name: names may mix types (0 and "xs"), which pytrees cannot sort
-        return {name: jax.tree.map(one, v, is_leaf=_symbolic) for name, v in t.items()}
-    return jax.tree.map(one, t, is_leaf=_symbolic)
+    return outputs_of(plan, prim.states)
 
 
 def _call_by_solve_jvp(net: Network, primals: tuple, tangents: tuple) -> tuple:
-    """The JVP rule of a network call: the outputs and their tangents 𝒫 Z, where ℒ Z = ℳ* h + E₀ dU₀."""
+    """The JVP rule of a network call: the outputs and their tangents 𝒫 Z, where ℒ Z = ℳ* h + E₀ dU₀,
+    solved as the call's `SolveVariant` says."""
     theta, inputs = primals
     dtheta, dinputs = tangents
     settings = current()
     plan = plan_for(net, theta, inputs, settings.engine, settings.policy)
-    anchor = _anchor(dtheta, dinputs)
-    if anchor is None:  # no tangent of floats anywhere: the outputs' tangents are zeros
+    if anchor(dtheta, dinputs) is None:  # no tangent of floats anywhere: the outputs' tangents are zeros
         return (_outputs_by_solve(net, theta, inputs, settings),
-                tuple(_zero_tangent(plan, o) for o in net.output_spec))
-    if settings.forward_only:
-        return _jvp_in_forward_sweep(plan.compact, theta, inputs, dtheta, dinputs)
-    return _jvp_by_linear_solve(plan, settings, theta, inputs, dtheta, dinputs)
-
-
-def _anchor(dtheta: Any, dinputs: Any) -> jax.Array | None:
-    """A tangent leaf of floats, if any."""
-    return next((leaf for leaf in jax.tree.leaves((dtheta, dinputs), is_leaf=_symbolic)
-                 if not _symbolic(leaf) and differentiable_dtype(leaf.dtype)), None)
-
-
-def _input_tangents(plan: Plan, dinputs: tuple) -> list[Any]:
-    """E₀ dU₀: the inputs' tangents on the identity rows of the inputs (tangent layout). Groups of
-    inputs alone, none with a tangent, get no buffer (None): the back substitution then forms no
-    cotangent for them (a stacked sequence xs read at every step, say)."""
-    given = {name: dx for name, dx in zip(plan.net.inputs, dinputs) if not _is_zero(dx)}
-    bufs = plan.pack_states(_instantiate(given), tangent=True)
-    moving = {plan.state_loc[name][0] for name in given}
-    return [None if g in plan.input_only_groups and g not in moving else b for g, b in enumerate(bufs)]
-
-
-def _zeros_made_with(anchor: jax.Array, bufs: list[Any], keep: set[int]) -> list[Any]:
-    """The buffers (but those in ``keep``) as zeros computed from ``anchor`` (a tangent), though
-    not from its values.
-
-    Under ``jax.linearize`` (a Gauss–Newton operator) zeros made from constants are computed with
-    the primal and stored in the linear function, which then reads, and copies to write into, a
-    [depth, batch, width] buffer of zeros for every product; zeros made from a tangent are made
-    inside it, where XLA folds them away. Explicitly sharded buffers keep their sharded zeros."""
-    def one(z):
-        if explicit_sharding(z) is not None:
-            return z
-        empty = jnp.ravel(anchor)[:0].astype(z.dtype)
-        return jax.lax.pad(empty, jnp.zeros((), z.dtype), [(z.size, 0, 0)]).reshape(z.shape)
-
-    return [b if b is None or g in keep else jax.tree.map(one, b) for g, b in enumerate(bufs)]
-
-
-def _moves_params(net: Network, dtheta: dict) -> bool:
-    return not all(_is_zero(dtheta[p]) for p in net.param_names)
-
-
-def _jvp_in_forward_sweep(plan: Plan, theta: dict, inputs: tuple, dtheta: dict, dinputs: tuple) -> tuple:
-    """jvp_by_solve, whose tangents are never transposed: the forward substitution runs inside the
-    forward sweep (one JVP per layer, nothing stored)."""
-    net = plan.net
-    h = plan.pack_params(_instantiate(dtheta), tangent=True) if _moves_params(net, dtheta) else None
-    prim, z = forward(plan, plan.pack_params(theta), plan.pack_states(dict(zip(net.inputs, inputs))),
-                      residuals=False, tangents=(h, _input_tangents(plan, dinputs)))
-    return _outputs(plan, prim.states), output_tangents(plan, z)
-
-
-def _jvp_by_linear_solve(plan: Plan, settings: Settings, theta: dict, inputs: tuple, dtheta: dict,
-                         dinputs: tuple) -> tuple:
-    """The forward pass with residuals, then ℒ Z = ℳ* h + E₀ dU₀ as a transposable linear solve
-    (`stored_tangents`)."""
-    prim = prepare(plan.net, theta, inputs, settings)[1]
-    return _outputs(plan, prim.states), stored_tangents(plan, prim, settings, dtheta, dinputs)
+                tuple(zero_tangent(plan, o) for o in net.output_spec))
+    variant = solve_variant(plan, settings, moves_params(net, dtheta))
+    return variant.jvp(theta, inputs, dtheta, dinputs, settings)
 
 
 def stored_tangents(plan: Plan, prim: Primal, settings: Settings, dtheta: dict, dinputs: tuple | None = None
@@ -277,48 +119,11 @@ def stored_tangents(plan: Plan, prim: Primal, settings: Settings, dtheta: dict, 
     or in the loop). ``dinputs`` None: the inputs held (data)."""
     net = plan.net
     dinputs = tuple(None for _ in net.inputs) if dinputs is None else dinputs
-    variant = solve_variant(plan, settings, _moves_params(net, dtheta))
-    # rhs in the layout of Z (compact: at the input rows alone), but where ℳ* h is formed before
-    # the loop (rhs_full: every row of the full layout).
-    layout = plan.compact if variant.compact and not variant.rhs_full else plan
-    rhs = _input_tangents(layout, dinputs)
-    h = None
-    if variant.params is not Params.NONE:  # groups without input tangents: zeros made in the linear program
-        given = {layout.state_loc[name][0] for name, dx in zip(net.inputs, dinputs) if not _is_zero(dx)}
-        rhs = _zeros_made_with(_anchor(dtheta, dinputs), rhs, keep=given)
-        h = plan.pack_params(_instantiate(dtheta), tangent=True)
-    # Parts of rhs built from symbolic zeros alone are constants: the solve's transpose gives
-    # them no cotangent (see _primitive).
-    z = solve(plan, prim, h, rhs, variant)
-    layout = plan.compact if variant.compact else plan  # of Z
-    return output_tangents(layout, z)
-
-
-def _tangent_or_zero(plan: Plan, item: Hashable | Stack, z: list[Any]) -> Any:
-    """The tangent of an output item from the solution Z, as JAX wants it (float0 zeros at leaves
-    without tangents)."""
-    g, rows = _rows_of(plan, item)
-    if g is None:
-        return stack_trees([_tangent_or_zero(plan, name, z) for name in item.names])
-    if z[g] is None:
-        return _zero_tangent(plan, item)
-    group = plan.state_groups[g]
-    if rows is None:  # a stacked input returned as an output
-        return group.full_tangent(z[g], (group.rows,))
-    if isinstance(item, Stack):
-        return group.full_tangent(read_rows(z[g], rows), (len(rows),))
-    return group.full_tangent(read_row(z[g], rows))
-
-
-def _zero_tangent(plan: Plan, item: Hashable | Stack) -> Any:
-    g, rows = _rows_of(plan, item)
-    if g is None:
-        return stack_trees([_zero_tangent(plan, name) for name in item.names])
-    group = plan.state_groups[g]
-    if rows is None or isinstance(item, Stack):
-        lead = (group.rows if rows is None else len(rows),)
-        return group.full_tangent(jax.tree.map(lambda a: zeros_of(a, lead), group.row_avals(True)), lead)
-    return group.full_tangent(group.row_zeros(tangent=True))
+    variant = solve_variant(plan, settings, moves_params(net, dtheta))
+    if not isinstance(variant, StoredSolve):
+        raise ValueError(f"{variant!r} stores no linearisation: the curvature transforms solve on a stored "
+                         "forward pass, which jvp_by_solve's settings (forward_only) do not keep.")
+    return variant.stored_tangents(prim, dtheta, dinputs)
 
 
 # A network call is a jax.custom_jvp whose primal (_call_by_solve) and rule (_call_by_solve_jvp,
@@ -343,9 +148,9 @@ def _solver_of(net: Network) -> Callable:
     rule = jax.jit(functools.partial(_rule_with_zeros, net), static_argnums=0)
 
     def jvp(primals: tuple, tangents: tuple) -> tuple:
-        leaves, treedef = jax.tree.flatten(tangents, is_leaf=_symbolic)
-        zeros = tuple(leaf.aval if _symbolic(leaf) else None for leaf in leaves)
-        return rule((treedef, zeros), primals, [leaf for leaf in leaves if not _symbolic(leaf)])
+        leaves, treedef = jax.tree.flatten(tangents, is_leaf=symbolic)
+        zeros = tuple(leaf.aval if symbolic(leaf) else None for leaf in leaves)
+        return rule((treedef, zeros), primals, [leaf for leaf in leaves if not symbolic(leaf)])
 
     call.defjvp(jvp, symbolic_zeros=True)
     return call

@@ -1,6 +1,6 @@
 """What a checkpointed network call keeps: its memory model (whether checkpointing keeps less, and
-the levels of the nested schedule), counting what the call's `SolveVariant` keeps. The thresholds
-are the settings' `Policy`.
+the levels of the nested schedule), counting what the call's `SolveVariant` keeps
+(`SolveVariant.least_kept`). The thresholds are the settings' `Policy`.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import numpy as np
 from .._graph import under_vmap
 from .._options import Settings
 from .._plan import Plan
+from ._choice import solve_variant
 from ._segments import rows_cut, segment_length, split
-from ._variant import Params, solve_variant
 
 
 def nbytes(tree: Any) -> int:
@@ -104,7 +104,7 @@ def checkpoint_memory_ratio(plan: Plan, theta: dict, inputs: tuple, levels: tupl
     checkpointed = (2 * kept + below + 2 * leaf * plain / len(layers) + cut + param_cotangents
                     + (2 * block_copies if leaf_loops else 0))
     segment_rows = 2 * leaf * _own_param_row_bytes(plan) / len(layers)
-    least = states + residuals if solve_variant(plan, settings, True).params is Params.IN_LOOP else plain
+    least = solve_variant(plan, settings, True).least_kept(states, residuals)
     return checkpointed / plain, (checkpointed + segment_rows) / least
 
 
