@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.flatten_util import ravel_pytree
-from trees import assert_trees_close
+from trees import assert_bias_of, assert_trees_close
 
 import linbackprop as lbp
 
@@ -86,7 +86,7 @@ def test_one_example_factors_are_the_ggn_blocks(jit):
     labels = jnp.array([2])
     loss = lambda p, x: xent(net(p, x), labels)
     factors = (jax.jit(lbp.kfac_factors(loss)) if jit else lbp.kfac_factors(loss))(params, x)
-    assert factors["b"] == lbp.BiasOf("['W']", "left")  # in W's block: [W_i; b_i], the inputs with a ones column
+    assert_bias_of(factors, "b", "['W']", "left")  # in W's block: [W_i; b_i], the inputs with a ones column
     flat, unravel = ravel_pytree(params)
     jac = jax.jacfwd(lambda v: net(unravel(v), x).ravel())(flat)
     ggn = jac.T @ jax.hessian(lambda o: xent(o.reshape(1, -1), labels))(net(params, x).ravel()) @ jac
@@ -246,7 +246,8 @@ def test_factors_under_vmap_over_an_ensemble():
         for name in ("W", "V", "H"):
             close(batched[name].left[n], one[name].left)
             close(batched[name].right[n], one[name].right)
-        assert batched["b"] == one["b"] == lbp.BiasOf("['W']", "left")
+        assert batched["b"] == one["b"]
+        assert_bias_of(one, "b", "['W']", "left")
 
 
 def test_an_example_with_too_many_output_coordinates_is_refused_before_it_runs_out_of_memory(monkeypatch):

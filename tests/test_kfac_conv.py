@@ -20,7 +20,7 @@ import numpy as np
 import optax
 import pytest
 from flax import linen, nnx
-from trees import assert_trees_close
+from trees import assert_bias_of, assert_trees_close
 
 import linbackprop as lbp
 
@@ -83,7 +83,7 @@ def test_a_linear_convolution_s_factors_are_its_dense_ggn_and_one_step_lands_on_
     factors = jax.jit(lbp.kfac_factors(loss))(params, x)
     assert isinstance(factors["w"], lbp.Kronecker)
     o_last = specs[1].index("O") == len(specs[1]) - 1
-    assert factors["b"] == lbp.BiasOf("['w']", "left" if o_last else "right")
+    assert_bias_of(factors, "b", "['w']", "left" if o_last else "right")
 
     # the dense GGN of [W; b]: the outputs' Jacobian w.r.t. the block read row-major
     size = w.size + b.size

@@ -66,7 +66,7 @@ def dense_curvature(factors, diagonal, params):
         if isinstance(f, lbp.BiasOf):
             continue
         at = index[name]
-        biased = [b for b in params if factors[b] == lbp.BiasOf(f"['{name}']", "left")]
+        biased = [b for b in params if isinstance(factors[b], lbp.BiasOf) and factors[b].weight == f"['{name}']"]
         if biased:  # rows [W_r; b_r]: the weight's entries, then its bias's
             rows = f.left.shape[:-2]
             at = np.concatenate([at.reshape(*rows, -1, f.right.shape[-1]),
@@ -367,7 +367,7 @@ def test_clear_errors():
     fixed = lbp.kfac(adapt_damping=False, learning_rate=1.0, momentum=0.0)
     with pytest.raises(ValueError, match=r"\['H'\] has no Kronecker factors"):
         fixed.update(grad, opt.init(params), params, factors={**factors, "H": None})
-    with pytest.raises(ValueError, match=r"\['b'\] is the bias of \['W'\], which has no Kronecker factors"):
+    with pytest.raises(ValueError, match=r"\['b'\] is the bias of \['W'\] \(leaf 1 of 3\), which has no Kronecker"):
         fixed.update(grad, opt.init(params), params, factors={**factors, "W": None}, diagonal=diagonal)
     with pytest.raises(ValueError, match="do not match"):
         bad = {**factors, "H": lbp.Kronecker(jnp.eye(2), jnp.eye(2))}

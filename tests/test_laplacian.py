@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.flatten_util import ravel_pytree
-from trees import assert_trees_close
+from trees import assert_bias_of, assert_trees_close
 
 import linbackprop as lbp
 
@@ -164,7 +164,8 @@ def test_kfac_expand_and_reduce_over_the_three_uses():
     factors = jax.jit(lbp.kfac_factors(only_inner))(p, inner)
     b, d = inner.shape
     # the bias in W1's block: a column of ones beside x_b (the value's use), zeros beside e_k and 0
-    assert isinstance(factors["W1"], lbp.Kronecker) and factors["b1"] == lbp.BiasOf("['W1']", "left")
+    assert isinstance(factors["W1"], lbp.Kronecker)
+    assert_bias_of(factors, "b1", "['W1']", "left")
     ones = lambda x, c: jnp.concatenate([x, jnp.full((x.shape[0], 1), c)], axis=1)
     uses = ones(inner, 1.0), ones(jnp.tile(jnp.eye(d), (b, 1)), 0.0)
     close(factors["W1"].left, sum(x.T @ x for x in uses) / (b * (d + 2)))
@@ -201,7 +202,8 @@ def test_a_loss_of_two_calls_with_their_own_points():
         for term, own in zip(factors[name], alone, strict=True):
             close(term.left, own[name].left)
             close(term.right, own[name].right)
-    assert factors["b1"] == lbp.BiasOf("['W1']", "left") and factors["b2"] == lbp.BiasOf("['W2']", "left")
+    assert_bias_of(factors, "b1", "['W1']", "left")
+    assert_bias_of(factors, "b2", "['W2']", "left")
 
 
 def test_per_example_gradients_of_two_calls_in_call_order():

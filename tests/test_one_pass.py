@@ -21,7 +21,7 @@ from jax._src import core as jax_core
 from test_kfac_models import EqxDense, EqxMlp, NnxDense, NnxMlp, data, xent
 from test_laplacian import params as pinn_params
 from test_laplacian import pinn_loss, points
-from trees import assert_trees_close
+from trees import assert_bias_of, assert_trees_close
 
 import linbackprop as lbp
 
@@ -72,7 +72,7 @@ def test_an_mlp_in_one_pass_is_the_separate_transforms(samples):
     p, x, labels = mlp_problem()
     _, grad, G = assert_one_pass_is_the_separate_transforms(mlp_loss, (p, x, labels), samples)
     assert_trees_close(grad, jax.grad(mlp_loss)(p, x, labels), rtol=1e-9, atol=1e-12)
-    assert G.factors["b1"] == lbp.BiasOf("['W1']", "left")
+    assert_bias_of(G.factors, "b1", "['W1']", "left")
     u = jax.tree.map(jnp.ones_like, p)
     np.testing.assert_allclose(G.gram([u, grad]), lbp.gauss_newton(mlp_loss)(p, x, labels)[2].gram([u, grad]),
                                rtol=1e-10)

@@ -14,7 +14,7 @@ import numpy as np
 import optax
 import pytest
 from jax.flatten_util import ravel_pytree
-from trees import assert_trees_close
+from trees import assert_bias_of, assert_trees_close
 
 import linbackprop as lbp
 
@@ -293,7 +293,7 @@ def test_kfac_direction_is_the_damped_kronecker_solve_and_averages():
         if seed == 0:
             first = (factors, diagonal)
     assert all(isinstance(curv[0][0][k], lbp.Kronecker) for k in ("W1", "W2", "H"))
-    assert curv[0][0]["b1"] == lbp.BiasOf("['W1']", "left")  # [W1; b1]: one block
+    assert_bias_of(curv[0][0], "b1", "['W1']", "left")  # [W1; b1]: one block
     average = lambda pick: decay * (decay * pick(first) + (1 - decay) * pick(curv[1])) + (1 - decay) * pick(curv[2])
     for k, b in (("W1", "b1"), ("W2", "b2"), ("H", None)):
         left, right = (average(lambda c, k=k, i=i: c[0][k][i]) for i in (0, 1))
@@ -345,3 +345,8 @@ def test_kfac_without_a_diagonal_names_the_leaf():
         tx.update(grad, tx.init(params), params, factors={**factors, "S": None})
     with pytest.raises(ValueError, match=r"\['b1'\] is the bias of \['W1'\]"):
         tx.update(grad, tx.init(params), params, factors={**factors, "W1": None}, diagonal=grad)
+    # a part of the factors: the marker's weight index is the whole result's, so it is refused, not
+    # paired with whatever leaf sits at that index here
+    part = {k: grad[k] for k in ("W2", "b2")}
+    with pytest.raises(ValueError, match=r"\['b2'\] is the bias of \['W2'\] \(leaf 3 of 6\).*whole"):
+        tx.update(part, tx.init(part), part, factors={k: factors[k] for k in part})

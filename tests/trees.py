@@ -20,3 +20,17 @@ def assert_trees_close(actual: Any, expected: Any, rtol: float = 1e-9, atol: flo
         if dtypes:
             assert a.dtype == e.dtype, f"leaf {n}: dtype {a.dtype} != {e.dtype}"
         np.testing.assert_allclose(a, e, rtol=rtol, atol=atol, err_msg=f"leaf {n}")
+
+
+def assert_bias_of(factors: Any, bias: Any, weight: str, side: str) -> None:
+    """``factors[bias]`` marks the bias as joined to ``weight`` (its path) on ``side``, and its
+    index and count point at that weight among the factors' leaves (read here by path)."""
+    import linbackprop as lbp
+
+    marker = factors[bias]
+    assert isinstance(marker, lbp.BiasOf), marker
+    assert (marker.weight, marker.side) == (weight, side), marker
+    paths = jax.tree_util.tree_flatten_with_path(factors, is_leaf=lambda x: x is None or isinstance(
+        x, (lbp.Kronecker, lbp.BiasOf, tuple)))[0]
+    assert marker.leaves == len(paths), (marker, len(paths))
+    assert jax.tree_util.keystr(paths[marker.leaf][0]) == weight, (marker, paths[marker.leaf][0])

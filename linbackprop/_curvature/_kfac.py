@@ -54,10 +54,17 @@ class BiasOf:
     the product's left operand (``W @ x``, W [out, in]) the block is [W, b] and ``side`` is
     "right". No arrays: a static pytree node (``jax.tree.map`` passes over it).
 
+    The block is decided here, once: ``leaf`` is the weight's position among the result's leaves
+    (flattened with pairs, tuples of pairs, markers and None as leaves: the gradient's order),
+    which the optimizers read; ``weight`` names it for people. An optimizer handed another tree
+    (a part of the result) finds ``leaves`` differ from its tree's and refuses.
+
     Attributes:
         weight: the weight leaf's path in the differentiated arguments
             (``jax.tree_util.keystr`` of it, as ``jax.tree_util.tree_flatten_with_path`` gives).
         side: which factor of the weight's pair has the bias's row and column, last.
+        leaf: the weight's index among the result's leaves.
+        leaves: how many leaves the result has.
 
     Examples:
         >>> import jax.numpy as jnp, linbackprop as lbp
@@ -67,11 +74,13 @@ class BiasOf:
         >>> params = {"W": jnp.zeros((2, 1)), "b": jnp.zeros(1)}
         >>> f = lbp.kfac_factors(loss)(params, jnp.array([[1.0, 2.0]]))
         >>> f["b"], f["W"].left.tolist()             # [x, 1]ᵀ[x, 1] for x = (1, 2)
-        (BiasOf(weight="['W']", side='left'), [[1.0, 2.0, 1.0], [2.0, 4.0, 2.0], [1.0, 2.0, 1.0]])
+        (BiasOf(weight="['W']", side='left', leaf=0, leaves=2), [[1.0, 2.0, 1.0], [2.0, 4.0, 2.0], [1.0, 2.0, 1.0]])
     """
 
     weight: str
     side: Literal["left", "right"]
+    leaf: int
+    leaves: int
 
 
 jax.tree_util.register_static(BiasOf)
@@ -156,7 +165,7 @@ def kfac_factors(fun: Callable, argnums: int | Sequence[int] = 0, *, engine: Eng
     if layers is not None:
         found = on_model(lambda f, a: kfac_factors(f, a, engine=engine, samples=samples, key=key,
                                                    approximation=approximation), fun, argnums, layers)
-        return lambda *args: biases_named_in(found(*args), normalise_argnums(argnums)[1])
+        return lambda *args: biases_named_in(found(*args))
     nums, single = normalise_argnums(argnums)
 
     def run(*args: Any) -> Any:
@@ -220,7 +229,7 @@ class FactorSums:
         for at, found in terms.items():  # a leaf several calls use: a pair per call (a term each)
             result[at] = found[0] if len(found) == 1 else tuple(found)
         for bias, (weight, side) in self.joint.items():
-            result[bias] = BiasOf(self.keys[weight], side)
+            result[bias] = BiasOf(self.keys[weight], side, weight, len(result))
         out = tuple(jax.tree.unflatten(self.treedef, result))
         return out[0] if self.single else out
 
@@ -232,18 +241,14 @@ def is_factor(x: Any) -> bool:
         isinstance(x, tuple) and len(x) > 0 and all(isinstance(t, Kronecker) for t in x))
 
 
-def biases_named_in(result: Any, single: bool) -> Any:
+def biases_named_in(result: Any) -> Any:
     """``layers=``: the factors were found for the captured network's arguments (a list of
     leaves per argument, so a bias names its weight "[a][i]"); name the weight by its path in
-    the result, the model's own tree (an ``nnx.State``, a module), as the gradient's paths read."""
+    the result, the model's own tree (an ``nnx.State``, a module), as the gradient's paths read.
+    The leaves keep their order, so each weight's index stands."""
     paths, treedef = jax.tree_util.tree_flatten_with_path(result, is_leaf=is_factor)
-    inner, counts = {}, {}
-    for path, _ in paths:
-        argument = 0 if single else path[0].idx
-        leaf = counts[argument] = counts.get(argument, -1) + 1
-        inner[jax.tree_util.keystr((jax.tree_util.SequenceKey(argument), jax.tree_util.SequenceKey(leaf)))] = (
-            jax.tree_util.keystr(path))
-    renamed = [BiasOf(inner[x.weight], x.side) if isinstance(x, BiasOf) else x for _, x in paths]
+    renamed = [dataclasses.replace(x, weight=jax.tree_util.keystr(paths[x.leaf][0])) if isinstance(x, BiasOf) else x
+               for _, x in paths]
     return jax.tree.unflatten(treedef, renamed)
 
 

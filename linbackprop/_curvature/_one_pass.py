@@ -152,7 +152,7 @@ def run_one_pass(fun: Callable, args: tuple, nums: tuple, single: bool, has_aux:
         on = OnArguments(found.arguments)
         jvp, vjp = jax.tree_util.Partial(on.jvp, jvp), jax.tree_util.Partial(on.vjp, vjp)
         if kfac is not None:
-            kfac = biases_named_in(found.gradient(kfac, single), single)
+            kfac = biases_named_in(found.gradient(kfac, single))
         if diag is not None:
             diag = found.gradient(diag, single)
     G = GaussNewton(jvp, vjp, done.hvp, single, structure_of(grad[0] if single else grad), structure_of(done.outs),

@@ -11,8 +11,6 @@ in + 1]) where the ones column is in the right factor.
 from __future__ import annotations
 
 import math
-import re
-from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -45,15 +43,14 @@ def blocks_of(grad: Any, factors: Any, diagonal: Any, name: str) -> list[Block]:
     if len(flat_diag) != len(paths):
         raise ValueError(f"{name}: diagonal has {len(flat_diag)} leaves, the gradient {len(paths)}; pass "
                          "diagonal=lbp.diag_ggn(loss)(params, *batch).")
-    weight_at = _weight_index(factors)
     bias_of = {}
     for n, f in enumerate(flat_factors):
-        if isinstance(f, BiasOf):
-            at = weight_at(f.weight)
-            if at is None or not isinstance(flat_factors[at], (Kronecker, tuple)):
-                raise ValueError(f"{name}: {keys[n]} is the bias of {f.weight}, which has no Kronecker factors here; "
-                                 "pass factors=lbp.kfac_factors(loss)(params, *batch) for the same parameters.")
-            bias_of[at] = (n, f.side)
+        if isinstance(f, BiasOf):  # the block kfac_factors decided: the weight's index among its leaves
+            if f.leaves != len(flat_factors) or not isinstance(flat_factors[f.leaf], (Kronecker, tuple)):
+                raise ValueError(f"{name}: {keys[n]} is the bias of {f.weight} (leaf {f.leaf} of {f.leaves}), which "
+                                 f"has no Kronecker factors among these {len(flat_factors)} leaves; pass the whole "
+                                 "factors=lbp.kfac_factors(loss)(params, *batch) for the same parameters.")
+            bias_of[f.leaf] = (n, f.side)
     out = []
     for n, ((_, g), f, d) in enumerate(zip(paths, flat_factors, flat_diag)):
         if isinstance(f, BiasOf):
@@ -79,17 +76,6 @@ def blocks_of(grad: Any, factors: Any, diagonal: Any, name: str) -> list[Block]:
                                  f"match its shape {jnp.shape(g)}{with_bias}.")
         out.append(Block(n, bias, side, terms))
     return out
-
-
-def _weight_index(factors: Any) -> Callable[[str], int | None]:
-    """A [`BiasOf`][linbackprop.BiasOf]'s weight path → the leaf's index among the factors'
-    leaves. The path is the weight's in the tree ``kfac_factors`` returned; the tree the
-    optimizer is handed may lack the Variables' ``.value`` (nnx.Optimizer makes its extra
-    arguments pure arrays), so both sides are compared without it."""
-    bare = lambda key: re.sub(r"\.value(?=[.\[]|$)", "", key)
-    at = {bare(jax.tree_util.keystr(path)): n
-          for n, (path, _) in enumerate(jax.tree_util.tree_flatten_with_path(factors, is_leaf=is_factor)[0])}
-    return lambda weight: at.get(bare(weight))
 
 
 def block_matrix(block: Block, leaves: list[jax.Array]) -> jax.Array:
