@@ -350,6 +350,48 @@ def test_chained_networks_are_refused_for_per_example():
         lbp.per_example_grads(losses)(p, x)
 
 
+
+@pytest.mark.parametrize("around", ["jit", "jit twice", "vmap", "checkpoint", "scan", "cond"])
+def test_a_network_called_inside_a_transformation_within_fun(around):
+    """The curvature transforms find ``fun``'s network calls in its jaxpr, as ``layers=`` finds
+    layers: a ``jax.jit`` of the user's around a call is seen through (the same factors, diagonal,
+    G·v and per-example gradients as the call made directly); a call inside another
+    transformation within ``fun`` is refused by name (an UnexpectedTracerError from deep inside,
+    before), while the gradient, which needs no split, takes it."""
+    net = lbp.Network([lbp.Layer(i, lambda th, u: jnp.tanh(u @ th[0] + th[1]), (i - 1,), (f"W{i}", f"b{i}"))
+                       for i in (1, 2)], [0], 2)
+    p = {"W1": 0.5 * jnp.eye(3), "W2": jnp.ones((3, 3)) / 3, "b1": jnp.arange(3.0) / 5, "b2": -jnp.ones(3) / 4}
+    x = jnp.arange(6.0).reshape(2, 3) / 6
+    jitted = jax.jit(lambda p, x: net(p, x))
+    inside = {
+        "jit": lambda p, x: jitted(p, x),
+        "jit twice": lambda p, x: jax.jit(lambda p, x: jitted(p, x) + jitted(p, -x))(p, x) / 2,
+        "vmap": lambda p, x: jax.vmap(lambda r: net(p, r[None])[0])(x),
+        "checkpoint": lambda p, x: jax.checkpoint(net)(p, x),
+        "scan": lambda p, x: jax.lax.scan(lambda c, _: (net(p, c), None), x, None, length=1)[0],
+        "cond": lambda p, x: jax.lax.cond(True, lambda: net(p, x), lambda: x),
+    }[around]
+    direct = {"jit": lambda p, x: net(p, x), "jit twice": lambda p, x: (net(p, x) + net(p, -x)) / 2}.get(around)
+    losses = lambda f: lambda p, x: 0.5 * jnp.sum(jnp.sin(f(p, x)) ** 2, axis=1)
+    loss = lambda f: lambda p, x: jnp.sum(losses(f)(p, x))
+    v = jax.tree.map(jnp.cos, p)
+    transforms = {
+        "diag_ggn": lambda f: lbp.diag_ggn(loss(f))(p, x),
+        "kfac_factors": lambda f: lbp.kfac_factors(loss(f))(p, x),
+        "gauss_newton": lambda f: lbp.gauss_newton(loss(f))(p, x)[2].mv(v),
+        "per_example_grads": lambda f: lbp.per_example_grads(losses(f))(p, x),
+        "one pass": lambda f: lbp.gauss_newton(loss(f), factors=True, diagonal=True)(p, x)[2].diagonal,
+    }
+    for transform in transforms.values():
+        if direct is not None:
+            assert_trees_close(transform(inside), transform(direct), rtol=1e-12, atol=1e-14)
+            continue
+        made = {"vmap": "jax.vmap", "checkpoint": "`(remat|checkpoint)", "scan": "`scan`", "cond": "`cond`"}[around]
+        with pytest.raises(ValueError, match=r"Network call 0 of fun \(outputs \[2\]\) is made inside " + made
+                           + r".*layers="):
+            transform(inside)
+    assert_trees_close(lbp.grad_by_solve(loss(inside))(p, x), jax.grad(loss(inside))(p, x))
+
 # -- the GGN diagonal -----------------------------------------------------------------------------
 @pytest.mark.users_settings
 @pytest.mark.parametrize("name", ["chain", "skips", "stacked", "rnn-rows", "transformer", "lstm"])

@@ -24,11 +24,14 @@ finds the same Network, and the solve's caches hit.
 
 Modules: `_marks` (marking the calls), `_inlining` (the user's jits and scans flattened),
 `_stacks` (stacked outputs read as one `Stack`), `_program` (the jaxpr split into data /
-network / loss), `_rewrite` (``fun`` around the network).
+network / loss), `_rewrite` (``fun`` around the network), `_network_calls` (the same marking for
+the calls of `Network` s: the curvature transforms' split of a function into its network calls
+and the loss).
 """
 
 from ._marks import layer
+from ._network_calls import NetworkCalls
 from ._program import Capture
 from ._rewrite import Rewritten, capture, rewrite
 
-__all__ = ["Capture", "Rewritten", "capture", "layer", "rewrite"]
+__all__ = ["Capture", "NetworkCalls", "Rewritten", "capture", "layer", "rewrite"]

@@ -11,28 +11,11 @@ from typing import Any
 import jax
 from jax.extend.core import Literal
 
-from ._marks import MARK
+from ._marks import contains_marks, marked_index
 
 
 class NoInput:
     """The input of a network that reads no data (its every input differentiated): nothing reads it."""
-
-
-def marked_index(eqn: Any) -> int | None:
-    if eqn.primitive.name not in ("pjit", "jit"):
-        return None
-    name = str(eqn.params.get("name", ""))
-    return int(name[len(MARK):]) if name.startswith(MARK) and name[len(MARK):].isdigit() else None
-
-
-def _contains_marks(jaxpr: Any) -> bool:
-    for eqn in jaxpr.eqns:
-        if marked_index(eqn) is not None:
-            return True
-        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-            if _contains_marks(sub):
-                return True
-    return False
 
 
 def inline_calls(jaxpr: Any, consts: Sequence[Any], rows: ScanRows) -> tuple[list, list, list, list]:
@@ -45,7 +28,7 @@ def inline_calls(jaxpr: Any, consts: Sequence[Any], rows: ScanRows) -> tuple[lis
     fix = lambda atoms: [a if isinstance(a, Literal) else rename.get(a, a) for a in atoms]
     for eqn in jaxpr.eqns:
         eqn = eqn.replace(invars=fix(eqn.invars))
-        if eqn.primitive.name == "scan" and _contains_marks(eqn.params["jaxpr"].jaxpr):
+        if eqn.primitive.name == "scan" and contains_marks(eqn.params["jaxpr"].jaxpr):
             sub, sub_constvars, sub_consts, outs = _unrolled_scan(eqn, rows)
             eqns += sub
             constvars += sub_constvars
@@ -53,7 +36,7 @@ def inline_calls(jaxpr: Any, consts: Sequence[Any], rows: ScanRows) -> tuple[lis
             rename.update(zip(eqn.outvars, outs))
             continue
         if marked_index(eqn) is None and eqn.primitive.name in ("pjit", "jit") and \
-                _contains_marks(eqn.params["jaxpr"].jaxpr):
+                contains_marks(eqn.params["jaxpr"].jaxpr):
             # traced again, not copied: JAX keeps one trace of a jitted function, so two calls of it
             # hold the same inner variables, and copies of one jaxpr would alias each other's values
             sub, sub_constvars, sub_consts, outs = _traced(jax.extend.core.jaxpr_as_fun(eqn.params["jaxpr"]),
@@ -64,7 +47,7 @@ def inline_calls(jaxpr: Any, consts: Sequence[Any], rows: ScanRows) -> tuple[lis
             rename.update(zip(eqn.outvars, outs))
             continue
         for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-            if _contains_marks(sub):
+            if contains_marks(sub):
                 what = eqn.primitive.name
                 raise NotImplementedError(
                     f"A layers= call runs inside `{what}` (a {what} of the model's code, e.g. jax.checkpoint, a "

@@ -20,6 +20,33 @@ from .._options import current
 MARK = "linbackprop_layer"
 
 
+def marked_index(eqn: Any, mark: str = MARK) -> int | None:
+    """The call's position where ``eqn`` is a marked call (a ``jax.jit`` named ``mark<k>``: a
+    layer's, or with `_network_calls.NETWORK_MARK` a network's), else None."""
+    if eqn.primitive.name not in ("pjit", "jit"):
+        return None
+    name = str(eqn.params.get("name", ""))
+    return int(name[len(mark):]) if name.startswith(mark) and name[len(mark):].isdigit() else None
+
+
+def marks_in(jaxpr: Any, mark: str = MARK) -> list[int]:
+    """The marked calls made anywhere in ``jaxpr`` (nested jaxprs included), by position."""
+    found = []
+    for eqn in jaxpr.eqns:
+        k = marked_index(eqn, mark)
+        if k is not None:
+            found.append(k)
+            continue
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            found += marks_in(sub, mark)
+    return found
+
+
+def contains_marks(jaxpr: Any, mark: str = MARK) -> bool:
+    """Whether ``jaxpr`` makes a marked call anywhere."""
+    return bool(marks_in(jaxpr, mark))
+
+
 # -- marking the calls ------------------------------------------------------------------------------
 class Capturing:
     """The state of one capture while ``fun`` is traced: the display name of each marked call in

@@ -9,8 +9,7 @@ from typing import Any
 
 import jax
 
-from .._capture import rewrite
-from .._options import calls_handled
+from .._capture import NetworkCalls, rewrite
 
 
 def normalise_argnums(argnums: int | Sequence[int]) -> tuple[tuple[int, ...], bool]:
@@ -27,6 +26,7 @@ class Split:
     def __init__(self, fun: Callable, args: tuple, argnums: tuple[int, ...], has_aux: bool):
         self.fun, self.args, self.argnums, self.has_aux = fun, args, argnums, has_aux
         self.diff = tuple(args[i] for i in argnums)
+        self._calls: NetworkCalls | None = None
 
     def args_with(self, diff: tuple) -> list:
         full = list(self.args)
@@ -35,8 +35,12 @@ class Split:
         return full
 
     def run(self, handler: Callable, diff: tuple) -> Any:
-        with calls_handled(handler):
-            return self.fun(*self.args_with(diff))
+        """``fun`` at ``diff`` with each network call given to ``handler`` (``handler(net, params,
+        inputs)`` its result): ``fun``'s jaxpr with its network calls found as ``layers=`` finds
+        layers (`_capture.NetworkCalls`, traced once), evaluated."""
+        if self._calls is None:
+            self._calls = NetworkCalls(lambda *d: self.fun(*self.args_with(d)), self.diff)
+        return self._calls.run(handler, jax.tree.leaves(diff))
 
     def model(self, *diff: Any) -> tuple:
         recorded = []

@@ -102,7 +102,7 @@ NetworkCall = Callable[[Any, Any, tuple[Any, ...]], Any]
 """How a Network call runs instead of plainly: ``call(net, params, inputs)``."""
 
 _SOLVER = context_value(None)  # the NetworkCall that solves (the transforms'), or None: plain JAX code
-_HANDLER = context_value(None)  # a curvature transform's NetworkCall splitting a function, or None
+_HANDLER = context_value(None)  # the NetworkCall marking calls for the curvature split, or None
 _SETTINGS = context_value(Settings())
 
 
@@ -137,8 +137,8 @@ def call_handler() -> NetworkCall | None:
 def calls_handled(handler: NetworkCall | None) -> Iterator[None]:
     """Inside, every Network call ``net(params, *inputs)`` is ``handler(net, params, inputs)``
     instead (which runs with no handler: calling ``net`` there is the ordinary call, solved or
-    plain as around it). The curvature transforms split a function into its network calls and the
-    rest this way."""
+    plain as around it). The curvature transforms' split marks a function's network calls this way
+    to find them in its jaxpr (`_capture.NetworkCalls`)."""
     with _HANDLER(handler):
         yield
 
