@@ -226,11 +226,13 @@ def test_gram_is_the_dense_quadratic_form_one_by_one_and_batched(batched):
 
 def test_gauss_newton_with_several_arguments_and_aux():
     losses, params, inputs = CASES["multi_input"]
-    loss = lambda p, x, z: (jnp.sum(losses(p, x, z)), {"n": 1.0})
+    loss = lambda p, x, z: (jnp.sum(losses(p, x, z)), {"n": 1.0, "note": "text", "mean": jnp.mean(x)})
     (_, aux), grad, G = lbp.gauss_newton(loss, argnums=(0, 1), has_aux=True)(params, *inputs)
     ref = jax.grad(lambda *a: loss(*a)[0], argnums=(0, 1))(params, *inputs)
     close(grad, ref)
-    assert aux == {"n": 1.0}
+    # as fun returned it (jax.value_and_grad's aux): Python values stay Python values
+    assert type(aux["n"]) is float and aux["n"] == 1.0 and aux["note"] == "text"
+    np.testing.assert_allclose(aux["mean"], jnp.mean(inputs[0]))
     v = jax.tree.map(jnp.ones_like, (params, inputs[0]))
     u = G.mv(v)
     assert jax.tree.structure(u) == jax.tree.structure(v)

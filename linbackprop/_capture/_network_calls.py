@@ -48,7 +48,8 @@ def _marks_in(jaxpr: Any) -> list[int]:
 class NetworkCalls:
     """``fun`` at ``args`` (traced once) with its network calls found: ``run(handler, leaves)``
     evaluates it at the flat ``leaves`` of the arguments it was traced at, each call's result
-    ``handler(net, params, inputs)``, and returns ``fun``'s result (its pytree)."""
+    ``handler(net, params, inputs)``, and returns ``fun``'s result (its pytree; leaves that are
+    no traced values — a Python number or string in an aux — as ``fun`` returned them)."""
 
     def __init__(self, fun: Callable, args: Sequence[Any]):
         calls: list[_Call] = []
@@ -71,9 +72,17 @@ class NetworkCalls:
             calls[k] = _Call(net, operands, tuple(jax.typeof(x) for x in flat), result[0])
             return jax.tree.unflatten(result[0], out)
 
+        static: list = []  # fun's result: its tree, and each leaf that is no traced value (kept as it is)
+
+        def traced_fun(*a: Any) -> list:
+            leaves, tree = jax.tree.flatten(fun(*a))
+            static[:] = [tree, [None if isinstance(x, (jax.Array, jax.core.Tracer)) else x for x in leaves]]
+            return [x for x in leaves if isinstance(x, (jax.Array, jax.core.Tracer))]
+
         with calls_handled(mark):
-            closed, self.shape = jax.make_jaxpr(fun, return_shape=True)(*args)
+            closed = jax.make_jaxpr(traced_fun)(*args)
         self.jaxpr, self.consts, self.calls = closed.jaxpr, closed.consts, calls
+        self.result, self.kept = static
         _refuse_hidden(self.jaxpr, calls)
 
     def run(self, handler: Handler, leaves: Sequence[Any]) -> Any:
@@ -95,8 +104,8 @@ class NetworkCalls:
                 return evaluate(inner.jaxpr, inner.consts, ins, rule=rule)
             return None
 
-        out = evaluate(self.jaxpr, self.consts, list(leaves), rule=rule)
-        return jax.tree.unflatten(jax.tree.structure(self.shape), out)
+        out = iter(evaluate(self.jaxpr, self.consts, list(leaves), rule=rule))
+        return jax.tree.unflatten(self.result, [next(out) if x is None else x for x in self.kept])
 
 
 def _check_operands(eqn: Any, call: _Call, k: int) -> None:
