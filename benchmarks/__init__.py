@@ -4,7 +4,9 @@ Run ``python benchmarks/run.py`` (or ``python -m benchmarks.run``) from the repo
 `run` for the options. Modules: `timing` (the one timing helper: compiled programs, runs
 interleaved, steps of a loop, memory), `models` (the networks and their references), the row
 families `gradient_rows`, `curvature_rows`, `private_rows`, `capture_rows`, `gru_rows`,
-`pinn_rows`, `kfac_rows`, `lm_rows`, and `tables` (printing and writing into the docs).
+`pinn_rows`, `kfac_rows`, `lm_rows`, `digits_problems` (the digits data and initial parameters both
+sides of the K-FAC comparison use, no linbackprop in it), and `tables` (printing and writing into
+the docs).
 `profile.py` (the memory and engine profiles) and `kfac_jax_digits.py` (kfac-jax's side, in its
 own environment) are scripts.
 """

@@ -26,27 +26,18 @@ Writes one JSON record per (setting, seed): the losses, the step times and the c
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import time
 
 import jax
 import jax.numpy as jnp
 import kfac_jax
-from sklearn.datasets import load_digits
-
-SIZES = (64, 128, 128, 10)
+from digits_problems import SIZES, cnn_params, digits, mean_cross_entropy, mlp_params
 
 
 def problem(seed: int) -> tuple:
-    """The loss (registered for kfac-jax), the initial parameters and the full batch."""
-    images, labels = load_digits(return_X_y=True)
-    x, y = jnp.asarray(images / 16.0, jnp.float32), jnp.asarray(labels)
-    keys = jax.random.split(jax.random.key(seed), len(SIZES) - 1)  # kfac_rows.digits_problem's
-    params = {}
-    for i, (m, n) in enumerate(itertools.pairwise(SIZES)):
-        params[f"W{i}"] = jax.random.normal(keys[i], (m, n), jnp.float32) / jnp.sqrt(m)
-        params[f"b{i}"] = jnp.zeros(n, jnp.float32)
+    """The loss (registered for kfac-jax), the initial parameters and the full batch: the MLP of
+    ``kfac_rows.digits_problem``, the same initialisation (`digits_problems`)."""
 
     def loss(p, batch):
         x, y = batch
@@ -55,28 +46,15 @@ def problem(seed: int) -> tuple:
             h = h @ p[f"W{i}"] + p[f"b{i}"]
             h = jnp.tanh(h) if i < len(SIZES) - 2 else h
         kfac_jax.register_softmax_cross_entropy_loss(h, y)
-        logp = jax.nn.log_softmax(h)
-        return -jnp.mean(jnp.take_along_axis(logp, y[:, None], axis=1))
+        return mean_cross_entropy(h, y)
 
-    return loss, params, (x, y)
-
-
-CNN_CHANNELS = (16, 32)
+    return loss, mlp_params(seed), digits()
 
 
 def cnn_problem(seed: int) -> tuple:
     """The digits CNN of ``kfac_time_to_loss.py --problem cnn`` (``kfac_rows.digits_cnn_problem``:
     8×8×1 → conv 3×3 16 → conv 3×3 32, SAME, tanh → dense 10), the same initialisation; kfac-jax
     finds the convolutions and the dense layer by its graph matching."""
-    images, labels = load_digits(return_X_y=True)
-    x, y = jnp.asarray(images.reshape(-1, 8, 8, 1) / 16.0, jnp.float32), jnp.asarray(labels)
-    keys = jax.random.split(jax.random.key(seed), 3)
-    c1, c2 = CNN_CHANNELS
-    params = {"K1": jax.random.normal(keys[0], (3, 3, 1, c1), jnp.float32) / 3.0, "k1": jnp.zeros(c1, jnp.float32),
-              "K2": jax.random.normal(keys[1], (3, 3, c1, c2), jnp.float32) / jnp.sqrt(9.0 * c1),
-              "k2": jnp.zeros(c2, jnp.float32),
-              "H": jax.random.normal(keys[2], (64 * c2, 10), jnp.float32) / jnp.sqrt(64.0 * c2),
-              "h": jnp.zeros(10, jnp.float32)}
     conv = lambda u, k, b: jnp.tanh(jax.lax.conv_general_dilated(
         u, k, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")) + b)
 
@@ -85,10 +63,9 @@ def cnn_problem(seed: int) -> tuple:
         h = conv(conv(x, p["K1"], p["k1"]), p["K2"], p["k2"])
         h = h.reshape(h.shape[0], -1) @ p["H"] + p["h"]
         kfac_jax.register_softmax_cross_entropy_loss(h, y)
-        logp = jax.nn.log_softmax(h)
-        return -jnp.mean(jnp.take_along_axis(logp, y[:, None], axis=1))
+        return mean_cross_entropy(h, y)
 
-    return loss, params, (x, y)
+    return loss, cnn_params(seed), digits((-1, 8, 8, 1))
 
 
 def run(optimizer, params: dict, batch: tuple, steps: int) -> tuple[list[float], list[float]]:

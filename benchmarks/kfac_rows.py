@@ -14,7 +14,6 @@ and measuring the loss for the damping, every 5th) are also timed apart.
 
 from __future__ import annotations
 
-import itertools
 import os
 from collections.abc import Callable
 
@@ -24,66 +23,33 @@ import optax
 
 import linbackprop as lbp
 
+from .digits_problems import SIZES, cnn_params, digits, mean_cross_entropy, mlp_params
 from .timing import interleaved, seconds_per_step
 
-SIZES = (64, 128, 128, 10)
 ROUNDS = 3  # the mean steps' runs, each taken this many times in turn
 ADAM_RATES = (1e-3, 3e-3, 1e-2, 3e-2, 1e-1)  # the best inside the grid, not at its edge
 
 
 def digits_problem(seed: int = 0) -> tuple[Callable, dict, tuple]:
     """The loss (mean cross-entropy of the MLP), its initial parameters (from ``seed``) and the
-    full batch."""
-    from sklearn.datasets import load_digits
-
-    images, labels = load_digits(return_X_y=True)
-    x, y = jnp.asarray(images / 16.0, jnp.float32), jnp.asarray(labels)
+    full batch (`digits_problems`, kfac-jax's side's too)."""
     dense = lambda th, u: jnp.tanh(u @ th[0] + th[1])
     head = lambda th, u: u @ th[0] + th[1]
     layers = [lbp.Layer(i + 1, dense if i < len(SIZES) - 2 else head, (i,), (f"W{i}", f"b{i}"))
               for i in range(len(SIZES) - 1)]
     net = lbp.Network(layers, [0], len(SIZES) - 1)
-    keys = jax.random.split(jax.random.key(seed), len(SIZES) - 1)
-    params = {}
-    for i, (m, n) in enumerate(itertools.pairwise(SIZES)):
-        params[f"W{i}"] = jax.random.normal(keys[i], (m, n), jnp.float32) / jnp.sqrt(m)
-        params[f"b{i}"] = jnp.zeros(n, jnp.float32)
-
-    def loss(p, x, y):
-        logp = jax.nn.log_softmax(net(p, x))
-        return -jnp.mean(jnp.take_along_axis(logp, y[:, None], axis=1))
-
-    return loss, params, (x, y)
-
-
-CNN_CHANNELS = (16, 32)
+    return lambda p, x, y: mean_cross_entropy(net(p, x), y), mlp_params(seed), digits()
 
 
 def digits_cnn_problem(seed: int = 0) -> tuple[Callable, dict, tuple]:
     """The digits CNN of the time-to-loss table: 8×8×1 → conv 3×3 16 → conv 3×3 32 (SAME, tanh) →
     dense 10, full batch, float32; its loss (mean cross-entropy), initial parameters and batch."""
-    from sklearn.datasets import load_digits
-
-    images, labels = load_digits(return_X_y=True)
-    x, y = jnp.asarray(images.reshape(-1, 8, 8, 1) / 16.0, jnp.float32), jnp.asarray(labels)
     conv = lambda th, u: jnp.tanh(jax.lax.conv_general_dilated(
         u, th[0], (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")) + th[1])
     head = lambda th, u: u.reshape(u.shape[0], -1) @ th[0] + th[1]
     net = lbp.Network([lbp.Layer("c1", conv, ("x",), ("K1", "k1")), lbp.Layer("c2", conv, ("c1",), ("K2", "k2")),
                        lbp.Layer("y", head, ("c2",), ("H", "h"))], ["x"], "y")
-    keys = jax.random.split(jax.random.key(seed), 3)
-    c1, c2 = CNN_CHANNELS
-    params = {"K1": jax.random.normal(keys[0], (3, 3, 1, c1), jnp.float32) / 3.0, "k1": jnp.zeros(c1, jnp.float32),
-              "K2": jax.random.normal(keys[1], (3, 3, c1, c2), jnp.float32) / jnp.sqrt(9.0 * c1),
-              "k2": jnp.zeros(c2, jnp.float32),
-              "H": jax.random.normal(keys[2], (64 * c2, 10), jnp.float32) / jnp.sqrt(64.0 * c2),
-              "h": jnp.zeros(10, jnp.float32)}
-
-    def loss(p, x, y):
-        logp = jax.nn.log_softmax(net(p, x))
-        return -jnp.mean(jnp.take_along_axis(logp, y[:, None], axis=1))
-
-    return loss, params, (x, y)
+    return lambda p, x, y: mean_cross_entropy(net(p, x), y), cnn_params(seed), digits((-1, 8, 8, 1))
 
 
 def _kfac_step(loss: Callable, batch: tuple, opt, value_at: bool, one_pass: bool = True) -> Callable:

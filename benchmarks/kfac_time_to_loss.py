@@ -4,7 +4,7 @@ CNN, conv 3×3 16 → conv 3×3 32 → dense 10), as users time it: ``lbp.kfac``
 own environment), Adam and ``optax.contrib.muon`` (each the best rate of a grid whose best is
 inside it), five seeds each by default.
 
-    OPENBLAS_NUM_THREADS=1 /tmp/kfj/bin/python benchmarks/kfac_jax_digits.py --out kfac_jax.json
+    OPENBLAS_NUM_THREADS=1 <kfac-jax env>/bin/python benchmarks/kfac_jax_digits.py --out kfac_jax.json
     OPENBLAS_NUM_THREADS=1 python benchmarks/kfac_time_to_loss.py --kfac-jax kfac_jax.json
     OPENBLAS_NUM_THREADS=1 python benchmarks/kfac_time_to_loss.py --problem cnn --seeds 2 \
         --kfac-steps 40 --first-order-steps 250 --rates 0.003,0.01,0.03 --inverses exact,factored
