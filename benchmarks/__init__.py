@@ -7,8 +7,9 @@ families `gradient_rows`, `curvature_rows`, `private_rows`, `capture_rows`, `gru
 `pinn_rows`, `kfac_rows`, `lm_rows`, `digits_problems` (the digits data and initial parameters both
 sides of the K-FAC comparison use, no linbackprop in it), and `tables` (printing and writing into
 the docs).
-`profile.py` (the memory and engine profiles) and `kfac_jax_digits.py` (kfac-jax's side, in its
-own environment) are scripts.
+`profile.py` (the memory and engine profiles), `kfac_jax_digits.py` (kfac-jax's side, in its
+own environment) and `program_hashes.py` (hashes of the programs the package builds, to check that
+a refactor changes none) are scripts.
 """
 
 from __future__ import annotations
