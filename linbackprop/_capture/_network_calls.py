@@ -67,9 +67,8 @@ class NetworkCalls:
                 return out
 
             traced.__name__ = traced.__qualname__ = f"{NETWORK_MARK}{k}"
-            calls.append(None)  # its place, kept while inner calls (none expected) are traced
-            out = jax.jit(traced)(*flat)
-            calls[k] = _Call(net, operands, tuple(jax.typeof(x) for x in flat), result[0])
+            out = jax.jit(traced)(*flat)  # no call inside marks: the network runs with no handler
+            calls.append(_Call(net, operands, tuple(jax.typeof(x) for x in flat), result[0]))
             return jax.tree.unflatten(result[0], out)
 
         static: list = []  # fun's result: its tree, and each leaf that is no traced value (kept as it is)
@@ -83,23 +82,22 @@ class NetworkCalls:
             closed = jax.make_jaxpr(traced_fun)(*args)
         self.jaxpr, self.consts, self.calls = closed.jaxpr, closed.consts, calls
         self.result, self.kept = static
-        _refuse_hidden(self.jaxpr, calls)
+        self.inlined = _checked(self.jaxpr, calls)  # the user's jits around calls, by id
 
     def run(self, handler: Handler, leaves: Sequence[Any]) -> Any:
-        calls = self.calls
+        calls, inlined = self.calls, self.inlined
 
         def rule(eqn: Any, ins: list) -> list | None:
             k = _index(eqn)
             if k is not None:
                 call = calls[k]
-                _check_operands(eqn, call, k)
                 params, inputs = jax.tree.unflatten(call.operands, ins)
                 out, tree = jax.tree.flatten(handler(call.net, params, tuple(inputs)))
                 if tree != call.result:
                     raise ValueError(f"Network call {k} of fun returned {tree} where it was traced returning "
                                      f"{call.result}.")
                 return out
-            if eqn.primitive.name in ("pjit", "jit") and _marks_in(eqn.params["jaxpr"].jaxpr):
+            if id(eqn) in inlined:
                 inner = eqn.params["jaxpr"]  # a jax.jit of the user's around calls: evaluated in place
                 return evaluate(inner.jaxpr, inner.consts, ins, rule=rule)
             return None
@@ -116,20 +114,25 @@ def _check_operands(eqn: Any, call: _Call, k: int) -> None:
         raise ValueError(_nested(k, call, "jax.vmap (its operands carry a batch axis the call was not made with)"))
 
 
-def _refuse_hidden(jaxpr: Any, calls: list[_Call]) -> None:
+def _checked(jaxpr: Any, calls: list[_Call]) -> set[int]:
     """Every network call must be evaluated where it is: in ``fun``'s own equations or a
-    ``jax.jit`` of the user's among them; one inside another transformation is refused."""
+    ``jax.jit`` of the user's among them (whose ids are returned: evaluated in place); one inside
+    another transformation is refused, and so is one whose operands are not those it was made
+    with (it ran under ``jax.vmap``)."""
+    inlined = set()
     for eqn in jaxpr.eqns:
-        if _index(eqn) is not None:
-            _check_operands(eqn, calls[_index(eqn)], _index(eqn))
+        k = _index(eqn)
+        if k is not None:
+            _check_operands(eqn, calls[k], k)
             continue
         inner = [k for sub in jax.extend.core.jaxprs_in_params(eqn.params) for k in _marks_in(sub)]
         if not inner:
             continue
-        if eqn.primitive.name in ("pjit", "jit"):
-            _refuse_hidden(eqn.params["jaxpr"].jaxpr, calls)
-            continue
-        raise ValueError(_nested(inner[0], calls[inner[0]], f"`{eqn.primitive.name}`"))
+        if eqn.primitive.name not in ("pjit", "jit"):
+            raise ValueError(_nested(inner[0], calls[inner[0]], f"`{eqn.primitive.name}`"))
+        inlined.add(id(eqn))
+        inlined |= _checked(eqn.params["jaxpr"].jaxpr, calls)
+    return inlined
 
 
 def _nested(k: int, call: _Call, where: str) -> str:

@@ -2,9 +2,9 @@
 
     ℒ Z = ℳ* h + E₀ dU₀,   ℳ* h batched per kind before the solve,
 
-bound as the solve of the states alone; its transpose — ℳΛ after the back substitution, batched
-per kind — is JAX's transpose of that product. (An unrolled solve has little to batch in its
-loop: `Policy.params_in_loop`.)
+bound as the solve of the states alone (`StatesOnly`'s, in the full layout); its transpose — ℳΛ
+after the back substitution, batched per kind — is JAX's transpose of that product. (An unrolled
+solve has little to batch in its loop: `Policy.params_in_loop`.)
 """
 
 from __future__ import annotations
@@ -15,25 +15,20 @@ from typing import Any, ClassVar
 from .._engine import Primal, param_forward
 from ._primitive import held_weakly_by_jax_caches
 from ._states_only import StatesOnly
-from ._variant import StoredSolve
 
 
 @held_weakly_by_jax_caches
 @dataclasses.dataclass(frozen=True, repr=False)
-class ParamsBefore(StoredSolve):
-    """ℒ Z = ℳ* h + E₀ dU₀ with ℳ* h formed before a full-layout solve (see the module's
-    docstring). Its solve and products are the full layout's `StatesOnly`'s."""
+class ParamsBefore(StatesOnly):
+    """ℒ Z = ℳ* h + E₀ dU₀ with ℳ* h formed before the full layout's solve of the states (see the
+    module's docstring): `StatesOnly`'s solve and products, its right-hand side moved by h."""
 
     moves_params: ClassVar[bool] = True
 
-    def solve(self, prim: Primal, b: Any, transposed: bool) -> Any:
-        return self._states().solve(prim, b, transposed)
-
-    def product(self, prim: Primal, x: Any, transposed: bool) -> Any:
-        return self._states().product(prim, x, transposed)
+    def __post_init__(self) -> None:
+        if self.compact:
+            raise ValueError(f"{self!r}: ℳ* h is formed before the loop only in the full layout (ParamsAfter "
+                             "forms it inside a compact solve).")
 
     def bind(self, prim: Primal, h: list[Any] | None, rhs: list[Any]) -> list[Any]:
-        return self._states().bind(prim, None, param_forward(self.plan, prim, h, rhs))
-
-    def _states(self) -> StatesOnly:
-        return StatesOnly(self.plan, self.prim_tree, self.b_tree)
+        return super().bind(prim, None, param_forward(self.plan, prim, h, rhs))

@@ -162,7 +162,7 @@ class StoredSolve(SolveVariant):
         return outputs_of(self.plan, prim.states), self.stored_tangents(prim, dtheta, dinputs)
 
 
-def state_part(variant: StoredSolve, fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
+def _state_part(variant: StoredSolve, fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
     """``fn`` applied to the state-layout part of a right-hand side or solution."""
     if variant.joint:
         return lambda b: (b[0], fn(b[1]))
@@ -178,7 +178,7 @@ def compact_layouts(variant: StoredSolve, transposed: bool, rhs_full: bool = Fal
     to_full = functools.partial(take_rows, tables=zplan.to_compact)  # a compact row per full row
     to_compact = functools.partial(take_rows, tables=zplan.to_full)
     if transposed:  # Pᵀ b (the pad row is no row of the solution); Eᵀ at the input rows
-        return (state_part(variant, lambda b: to_full(without_pad(zplan, b))),
-                state_part(variant, lambda x: x if rhs_full else at_inputs(zplan, to_compact(x))))
-    return (state_part(variant, lambda b: b if rhs_full else to_full(at_inputs(zplan, b))),
-            state_part(variant, lambda x: without_pad(zplan, to_compact(x))))
+        return (_state_part(variant, lambda b: to_full(without_pad(zplan, b))),
+                _state_part(variant, lambda x: x if rhs_full else at_inputs(zplan, to_compact(x))))
+    return (_state_part(variant, lambda b: b if rhs_full else to_full(at_inputs(zplan, b))),
+            _state_part(variant, lambda x: without_pad(zplan, to_compact(x))))
