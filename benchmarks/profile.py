@@ -41,10 +41,10 @@ products one after another and vmapped as one substitution (``Policy.batched_pro
 the digits MLP of ``--rows kfac``, the Poisson PINNs of ``examples/pinn_poisson.py`` (float64),
 an RNN of 32 steps and a chain of 16 layers: the measurement behind
 ``Policy.batched_products_pay``.
-``roots``: the sampling roots of 1,797 random positive definite blocks (``block_roots``) of
-4, 6 and 10 coordinates with LAPACK's batched Cholesky (``SMALL_BLOCK`` 0) and with the one formed
+``roots``: the Cholesky roots of 1,797 random positive definite blocks (what ``block_roots`` takes) of
+4, 6 and 10 coordinates with LAPACK's batched Cholesky and with the same roots formed
 column by column over the examples, interleaved medians and each one's compile time: the
-measurement behind ``_curvature._sampling.SMALL_BLOCK``.
+measurement behind the size below which the library takes the roots column by column.
 ``float64``: the parts of ``examples/pinn_poisson.py``'s K-FAC step on 2-64-1 (``gauss_newton``
 with the two G products, ``kfac_factors`` of the two-call loss, the whole ``lbp.kfac`` step), each
 compiled with XLA's defaults and with the example's ``CPU_OPTIONS`` (YNNPACK's dot fusions off),
@@ -365,18 +365,26 @@ def gram_products(repeats: int = 20) -> None:
 
 
 def small_roots(repeats: int = 30) -> None:
-    from linbackprop._curvature import _sampling
+    """LAPACK's batched Cholesky against the same roots column by column over all examples at once
+    (Crout's order, written here as `_curvature._sampling` writes it): the measurement behind the
+    size below which the library takes the latter."""
+
+    def by_columns(h: jax.Array) -> jax.Array:
+        a = jnp.moveaxis(h, 0, -1)  # [C, C, B]: each step over every example at once
+        columns: list[jax.Array] = []
+        for j in range(a.shape[0]):
+            v = a[j:, j]
+            for done in columns:
+                v = v - done[j:] * done[j]
+            columns.append(jnp.concatenate([jnp.zeros_like(a[:j, j]), v / jnp.sqrt(v[0])]))
+        return jnp.moveaxis(jnp.stack(columns, axis=1), -1, 0)
 
     for coords in (4, 6, 10):
         x = jax.random.normal(jax.random.key(coords), (1797, coords, coords))
         blocks = x @ jnp.swapaxes(x, 1, 2) / coords
-        programs = []
-        for small in (0, coords):
-            _sampling.SMALL_BLOCK = small  # read while tracing
-            made, seconds = compiled(lambda h: _sampling.block_roots(h), (blocks,))  # a fresh trace each
-            programs.append(((made, (blocks,)), seconds))
-        _sampling.SMALL_BLOCK = 6
-        lapack, ours = interleaved([p for p, _ in programs], repeats)
+        programs = [compiled(jnp.linalg.cholesky, (blocks,)), compiled(by_columns, (blocks,))]
+        np.testing.assert_allclose(programs[0][0](blocks), programs[1][0](blocks), rtol=1e-4, atol=1e-4)
+        lapack, ours = interleaved([(made, (blocks,)) for made, _ in programs], repeats)
         print(f"1,797 blocks of {coords} × {coords}: LAPACK {lapack * 1e3:.3f} ms (compile {programs[0][1]:.2f} s), "
               f"column by column {ours * 1e3:.3f} ms (compile {programs[1][1]:.2f} s)", flush=True)
 

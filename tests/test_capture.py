@@ -705,7 +705,7 @@ def test_one_example_retrace_keeps_a_raw_key_and_names_a_fixed_batch():
     def fixed(W, x):
         return jnp.sum(body(W, x).reshape(5, -1) ** 2, axis=1)
 
-    with pytest.raises(ValueError, match=r"trace fun again on one example.*h\.reshape\(h\.shape\[0\], -1\)"):
+    with pytest.raises(ValueError, match=r"traced again on one example.*h\.reshape\(h\.shape\[0\], -1\)"):
         lbp.per_example_grads(fixed, layers=body)(W, jnp.asarray(rng.standard_normal((5, 3))))
 
 

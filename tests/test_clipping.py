@@ -148,8 +148,9 @@ def _head_after_the_network(form, head_form):
     """Three residual blocks — in a lax.scan named in layers= (``form="layers"``), or a Network of
     Row blocks — and a head after them in the losses, in one of three forms: as written (each
     example's gradient from its own rows), with the batch written into a reshape (only a Network:
-    layers= refuses it), and reading a frozen argument whose leading axis is the batch (both: the
-    losses cannot run on one example's rows, so the batch's Jacobian)."""
+    layers= refuses it; the losses cannot run on one example's rows, so the batch's Jacobian), and
+    reading a frozen argument whose leading axis is the batch as a table (proved not read by row:
+    passed whole to each example's losses)."""
     @lbp.layer
     def block(W, b, h):
         return h + jnp.tanh(h @ W + b)
@@ -180,12 +181,12 @@ def _head_after_the_network(form, head_form):
 
 
 @pytest.mark.parametrize(("form", "head_form", "one_example"),
-                         [("layers", "as-written", True), ("layers", "frozen", False),
+                         [("layers", "as-written", True), ("layers", "frozen", True),
                           ("network", "as-written", True), ("network", "reshape", False)])
 def test_a_head_after_the_network_from_each_examples_rows(form, head_form, one_example, monkeypatch):
     """The per-example gradients of a head the losses apply after the network come from each
     example's own rows of the outputs and the data (one batched backward pass) where the losses
-    run on one example — checked at trace time against the batch's losses — and from the batch's
+    run on one example — checked on the real values inside the program — and from the batch's
     Jacobian where they do not; the norms and the clipped sum equal jax.vmap(jax.grad)'s either
     way, under jax.jit."""
     from linbackprop._curvature import _per_example

@@ -296,7 +296,7 @@ def test_losses_that_mix_examples_raise():
     for transform in (lbp.per_example_grads(centred), lbp.per_example_grad_norms(centred),
                       lbp.clipped_grad(centred, 1.0)):
         for wrap in (lambda f: f, jax.jit):
-            with pytest.raises(ValueError, match=r"losses mix examples: changing example 0's outputs"):
+            with pytest.raises(ValueError, match=r"losses mix examples: loss \d reads"):
                 wrap(transform)(p, x)
     shifted = lambda p, x: jnp.sum(net(p, x) ** 2, axis=1) + jnp.mean(x)
     close(jax.jit(lbp.per_example_grads(shifted))(p, x), jax.jacrev(shifted)(p, x))

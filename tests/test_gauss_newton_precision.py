@@ -223,3 +223,32 @@ def test_a_non_finite_first_step_does_not_stop_gauss_newton():
         updates, state = tx.update(grad, state, params, rows=rows, value_fn=loss)
     assert np.isfinite(float(state.damping))
     assert any(np.any(np.asarray(u) != 0) for u in jax.tree.leaves(updates))
+
+
+@pytest.mark.parametrize("step", ["probe", "lm"])
+def test_given_residuals_the_rest_of_the_gradient_is_used(step):
+    """rows=K, residuals=b of the least-squares part, and a gradient that holds more: weight decay
+    in the loss (½·5‖θ‖² in the value and the gradient, not in the rows), or added by an earlier
+    transform of an optax.chain. Both reach the regularised optimum (its gradient's norm at
+    round-off), not the unregularised one."""
+    params, fit = _fit_problem()
+    decay = 5.0
+    total = lambda p: fit(p) + 0.5 * decay * sum(jnp.sum(x ** 2) for x in jax.tree.leaves(p))
+    in_the_loss = lbp.scale_by_gauss_newton(step=step, damping=1e-2)
+    chained = optax.chain(optax.add_decayed_weights(decay), lbp.scale_by_gauss_newton(step=step, damping=1e-2))
+
+    def run(tx, gradient_of):
+        @jax.jit
+        def update(params, state):
+            grad = jax.grad(gradient_of)(params)
+            rows, b = lbp.ggn_factor(fit, rank=1, residuals=True)(params)
+            return tx.update(grad, state, params, rows=rows, residuals=b, value=total(params), value_fn=total)
+
+        p, state = params, tx.init(params)
+        for _ in range(40):
+            updates, state = update(p, state)
+            p = optax.apply_updates(p, optax.tree.scale(-1.0, updates))
+        return float(jnp.linalg.norm(ravel_pytree(jax.grad(total)(p))[0]))
+
+    assert run(in_the_loss, total) < 1e-9
+    assert run(chained, fit) < 1e-9

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -16,7 +15,7 @@ import numpy as np
 from jax.extend.core import Literal
 
 from .._frameworks import split_argument
-from .._graph import Constant, Stack, agree_at_random, at_random
+from .._graph import FREE, MIXED, Constant, Stack, example_flow, row_codes
 from .._options import settings_changed
 from ._marks import Capturing, Patched
 from ._program import NETWORKS, Capture, Program, at_any_batch, build, shared_value
@@ -164,54 +163,40 @@ def _sub_jaxprs(eqn: Any) -> list:
 
 def _data_among(flat: Callable, diff: list, rest: list, candidates: list[bool], batch: int) -> list[bool]:
     """Which of the ``candidates`` (the arguments not differentiated whose leading axis is the
-    batch) are the data: those whose rows, moved one example on (a cyclic shift along the batch),
-    move ``fun``'s per-example results one example on and leave a sum over the examples as it is
-    — checked on random values (`at_random`) at trace time. Every candidate where that holds
-    (two evaluations: the usual case); else the largest subset for which it does, so that a
-    frozen parameter whose leading axis happens to equal the batch (a 2 × 2 matrix at batch 2,
-    an embedding table with as many rows as examples, whose shifted rows the gather reads for
-    every example) is no data; else every candidate, and the checks that follow say what mixes
-    the examples. (Layers that mix examples, batch statistics, move with the examples too: the
-    shift finds the data, not whether examples stay apart.)"""
+    batch) are the data: proved from ``fun``'s program (`example_flow`), each candidate's rows
+    numbered as the examples in turn — data where ``fun`` reads it, and each per-example
+    result (a leading axis of the batch) reads row b of it at row b alone, every other result a
+    sum of per-example terms, for every value. A frozen parameter whose leading axis happens
+    to equal the batch (a 2 × 2 matrix at batch 2, an embedding table or class weights with as
+    many rows as examples) is read as a table, not by row: no data. Where no candidate is read
+    by row, every candidate (the checks that follow say what mixes the examples)."""
     where = [n for n, c in enumerate(candidates) if c]
     if not where:
         return candidates
     aval = lambda x: jax.ShapeDtypeStruct(np.shape(x), jax.numpy.result_type(x))
-    # one trace at the avals (the shifts keep the shapes), random values for the arguments
-    evaluate, values, shape = at_random(flat, [aval(x) for x in diff], [aval(x) for x in rest])
-    n_result = len(jax.tree.leaves(shape[0]))
-    diff_values, rest_values = values[:len(diff)], values[len(diff):]
-    with jax.ensure_compile_time_eval():
-        full = evaluate(*diff_values, *rest_values)[:n_result]
-    if not full:
-        return candidates
-    subsets = [tuple(where)] + [s for size in range(len(where) - 1, 0, -1)
-                                for s in itertools.combinations(where, size)][:_MOST_SUBSETS]
-    for subset in subsets:
-        with jax.ensure_compile_time_eval():
-            shifted = evaluate(*diff_values, *[jax.numpy.roll(v, 1, axis=0) if n in subset else v
-                                               for n, v in enumerate(rest_values)])[:n_result]
-        if all(_moved_with_the_examples(a, b, batch) for a, b in zip(full, shifted)):
-            return [n in subset for n in range(len(candidates))]
-    return candidates
+    diff_avals, rest_avals = [aval(x) for x in diff], [aval(x) for x in rest]
+    program, shape = jax.make_jaxpr(flat, return_shape=True)(diff_avals, rest_avals)  # one trace, each labelling
+    n_results = len(jax.tree.leaves(shape[0]))
+    chosen = [False] * len(candidates)
+    for n in where:
+        labels = [None] * len(diff) + [row_codes(np.shape(x)) if m == n else None for m, x in enumerate(rest)]
+        results = example_flow(program, (), labels).codes[:n_results]
+        read = any(np.any(c != FREE) for c in results)
+        chosen[n] = read and all(_read_by_row(c, batch) for c in results)
+    return chosen if any(chosen) else candidates
 
 
-_MOST_SUBSETS = 64  # of the candidates, tried largest first where shifting all of them does not fit
-
-
-def _moved_with_the_examples(full: Any, shifted: Any, batch: int) -> bool:
-    """``shifted`` is ``full`` moved one example on along its leading axis where that is the batch
-    (per-example losses), and ``full`` itself elsewhere (a sum or mean over the examples), up to
-    round-off of the dtype: rows of a frozen parameter moved change it by a random amount."""
-    if np.shape(full) != np.shape(shifted):
-        return False
-    if np.ndim(full) and np.shape(full)[0] == batch:
-        full = np.roll(np.asarray(full), 1, axis=0)  # numpy: no tracer under a jit
-    return agree_at_random(full, shifted)
+def _read_by_row(codes: np.ndarray, batch: int) -> bool:
+    """Whether a result's codes say it reads the examples one by one: row b of a per-example
+    result (its leading axis the batch) example b alone, any other result a sum of such terms."""
+    if codes.ndim and codes.shape[0] == batch:
+        return bool(np.all((codes == FREE) | (codes == row_codes(codes.shape))))
+    return not np.any(codes == MIXED)
 
 
 def _at_one_example(program: Program, raw_keys: list[bool], flat: Callable, diff: list, rest: list,
-                    entries: tuple, names: list, rest_names: list, n_other: int) -> Program:
+                    entries: tuple, names: list, rest_names: list, n_other: int,
+                    name: str = "the per-example transforms") -> Program:
     """``program`` whose layers also run on one example: ``fun`` traced again with each data
     argument whose leading axis is the batch (that of the first output state, axis 1 of a
     `Stack`) sliced to one example — but a raw PRNG key (``raw_keys``, from how it flows) — and
@@ -233,7 +218,7 @@ def _at_one_example(program: Program, raw_keys: list[bool], flat: Callable, diff
     except (TypeError, ValueError, IndexError) as error:
         cut = [name for name, s in zip(rest_names, chosen) if s][:6]
         raise ValueError(
-            f"layers=: the per-example transforms trace fun again on one example, each argument whose "
+            f"layers=: fun is traced again on one example for {name}, each argument whose "
             f"leading axis is the batch ({batch}: {cut}) sliced to its first row, and fun fails there "
             f"({type(error).__name__}: {str(error).splitlines()[0][:200]}). A model that writes the batch "
             f"size into its program (h.reshape({batch}, -1)) or indexes the batch needs it from the "
@@ -251,12 +236,12 @@ def _at_one_example(program: Program, raw_keys: list[bool], flat: Callable, diff
     return shared_value(key, lambda: at_any_batch(program, one_program), NETWORKS)
 
 
-def rewrite(fun: Callable, args: tuple, argnums: tuple[int, ...], layers: Any, per_example: bool = False
+def rewrite(fun: Callable, args: tuple, argnums: tuple[int, ...], layers: Any, per_example: bool | str = False
             ) -> Rewritten:
     """Trace ``fun(*args)`` with the calls of ``layers`` made opaque, find the network, and
     return ``fun`` as a function of the differentiated leaves around one call of it.
     ``per_example``: its layers also run on one example (`at_any_batch`), as the per-example
-    transforms evaluate them."""
+    transforms evaluate them (a string: the transform's name, which its errors give)."""
     entries = layers if isinstance(layers, tuple | list) else (layers,)
     for i in argnums:
         if not 0 <= i < len(args):
@@ -290,7 +275,8 @@ def rewrite(fun: Callable, args: tuple, argnums: tuple[int, ...], layers: Any, p
     program, shape, raw_keys = _program(flat, diff, rest, tuple(entries), names, rest_names)
     if per_example:
         program = _at_one_example(program, raw_keys, flat, diff, rest, tuple(entries), names, rest_names,
-                                  n_other=len(traced_pos))
+                                  n_other=len(traced_pos), name=per_example if isinstance(per_example, str)
+                                  else "the per-example transforms")
     out_def = jax.tree.structure(shape)
 
     def rewritten(*parts: Any) -> tuple:

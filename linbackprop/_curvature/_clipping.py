@@ -92,7 +92,7 @@ def clipped_grad(losses: Callable, clip: float | jax.Array, argnums: int | Seque
     nums, single = normalise_argnums(argnums)
     if layers is not None:
         def on_model(*args: Any) -> tuple[Any, jax.Array]:
-            found = rewrite(losses, args, nums, layers, per_example=True)
+            found = rewrite(losses, args, nums, layers, per_example="clipped_grad")
             flat = clipped_grad(flat_result(found.fun), clip, tuple(range(len(nums))), engine=engine)
             clipped, norms = flat(*found.args)
             return found.gradient(clipped, single), norms

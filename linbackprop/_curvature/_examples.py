@@ -259,6 +259,10 @@ def _columns(examples: Examples, samples: int | None, key: Any, name: str) -> tu
     """``(column, ks, scale)``: ``column(k)`` is (s, w) of column k, ``ks`` the columns'
     indices (or sample keys), ``scale`` what their sum is divided by (None: 1)."""
     coords = max(int(np.prod(h.shape[1:-1])) for h in examples.blocks)  # C, or P · D per position
+    if samples is None and key is not None:
+        raise ValueError(f"{name}(key=...) without samples=: with no samples= every exact column of H is taken (one "
+                         f"back substitution per output coordinate) and the key draws nothing. Pass samples=1 for "
+                         f"one sampled column per example, or drop key= for the exact columns.")
     if samples is None:
         lam, vecs = examples.eigen()
 

@@ -92,7 +92,7 @@ def gauss_newton(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool 
     Raises:
         ValueError: a loss that calls no network (name the layers with ``layers=``); ``samples``
             or ``key`` without ``factors`` or ``diagonal``; ``remat`` or ``checkpoints`` with
-            them; ``samples`` without ``key``.
+            them; ``samples`` without ``key``, or ``key`` without ``samples``.
 
     Examples:
         >>> import jax.numpy as jnp, linbackprop as lbp

@@ -61,7 +61,7 @@ def diag_ggn(fun: Callable, argnums: int | Sequence[int] = 0, *, engine: Engine 
 
     Raises:
         ValueError: layers that mix examples, a state without the batch first, a loss that
-            calls no network, or ``samples`` without ``key``.
+            calls no network, ``samples`` without ``key``, or ``key`` without ``samples``.
 
     Examples:
         >>> import jax.numpy as jnp, linbackprop as lbp
@@ -73,7 +73,8 @@ def diag_ggn(fun: Callable, argnums: int | Sequence[int] = 0, *, engine: Engine 
         [[1.0], [4.0]]
     """
     if layers is not None:
-        return on_model(lambda f, a: diag_ggn(f, a, engine=engine, samples=samples, key=key), fun, argnums, layers)
+        return on_model(lambda f, a: diag_ggn(f, a, engine=engine, samples=samples, key=key), fun, argnums, layers,
+                        name="diag_ggn")
     nums, single = normalise_argnums(argnums)
 
     def run(*args: Any) -> Any:
@@ -144,7 +145,7 @@ def ggn_factor(fun: Callable, argnums: int | Sequence[int] = 0, *, rank: int | N
     """
     if layers is not None:
         return on_model(lambda f, a: ggn_factor(f, a, rank=rank, engine=engine, residuals=residuals), fun, argnums,
-                        layers, with_extra=residuals)
+                        layers, with_extra=residuals, name="ggn_factor")
     nums, single = normalise_argnums(argnums)
     if rank is not None and (not isinstance(rank, int) or rank < 1):
         raise ValueError(f"ggn_factor(rank={rank!r}): a positive int (the residuals per example), or None for all.")

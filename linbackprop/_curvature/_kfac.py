@@ -164,7 +164,8 @@ def kfac_factors(fun: Callable, argnums: int | Sequence[int] = 0, *, engine: Eng
                          "term) or 'reduce' (each example's uses summed first).")
     if layers is not None:
         found = on_model(lambda f, a: kfac_factors(f, a, engine=engine, samples=samples, key=key,
-                                                   approximation=approximation), fun, argnums, layers)
+                                                   approximation=approximation), fun, argnums, layers,
+                         name="kfac_factors")
         return lambda *args: biases_named_in(found(*args))
     nums, single = normalise_argnums(argnums)
 

@@ -4,7 +4,7 @@ applied after the last layer named in ``layers=``), each from that example's row
 The Jacobian of the (B,) losses in such leaves by reverse mode is B backward passes of the whole
 batch's head: for a dense head each pass is a [width × B] · [B × classes] product of which one
 row counts, B² work for B outer products. Where every loss reads only its own example — which
-the per-example transforms check before they get here — the loss of example b is the loss of a
+the per-example transforms prove before they get here — the loss of example b is the loss of a
 batch of one: example b's rows of the networks' outputs and of the data arguments. Then
 ``jax.vmap`` over the examples of ``jax.grad`` of that one-example loss gives every per-example
 gradient in one batched backward pass of the head.
@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._graph import agree_at_random, at_random
+from .._graph import FREE, example_flow, row_codes
 from ._calls import Calls
 from ._examples import per_example_losses
 from ._split import Split
@@ -28,14 +28,13 @@ from ._split import Split
 def one_example_losses(split: Split, calls: Calls, batch: int) -> Callable | None:
     """``each(outs, g)``: ``g(loss_b)`` for every example b at once (``jax.vmap``), ``loss_b(*diff)``
     the loss of example b computed from its rows alone — example b's rows of the calls' outputs
-    ``outs`` and of the arguments not differentiated whose leading axis is the batch, the rest
-    whole; or None where that does not give ``fun``'s losses.
+    ``outs`` and of the data arguments, the rest whole; or None where the losses cannot run so.
 
-    Which arguments are data is read off their shapes, so the result is checked once at trace
-    time against the losses of the whole batch, on random values of the outputs and of the
-    differentiated arguments (`at_random`): a frozen argument whose leading axis happens to equal
-    the batch, or a loss that cannot run on one example (a reshape to the batch written into
-    it), gives None, and the caller keeps the batch's Jacobian (exact, B backward passes)."""
+    Which arguments are data is proved from the losses' program (`data_read_by_row`), for every
+    value: a leaf whose rows loss b reads at row b alone; a frozen argument whose leading axis
+    happens to equal the batch (class weights indexed by the labels) is read as a table, whole.
+    That the losses traced again on one example compute what the batch's do is checked where
+    the result is used, on the real values (`check_one_example`)."""
     axes = calls.batch_axes()
     if calls.spans is not None or any(not np.ndim(x) or np.shape(x)[a] != batch
                                       for call, call_axes in zip(calls.outs, axes)
@@ -44,7 +43,7 @@ def one_example_losses(split: Split, calls: Calls, batch: int) -> Callable | Non
     rest = [n for n in range(len(split.args)) if n not in split.argnums]
     flat = [jax.tree.flatten(split.args[n]) for n in rest]
     rest_leaves, rest_defs = [leaves for leaves, _ in flat], [treedef for _, treedef in flat]
-    is_data = [[_rows_of_examples(x, batch) for x in leaves] for leaves in rest_leaves]
+    is_data = data_read_by_row(split, calls, batch, rest, rest_leaves, rest_defs)
     out_defs = [jax.tree.structure(call) for call in calls.outs]
     # a captured model's program was traced at the batch: its own trace on one example runs there
     on_one_example = getattr(split.fun, "__linbackprop_one_example__", split.fun)
@@ -67,17 +66,80 @@ def one_example_losses(split: Split, calls: Calls, batch: int) -> Callable | Non
 
         return jax.vmap(of_one, in_axes=([list(a) for a in axes], 0))(split_outs, data)
 
-    def both(outs: tuple, *diff: Any) -> tuple[jax.Array, jax.Array]:
-        return per_example_losses(split, outs, diff), each(outs, lambda loss_b: loss_b(*diff))
-
-    aval = lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x))
-    try:
-        evaluate, values, _ = at_random(both, jax.tree.map(aval, calls.outs), *jax.tree.map(aval, split.diff))
-        with jax.ensure_compile_time_eval():
-            full, one_by_one = evaluate(*values)
+    try:  # the losses must run on one example (a reshape to the batch written into them does not)
+        jax.eval_shape(lambda outs, diff: each(outs, lambda loss_b: loss_b(*diff)), calls.outs, split.diff)
     except Exception:  # whatever stops a loss running on one example: the batch's Jacobian instead
         return None
-    return each if agree_at_random(full, one_by_one, low_precision_tol=1e-4) else None
+    return each
+
+
+def data_read_by_row(split: Split, calls: Calls, batch: int, rest: list[int], rest_leaves: list[list],
+                     rest_defs: list) -> list[list[bool]]:
+    """Per leaf of the arguments not differentiated (``rest``), whether it is data read by row:
+    its leading axis is the batch and, its rows numbered as the examples (`example_flow`),
+    every loss i reads row i of it or none of it, for every value (a network's input, which the
+    losses of the outputs do not read, is sliced too: the model traced on one example takes it
+    so). A leaf read as a table (indexed by labels, or by every example) is passed whole."""
+    out_labels = [row_codes(np.shape(x), a) for call, call_axes in zip(calls.outs, calls.batch_axes())
+                  for x, a in zip(jax.tree.leaves(call), call_axes)]
+
+    def losses_of(outs: tuple, leaves: list, *diff: Any) -> jax.Array:
+        args = list(split.args)
+        for n, treedef, part in zip(rest, rest_defs, leaves):
+            args[n] = jax.tree.unflatten(treedef, part)
+        return per_example_losses(Split(split.fun, tuple(args), split.argnums, False), outs, diff)
+
+    aval = lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x))
+    leaves_avals = [[aval(x) for x in leaves] for leaves in rest_leaves]
+    n_diff = len(jax.tree.leaves(split.diff))
+    program = None  # traced once, labelled in turn
+    flags = []
+    for g, leaves in enumerate(rest_leaves):
+        group = []
+        for k, x in enumerate(leaves):
+            if not _rows_of_examples(x, batch):
+                group.append(False)
+                continue
+            labels = [None] * len(out_labels) + [
+                row_codes(np.shape(y)) if (h, j) == (g, k) else None
+                for h, ys in enumerate(rest_leaves) for j, y in enumerate(ys)] + [None] * n_diff
+            if program is None:
+                program = jax.make_jaxpr(losses_of)(calls.outs, leaves_avals, *split.diff)
+            codes = example_flow(program, (), labels).codes[0].reshape(-1)
+            group.append(bool(np.all((codes == FREE) | (codes == np.arange(codes.size)))))
+        flags.append(group)
+    return flags
+
+
+def check_one_example(per_example: list, losses: Callable, picked: list) -> list:
+    """``per_example`` (each example's gradient in ``picked``, from `one_example_losses`) with
+    a check on the real values inside the program: Σ_b w_b g_b must equal ∇ Σ_b w_b loss_b
+    (``losses(picked)``: the batch's losses, one backward pass per weight vector) for w = 1 and
+    for a fixed vector of distinct weights. Where they differ the results are NaN and a
+    ValueError is raised when the program runs: the losses traced on one example do not compute
+    what the batch's compute. (A non-finite loss leaves nothing to compare: no check there.)"""
+    batch = jax.tree.leaves(per_example)[0].shape[0]
+    dtype = jnp.result_type(*jax.tree.leaves(per_example))
+    weights = jnp.stack([jnp.ones((batch,), dtype), jnp.asarray(1.0 + np.arange(batch) / max(batch, 1), dtype)])
+    expected = jax.vmap(lambda w: jax.grad(lambda p: jnp.vdot(w, losses(p)))(picked))(weights)
+    found = [jnp.einsum("kb,b...->k...", weights, j) for j in per_example]
+    tol = 1e-6 if jnp.finfo(dtype).bits >= 64 else 1e-3
+    bad = jnp.asarray(False)
+    for e, f in zip(jax.tree.leaves(expected), found):
+        scale = 1 + jnp.max(jnp.abs(e), initial=0.0)
+        bad = bad | jnp.any(jnp.isfinite(e) & jnp.isfinite(f) & (jnp.abs(e - f) > tol * scale))
+    jax.debug.callback(_raise_if, bad)
+    return [jnp.where(bad, jnp.nan, j) for j in per_example]
+
+
+def _raise_if(bad: Any) -> None:
+    if bool(bad):
+        raise ValueError(
+            "The per-example gradients of what the losses read outside the networks (a head after the last "
+            "layer) were formed from each example's rows alone, and their weighted sums differ from the batch's "
+            "gradient: the losses traced on one example do not compute what the batch's compute (a loss that "
+            "uses the batch size or the example's position as a number). The results are NaN; use "
+            "jax.jacrev(losses) / jax.vmap(jax.grad) of a per-example loss.")
 
 
 def _rows_of_examples(x: Any, batch: int) -> bool:

@@ -120,6 +120,11 @@ def check_one_pass(factors: bool, diagonal: bool, samples: int | None, key: Any,
             raise ValueError("gauss_newton(samples=, key=) draw the columns of the K-FAC factors and the diagonal: "
                              "pass factors=True and/or diagonal=True with them.")
         return False
+    if samples is None and key is not None:
+        raise ValueError("gauss_newton(factors=True / diagonal=True, key=...) without samples=: with no samples= the "
+                         "factors and the diagonal come from every exact column of H (one back substitution per "
+                         "output coordinate), and the key draws nothing. Pass samples=1 for K-FAC's sampled "
+                         "estimator (one column per example, as lbp.kfac uses), or drop key= for the exact columns.")
     if remat or checkpoints is not None:
         raise ValueError("gauss_newton(factors=True / diagonal=True) keeps every layer's residuals (its factors "
                          "are formed from them in one pass): drop remat= and checkpoints=, or call "
@@ -134,7 +139,7 @@ def run_one_pass(fun: Callable, args: tuple, nums: tuple, single: bool, has_aux:
     if layers is None:
         split, found = Split(fun, args, nums, has_aux), None
     else:  # the model as it is, its layers also run on one example (as kfac_factors and diag_ggn)
-        found = rewrite(fun, args, nums, layers, per_example=True)
+        found = rewrite(fun, args, nums, layers, per_example="gauss_newton(factors=True / diagonal=True)")
 
         def with_states(*parts: Any) -> tuple:  # an nnx module's other state after fun, as aux
             result, states = found.fun(*parts)

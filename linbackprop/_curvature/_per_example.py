@@ -19,7 +19,7 @@ from .._options import Engine
 from ._calls import Calls
 from ._examples import per_example_setup
 from ._ghost import ParamNorms, ghost_squares
-from ._one_example import one_example_losses
+from ._one_example import check_one_example, one_example_losses
 from ._split import Split, add_trees, normalise_argnums, on_model
 
 
@@ -68,7 +68,8 @@ def per_example_grads(fun: Callable, argnums: int | Sequence[int] = 0, *, engine
         [[1.0, 0.0], [0.0, 4.0]]
     """
     if layers is not None:
-        return on_model(lambda f, a: per_example_grads(f, a, engine=engine), fun, argnums, layers)
+        return on_model(lambda f, a: per_example_grads(f, a, engine=engine), fun, argnums, layers,
+                        name="per_example_grads")
     nums, single = normalise_argnums(argnums)
 
     def run(*args: Any) -> Any:
@@ -124,7 +125,7 @@ def per_example_grad_norms(fun: Callable, argnums: int | Sequence[int] = 0, *, e
     """
     if layers is not None:
         return on_model(lambda f, a: per_example_grad_norms(f, a, engine=engine, chunk=chunk), fun, argnums, layers,
-                         to_arguments=False)
+                        to_arguments=False, name="per_example_grad_norms")
     nums, _ = normalise_argnums(argnums)
 
     def run(*args: Any) -> jax.Array:
@@ -213,6 +214,7 @@ def direct_squares(split: Split, calls: Calls, losses: Callable, batch: int, dir
     each = one_example_losses(split, calls, batch)
     if each is not None:  # each example's loss differentiated inside the map over the examples
         jacobian = each(calls.outs, lambda loss_b: jax.grad(lambda p: loss_b(*with_picked(p)))(picked))
+        jacobian = check_one_example(jacobian, lambda p: losses(calls.outs, *with_picked(p)), picked)
     else:
         jacobian = jax.jacrev(lambda picked: losses(calls.outs, *with_picked(picked)))(picked)
     return sum(jnp.sum(jnp.reshape(j, (batch, -1)).astype(jnp.result_type(float)) ** 2, axis=1) for j in jacobian)

@@ -1,18 +1,21 @@
 """The checks that per-example quantities rest on: each layer keeps the examples apart (its output
-for one example is what it gives for that example alone), and so does each per-example loss.
-Both run once per trace, at trace time, on values drawn at random for what they read.
+for one example is what it gives for that example alone), each per-example loss reads its own
+example, and a scalar loss is a sum of per-example (or per-position) terms. Each is proved from
+the program at trace time for every value of the data (`_graph.example_flow`); nothing here is
+decided by a random draw. (The layers are also run on one example against the batch on drawn
+values: an extra alarm for the one-example program, never the proof.)
 """
 
 from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
+from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from .._graph import at_random, on_host, random_values, sharded_as
+from .._graph import FREE, MIXED, describe, example_flow, random_values, row_codes
 from .._plan import Plan
 
 _checked: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -36,7 +39,7 @@ def check_per_example(plan: Plan, batch: int) -> None:
             batched = [bool(np.ndim(x)) and np.shape(x)[0] == batch for x in leaves]
             outs = jax.tree.leaves(kind.out_aval)
             anywhere = any(batch in np.shape(x) for x in leaves) or any(batch in o.shape for o in outs)
-            if not any(batched) and leaves and not anywhere:  # no batch on any axis: computed from parameters
+            if not any(batched) and (not leaves or not anywhere):  # no state, or no batch on any axis: from parameters
                 names = [layer.name for layer in kind.layers][:4]
                 captured = getattr(kind.layers[0].fn, "__linbackprop_captured__", False)
                 raise ValueError(
@@ -58,6 +61,9 @@ def check_per_example(plan: Plan, batch: int) -> None:
                     f"({batch} examples) on the leading axis of every state; these layers read "
                     f"{[tuple(np.shape(x)) for x in leaves]} and return {[tuple(o.shape) for o in outs]}. Put the "
                     "batch first, or use jax.jacrev / jax.vmap(jax.grad) of a per-example loss.")
+            _prove_kind_keeps_examples_apart(kind, theta_avals, input_avals, batched)
+            # an extra alarm, never the proof: the layer run on one example (the program the
+            # per-example products use) against the batch, on drawn values
             whole = kind.fn(theta, *tree.unflatten(leaves))
 
             def alone_fn(ls, kind=kind, theta=theta, tree=tree, batched=batched):
@@ -90,113 +96,90 @@ def check_per_example(plan: Plan, batch: int) -> None:
     done.add(batch)
 
 
+def _prove_kind_keeps_examples_apart(kind: Any, theta_avals: tuple, input_avals: tuple, batched: list[bool]) -> None:
+    """Raise unless the layers' program keeps the examples apart for every value: row b of each
+    output reads row b of the batched inputs (and the parameters) alone (`example_flow`)."""
+    leaves = jax.tree.leaves(input_avals)
+    labels = [None] * len(jax.tree.leaves(theta_avals)) + [
+        row_codes(x.shape) if b else None for x, b in zip(leaves, batched)]
+    flow = example_flow(lambda t, *u: kind.fn(t, *u), (theta_avals, *input_avals), labels)
+    for code in flow.codes:
+        rows = row_codes(code.shape) if code.ndim else np.zeros((), np.int32)
+        if np.any((code != FREE) & (code != rows)):
+            names = [layer.name for layer in kind.layers][:4]
+            bad = np.flatnonzero(((code != FREE) & (code != rows)).reshape(-1))[0]
+            row = np.unravel_index(bad, code.shape)[0] if code.ndim else 0
+            raise ValueError(
+                f"Layer(s) {names!r} mix examples: row {row} of their output reads "
+                f"{describe(code.reshape(-1)[bad])}{flow.where()} (batch statistics, attention or normalisation "
+                "across the batch, or a leading axis that is not the batch). Per-example gradients, their norms "
+                "and the GGN diagonal assume the leading axis of every state is the batch; compute those with "
+                "jax.jacrev or jax.vmap(jax.grad) of a per-example loss instead.")
+
+
 def check_losses_keep_examples_apart(losses: Callable, outs: tuple, axes: list[list[int]], diff: tuple,
                                      firsts: list[int]) -> None:
     """Raise where loss b reads another example's outputs (a batch mean of the outputs, a
-    contrast between examples): the per-example transforms take Λ's row b as example b's
-    adjoint, which holds only where loss b sees row b alone.
+    contrast between examples, a partner index): the per-example transforms take Λ's row b as
+    example b's adjoint, which holds only where loss b sees row b alone.
 
-    Checked on values drawn at random for the outputs, the arguments and everything the losses
-    close over (labels under ``jax.jit`` are tracers: only their shapes are known here): call c's
-    first example perturbed along each output leaf's batch axis (``axes[c]``), no loss but that
-    example's (``firsts[c]``, in call order) may change."""
-    evaluate, args, _ = at_random(losses, outs, *diff)
-    with jax.ensure_compile_time_eval():
-        run = lambda a: on_host(evaluate.run(lambda ev, a: ev(*a)[0], a)).astype(np.float64)
-        base = run(args)
-        start = 0
-        for call, (leaf_axes, first) in enumerate(zip(axes, firsts)):
-            moved = list(args)
-            for n, axis in zip(range(start, start + len(leaf_axes)), leaf_axes):
-                x = args[n]
-                if x.ndim > axis and np.issubdtype(x.dtype, np.inexact):  # example 0 moved
-                    moved[n] = _first_moved(x, axis)
-            start += len(leaf_axes)
-            changed = np.abs(run(moved) - base) > 1e-6 * (1 + np.abs(base))
-            changed[first] = False
-            if np.any(changed & np.isfinite(base)):
-                raise ValueError(
-                    f"Per-example gradients, their norms and clipping need loss b to read example b's "
-                    f"outputs alone; these losses mix examples: changing example {first}'s outputs "
-                    f"of call {call} changes loss(es) {np.flatnonzero(changed)[:5].tolist()} too (a batch mean or "
-                    f"normalisation of the outputs, a contrast between examples, or a loss that is not one per "
-                    f"example). Write each loss from its own "
-                    f"example's outputs, or use jax.jacrev(losses) / jax.vmap(jax.grad) of a per-example loss.")
+    Proved from the losses' program (`example_flow`) for every value of the data: call c's
+    output leaves carry their examples along their batch axes (``axes[c]``), numbered from
+    ``firsts[c]`` (in call order); every loss i must read example i or none."""
+    labels = [row_codes(np.shape(x), ax, first)
+              for call, call_axes, first in zip(outs, axes, firsts)
+              for x, ax in zip(jax.tree.leaves(call), call_axes)]
+    labels += [None] * len(jax.tree.leaves(diff))
+    flow = example_flow(losses, (outs, *diff), labels)
+    codes = flow.codes[0].reshape(-1)
+    wrong = [(i, int(c)) for i, c in enumerate(codes) if c != FREE and c != i]
+    if wrong:
+        i, c = wrong[0]
+        raise ValueError(
+            f"Per-example gradients, their norms and clipping need loss b to read example b's outputs alone; "
+            f"these losses mix examples: loss {i} reads {describe(c)}"
+            + (f" ({len(wrong)} losses read other examples)" if len(wrong) > 1 else "") + flow.where()
+            + ". This holds for every value of the data (a partner index, a batch mean or normalisation of the "
+            "outputs, a contrast between examples). Write each loss from its own example's outputs, or use "
+            "jax.jacrev(losses) / jax.vmap(jax.grad) of a per-example loss.")
 
 
 def check_hessian_keeps_positions_apart(loss: Callable, leaves: list, n: int, axis: int) -> str | None:
     """Whether H = ∂²loss/∂(outputs)² couples positions of output leaf ``n`` (its batch on
-    ``axis``, the positions on the axis after it): None where it does not, else what was seen.
+    ``axis``, the positions on the axis after it): None where it does not, else what couples them.
 
-    Checked on values drawn at random for the outputs and whatever the loss closes over: H r for
-    a random r on that leaf against the product with H's blocks per (example, position), found
-    from D products of the basis vectors e_j set at every position at once (what the blocks per
-    position are made of). They agree only where the loss is a sum of per-position terms."""
-    evaluate, point, _ = at_random(loss, *leaves)
-    with jax.ensure_compile_time_eval():
-        moved = jnp.moveaxis(point[n], axis, 0)
-        coords = int(np.prod(moved.shape[2:], dtype=np.int64))
-        seq = moved.reshape(*moved.shape[:2], coords)
-        back = lambda m: jnp.moveaxis(m.reshape(moved.shape), 0, axis)
-        flat = lambda m: jnp.moveaxis(m, axis, 0).reshape(seq.shape)
-        r = sharded_as(jnp.asarray(np.random.default_rng(1).standard_normal(seq.shape), seq.dtype), seq)
-
-        def products(ev: Callable, point: list, r: jax.Array) -> tuple[jax.Array, jax.Array]:
-            grad = jax.grad(lambda xs: ev(*xs)[0])
-
-            def hvp(t: jax.Array) -> jax.Array:  # H's product with t on leaf n (zeros elsewhere), leaf n's part
-                tangents = [t if m == n else jnp.zeros_like(x) for m, x in enumerate(point)]
-                return jax.jvp(grad, (point,), (tangents,))[1][n]
-
-            basis = jnp.broadcast_to(jnp.eye(coords, dtype=seq.dtype)[:, None, None, :], (coords, *seq.shape))
-            blocks = jax.vmap(lambda e: flat(hvp(back(e))))(basis)  # [j, B, P, i]
-            return jnp.einsum("jbpi,bpj->bpi", blocks, r), flat(hvp(back(r)))
-
-        expected, found = (on_host(x).astype(np.float64) for x in evaluate.run(products, point, r))
-    scale = 1 + np.abs(expected).max()
-    tolerance = 1e-4 if np.finfo(seq.dtype).eps > 1e-10 else 1e-9
-    if np.allclose(found, expected, rtol=tolerance, atol=tolerance * scale):
+    Proved from the loss's program (`example_flow`): each (example, position) of that leaf is
+    its own id, and the loss must be a sum of terms that each read one of them (`SUMMED`) —
+    then H's block per example is block diagonal over positions, for every value."""
+    labels = [row_codes(np.shape(x), axis, positions=True) if m == n else None for m, x in enumerate(leaves)]
+    flow = example_flow(loss, leaves, labels)
+    code = int(np.asarray(flow.codes[0]).reshape(-1)[0]) if flow.codes[0].size == 1 else MIXED
+    if code != MIXED:
         return None
-    off = np.abs(found - expected).max(axis=2)
-    b, p = np.unravel_index(np.argmax(off), off.shape)
-    return f"at example {b}, position {p} H r differs from the per-position blocks' product by {off[b, p]:.2g}"
+    return "the loss is not a sum of terms that each read one position" + flow.where(summed=False)
 
 
 def check_hessian_keeps_examples_apart(loss: Callable, leaves: list, axes: list[int], groups: list[int],
                                        name: str) -> None:
     """Raise where H = ∂²loss/∂(outputs)² couples examples (a function of the batch's sum, the
-    outputs normalised over the batch, a contrastive loss): the transforms built on H's blocks
-    per example (``diag_ggn``, ``ggn_factor``, ``kfac_factors``) would be silently wrong.
+    outputs normalised over the batch, a contrastive loss, a partner index): the transforms
+    built on H's blocks per example (``diag_ggn``, ``ggn_factor``, ``kfac_factors``) would be
+    silently wrong.
 
-    Checked on values drawn at random for the outputs and whatever the loss closes over: the
-    first example of each group of calls moved (output leaf n's batch on ``axes[n]``, its group
-    ``groups[n]``), no other example's part of ∂loss/∂(outputs) may change — it does not where
-    the loss is a sum of per-example terms, whatever those are."""
-    evaluate, point, _ = at_random(loss, *leaves)
-    with jax.ensure_compile_time_eval():
-        grad = lambda xs: evaluate.run(lambda ev, xs: jax.grad(lambda xs: ev(*xs)[0])(xs), xs)
-        base = [on_host(x).astype(np.float64) for x in grad(point)]
-        for group in sorted(set(groups)):
-            moved = [_first_moved(x, ax)
-                     if groups[n] == group and np.issubdtype(x.dtype, np.inexact) and x.ndim > ax else x
-                     for n, (x, ax) in enumerate(zip(point, axes))]
-            for n, (after, before) in enumerate(zip(grad(moved), base)):
-                after = on_host(after).astype(np.float64)
-                tolerance = 1e-4 if np.finfo(point[n].dtype).eps > 1e-10 else 1e-9
-                changed = np.abs(after - before) > tolerance * (1 + np.abs(before).max(initial=0.0))
-                if groups[n] == group and changed.ndim > axes[n]:
-                    changed[(slice(None),) * axes[n] + (0,)] = False  # example 0's own part may change
-                if np.any(changed):
-                    raise ValueError(
-                        f"{name} takes the loss's Hessian H in the outputs block diagonal over the examples, and "
-                        f"this loss couples them: moving example 0's outputs changes ∂loss/∂(outputs) of other "
-                        f"examples (a function of the batch's sum or mean of the outputs, outputs normalised over "
-                        f"the batch, a contrastive loss). Write the loss as a sum (or mean) of per-example terms, "
-                        f"or use lbp.gauss_newton's products (G.mv, G.todense()), exact for any H.")
-
-
-def _first_moved(x: jax.Array, axis: int) -> jax.Array:
-    """``x`` with 1 added to its first example (index 0 on ``axis``), as a broadcast sum: a scatter
-    into a batch sharded over a mesh with Explicit axes needs its output's sharding named."""
-    first = (jnp.arange(x.shape[axis]) == 0).astype(x.dtype).reshape((-1,) + (1,) * (x.ndim - axis - 1))
-    return x + first
+    Proved from the loss's program (`example_flow`) for every value of the data: output leaf
+    n carries its examples along ``axes[n]``, each group's (``groups[n]``) numbered after the
+    previous groups'; the loss must be a sum of terms that each read one example."""
+    sizes: dict[int, int] = {}
+    for x, ax, g in zip(leaves, axes, groups):
+        sizes.setdefault(g, int(np.shape(x)[ax]) if np.ndim(x) > ax else 1)
+    firsts = dict(zip(sorted(sizes), np.cumsum([0, *(sizes[g] for g in sorted(sizes))])[:-1].tolist()))
+    labels = [row_codes(np.shape(x), ax, firsts[g]) if np.ndim(x) > ax else None
+              for x, ax, g in zip(leaves, axes, groups)]
+    flow = example_flow(loss, leaves, labels)
+    if np.any(flow.codes[0] == MIXED):
+        raise ValueError(
+            f"{name} takes the loss's Hessian H in the outputs block diagonal over the examples, and this loss "
+            f"couples them: it is not a sum of terms that each read one example{flow.where(summed=False)} (a "
+            f"function of the batch's sum or mean of the outputs, outputs normalised over the batch, a "
+            f"contrastive loss or a partner index — for any value of the data). Write the loss as a sum (or "
+            f"mean) of per-example terms, or use lbp.gauss_newton's products (G.mv, G.todense()), exact for any H.")

@@ -89,15 +89,17 @@ def flat_result(rewritten: Callable) -> Callable:
 
 
 def on_model(transform: Callable, fun: Callable, argnums: int | Sequence[int], layers: Any,
-              to_arguments: bool = True, with_extra: bool = False) -> Callable:
+              to_arguments: bool = True, with_extra: bool = False, name: str = "the per-example transforms"
+              ) -> Callable:
     """``transform`` (a per-example or curvature transform taking ``(fun, argnums)``) of a model
     as it is: its network found with ``layers=`` (``_capture.rewrite``), the result given back in
     the arguments' own types (``to_arguments``: params-shaped results; ``with_extra``: a pair
-    whose first entry is params-shaped, the second passed through)."""
+    whose first entry is params-shaped, the second passed through; ``name``: the transform, as
+    its errors say)."""
     nums, single = normalise_argnums(argnums)
 
     def run(*args: Any) -> Any:
-        found = rewrite(fun, args, nums, layers, per_example=True)
+        found = rewrite(fun, args, nums, layers, per_example=name)
         result = transform(flat_result(found.fun), tuple(range(len(nums))))(*found.args)
         if with_extra:
             return found.gradient(result[0], single), result[1]

@@ -5,7 +5,8 @@ many rows; the buffers' shardings), `_layer` (a layer, a row of a stacked block 
 layer is called), `_network` (`Network`: validation, topological order, the plain forward
 substitution U = Φ(U, θ), and ``__call__``, which reads how to run from `_options`),
 `_block_text` (a block pattern as text), `_in_turn` (LAPACK calls one after another) and
-`_jaxprs` (a layer's jaxpr text and constants: what a plan is checked against to find it stale;
+`_example_flow` (which example each value of a program reads: the proof that examples stay
+apart) and `_jaxprs` (a layer's jaxpr text and constants: what a plan is checked against to find it stale;
 the one jaxpr evaluator).
 """
 
@@ -23,17 +24,16 @@ from ._buffers import (
     update_row,
     zeros_of,
 )
+from ._example_codes import FREE, MIXED, SUMMED, describe, row_codes
+from ._example_flow import Flow, example_flow
 from ._in_turn import in_turn
 from ._jaxprs import (
     Constant,
-    agree_at_random,
-    at_random,
     bind_equation,
     computation_of,
     dependents,
     evaluate,
     needed_equations,
-    on_host,
     random_values,
     read,
     run_equations,
@@ -54,14 +54,16 @@ from ._layer import (
 from ._network import Network, stack_states
 
 __all__ = [
+    "FREE",
+    "MIXED",
+    "SUMMED",
     "Constant",
+    "Flow",
     "GraphError",
     "Layer",
     "Network",
     "Row",
     "Stack",
-    "agree_at_random",
-    "at_random",
     "bind_equation",
     "block_matrix_text",
     "block_of",
@@ -69,7 +71,9 @@ __all__ = [
     "check_array_leaves",
     "computation_of",
     "dependents",
+    "describe",
     "evaluate",
+    "example_flow",
     "explicit_sharding",
     "in_turn",
     "index_row",
@@ -78,12 +82,12 @@ __all__ = [
     "mesh_of",
     "needed_equations",
     "not_an_array",
-    "on_host",
     "place",
     "random_values",
     "read",
     "replicated_result",
     "resolve",
+    "row_codes",
     "run_equations",
     "sharded_as",
     "stack_states",

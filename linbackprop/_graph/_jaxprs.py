@@ -20,16 +20,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import Literal
-from jax.sharding import AbstractMesh, NamedSharding
 
-from ._buffers import explicit_sharding
 from ._layer import Layer, call_layer
 
 
 def random_values() -> Callable[[Any], Any]:
-    """Random values for avals, the same on every call: PRNG keys (a dropout mask must not mix
-    examples either), 0/1 for integers and booleans, normal draws for the rest. What the checks
-    that run a function at trace time, on values JAX has not given yet, evaluate it at."""
+    """Random values for avals, the same on every call: PRNG keys, small integers and booleans,
+    normal draws for the rest. What the layers' one-example alarm (`_curvature._separation`)
+    runs them at — an extra alarm; what examples a program reads is proved by `example_flow`."""
     rng = np.random.default_rng(0)
 
     def sample(aval: Any) -> Any:
@@ -41,100 +39,6 @@ def random_values() -> Callable[[Any], Any]:
         return jnp.asarray(rng.standard_normal(aval.shape), aval.dtype)
 
     return sample
-
-
-def at_random(fn: Callable, *args: Any) -> tuple[Callable, list[Any], Any]:
-    """``fn`` as a function of its flat arguments' leaves, run op by op (`_Evaluate`), with values drawn at
-    random (`random_values`) for whatever it closes over that is a tracer (labels or parameters
-    under ``jax.jit``: only their shapes are known at trace time): ``(evaluate, values, shape)``,
-    ``evaluate(*leaves)`` the flat list of its outputs' leaves, ``values`` random leaves for its
-    arguments and ``shape`` its output's structure. ``fn`` is traced once, at ``args``' avals."""
-    draw = random_values()
-    closed, shape = jax.make_jaxpr(fn, return_shape=True)(*args)
-    meshes = {c.sharding.mesh.axis_names: c.sharding.mesh for c in closed.consts
-              if not isinstance(c, jax.core.Tracer) and isinstance(getattr(c, "sharding", None), NamedSharding)}
-    placed = lambda aval: _placed_as(draw(aval), aval, meshes)
-    with jax.ensure_compile_time_eval():
-        consts = [placed(c.aval) if isinstance(c, jax.core.Tracer) else c for c in closed.consts]
-        values = [placed(v.aval) for v in closed.jaxpr.invars]
-    return _Evaluate(closed.jaxpr, consts), values, shape
-
-
-class _Evaluate:
-    """A jaxpr evaluated op by op at its constants: ``evaluate(*leaves)``. ``evaluate.run(fn,
-    *args)`` is ``fn(evaluate, *args)`` — where the constants span several processes' devices (a
-    mesh over processes), one compiled program with the constants as its arguments: JAX refuses
-    to embed such arrays, which differentiating the op-by-op evaluation does; every process runs
-    the program in step, as it runs the trace that called it."""
-
-    def __init__(self, jaxpr: Any, consts: list):
-        self.jaxpr, self.consts = jaxpr, consts
-
-    def __call__(self, *leaves: Any) -> list:
-        return jax.core.eval_jaxpr(self.jaxpr, self.consts, *leaves)
-
-    def run(self, fn: Callable, *args: Any) -> Any:
-        if all(_addressable(x) for x in (*self.consts, *jax.tree.leaves(args))):
-            return fn(self, *args)
-        # traced without the caller's compile-time evaluation (which would fold what the program
-        # builds from constants into arrays over the mesh, embedded again), then run at once
-        with _staging():
-            program = jax.jit(lambda consts, *a: fn(_Evaluate(self.jaxpr, consts), *a))
-            compiled = program.lower(self.consts, *args).compile()
-        return compiled(self.consts, *args)
-
-
-def _staging() -> Any:
-    """A context in which JAX stages operations on constants instead of evaluating them (inside
-    ``jax.ensure_compile_time_eval``); JAX's own switch is private: without it, no change."""
-    try:
-        from jax._src.config import eager_constant_folding
-    except ImportError:  # pragma: no cover - another JAX layout
-        return contextlib.nullcontext()
-    return eager_constant_folding(False)
-
-
-def _addressable(x: Any) -> bool:
-    return getattr(x, "is_fully_addressable", True)
-
-
-def on_host(x: Any) -> np.ndarray:
-    """``x``'s values as a NumPy array on this process: an array over several processes'
-    devices gathered from all of them (a collective: every process calls it in step)."""
-    if _addressable(x):
-        return np.asarray(x)
-    from jax.experimental import multihost_utils  # the multi-process case alone needs it
-
-    with jax.ensure_compile_time_eval():
-        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-
-
-def _placed_as(value: Any, aval: Any, meshes: dict) -> Any:
-    """A drawn value sharded as ``aval``'s type says where that is an explicit sharding (a batch
-    sharded over a mesh with Explicit axes: the jaxpr's operations check their operands'
-    shardings agree), on the mesh of an array it closes over, else ``jax.make_mesh``'s."""
-    sharding = explicit_sharding(aval)
-    if sharding is None:  # replicated on such a mesh counts too: its values must live on the mesh's devices
-        return value
-    abstract = sharding.mesh if isinstance(sharding.mesh, AbstractMesh) else sharding.mesh.abstract_mesh
-    mesh = meshes.get(abstract.axis_names)
-    if mesh is None:  # under jax.jit only the abstract mesh is known: jax.make_mesh's devices for it
-        mesh = jax.make_mesh(abstract.axis_sizes, abstract.axis_names, axis_types=abstract.axis_types)
-    return jax.device_put(value, NamedSharding(mesh, sharding.spec))
-
-
-def agree_at_random(expected: Any, found: Any, low_precision_tol: float = 1e-3) -> bool:
-    """Whether two values of an `at_random` evaluation are equal up to round-off of their dtype
-    (relative to the larger entries of ``expected``; ``low_precision_tol`` below 64 bits and for
-    integers, 1e-8 in float64), NaN where NaN; as numpy, so no tracer is left under a jit."""
-    if np.shape(expected) != np.shape(found):
-        return False
-    a, b = np.asarray(expected, np.float64), np.asarray(found, np.float64)
-    dtype = jax.numpy.result_type(expected)
-    precise = jax.numpy.issubdtype(dtype, jax.numpy.inexact) and jax.numpy.finfo(dtype).bits >= 64
-    tol = 1e-8 if precise else low_precision_tol
-    return bool(np.allclose(a, b, rtol=tol, atol=tol * (1.0 + float(np.nanmax(np.abs(a), initial=0.0))),
-                            equal_nan=True))
 
 
 class Constant:
@@ -176,7 +80,19 @@ def bind_equation(eqn: Any, args: list) -> Any:
     dict, or in some JAX versions (sub-functions, dict))."""
     params = eqn.primitive.get_bind_params(eqn.params)
     subfuns, params = params if isinstance(params, tuple) else ((), params)
-    return eqn.primitive.bind(*subfuns, *args, **params)
+    with _user_line(eqn):  # the equation keeps the user's line (what error messages name), as in eval_jaxpr
+        return eqn.primitive.bind(*subfuns, *args, **params)
+
+
+def _user_line(eqn: Any) -> Any:
+    """A context in which new equations carry ``eqn``'s traceback (the user's line) — JAX's own
+    switch (``source_info_util.user_context``, which ``jax.core.eval_jaxpr`` uses) is private:
+    without it, no change."""
+    try:
+        from jax._src.source_info_util import user_context
+    except ImportError:  # pragma: no cover - another JAX layout
+        return contextlib.nullcontext()
+    return user_context(eqn.source_info.traceback)
 
 
 Rule = Callable[[Any, list], "list | None"]

@@ -65,7 +65,8 @@ def scale_by_gauss_newton(damping: float | None = None, maxiter: int = 50, *, to
       (``update(..., rows=K, residuals=b)``, g = Kᵀb: ``lbp.ggn_factor(loss, rank=1,
       residuals=True)``), c = s ⊙ Uᵀb, which never multiplies by K twice: the error is
       κ(K)·ε, not the κ(K)²·ε of any form built on KᵀK or KKᵀ. Given residuals, every
-      rows solver takes this form.
+      rows solver takes this form; what the gradient holds besides Kᵀb (weight decay, an
+      earlier transform of an ``optax.chain``) enters as any gradient does, c += Vᵀ(g − Kᵀb).
     - ``"auto"`` (default): ``"woodbury"`` where the rows are fewer than the parameters, else
       ``"dense"`` from rows and ``"cg"`` from the operator (chosen from the shapes at trace time).
 

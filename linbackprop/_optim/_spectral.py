@@ -7,7 +7,7 @@ min ‖K d − b‖² + λ‖d − p‖² (p a prior: SPRING's momentum μ·d_pr
 $$d(\lambda) = V e + (p - V V^T p) + g_\perp / \lambda,\qquad
   e = \frac{c + \lambda V^T p}{s^2 + \lambda},\qquad c = V^T g = s \odot U^T b,$$
 
-g_⊥ the part of g outside K's row space (zero where b is given, or where K has as many rows
+g_⊥ the part of g outside K's row space (zero where g = Kᵀb, or where K has as many rows
 as columns). From b, c = s ⊙ Uᵀb never multiplies by K twice, so d keeps the digits that
 the Gram KKᵀ (or KᵀK) loses: κ(K), not κ(K)², bounds its error (Golub & Van Loan §5.3).
 The quadratic model's predicted decrease is exact in the same coordinates:
@@ -59,7 +59,8 @@ class Spectral(NamedTuple):
 
 
 def spectral(k: jax.Array, g: jax.Array, residuals: jax.Array | None = None) -> Spectral:
-    """K [R, P]'s thin SVD with g's coordinates: from the residuals b (g = Kᵀb) where given."""
+    """K [R, P]'s thin SVD with g's coordinates: Kᵀb's from the residuals b where given, and
+    what g holds besides Kᵀb (beyond the round-off of forming it) as any gradient's."""
     if k.shape[0] < k.shape[1]:
         h, taus = jnp.linalg.qr(k.T, mode="raw")
         reflectors = h.T  # [P, R]: R on and above the diagonal, the reflectors below
@@ -68,9 +69,21 @@ def spectral(k: jax.Array, g: jax.Array, residuals: jax.Array | None = None) -> 
     else:
         u, s, vt = jnp.linalg.svd(k, full_matrices=False)
         basis = dict(v=vt.T)
-    if residuals is not None:
-        return Spectral(u, s, s * (u.T @ residuals), jnp.zeros_like(g), **basis)
     sp = Spectral(u, s, jnp.zeros_like(s), jnp.zeros_like(g), **basis)
+    if residuals is None:
+        return _with_gradient(sp, g, k)
+    # g given beside b: what g holds besides Kᵀb (weight decay, an earlier transform of a chain)
+    # is used as any gradient is; Kᵀb's own part comes from b, to κ(K)'s round-off. The part
+    # within the round-off of forming Kᵀb (|K|ᵀ|b| ε per entry) is Kᵀb itself.
+    extra = g - k.T @ residuals
+    slack = 64 * jnp.finfo(k.dtype).eps * (jnp.abs(k).T @ jnp.abs(residuals))
+    extra = jnp.where(jnp.abs(extra) > slack, extra, 0)
+    with_extra = _with_gradient(sp, extra, k)
+    return with_extra._replace(c=s * (u.T @ residuals) + with_extra.c)
+
+
+def _with_gradient(sp: Spectral, g: jax.Array, k: jax.Array) -> Spectral:
+    """``sp`` with g's coordinates: c = Vᵀg and the rest g − V c."""
     c = sp.from_params(g)
     # with as many rows as parameters V is square: g has no part outside, only round-off
     rest = g - sp.to_params(c[None])[0] if k.shape[0] < k.shape[1] else jnp.zeros_like(g)
