@@ -229,8 +229,8 @@ def test_a_non_finite_first_step_does_not_stop_gauss_newton():
 def test_given_residuals_the_rest_of_the_gradient_is_used(step):
     """rows=K, residuals=b of the least-squares part, and a gradient that holds more: weight decay
     in the loss (½·5‖θ‖² in the value and the gradient, not in the rows), or added by an earlier
-    transform of an optax.chain. Both reach the regularised optimum (its gradient's norm at
-    round-off), not the unregularised one."""
+    transform of an optax.chain. Both reach the regularised optimum (its gradient's norm below
+    1e-7; the direction from b alone stalled at the unregularised one, where it is 21)."""
     params, fit = _fit_problem()
     decay = 5.0
     total = lambda p: fit(p) + 0.5 * decay * sum(jnp.sum(x ** 2) for x in jax.tree.leaves(p))
@@ -250,5 +250,5 @@ def test_given_residuals_the_rest_of_the_gradient_is_used(step):
             p = optax.apply_updates(p, optax.tree.scale(-1.0, updates))
         return float(jnp.linalg.norm(ravel_pytree(jax.grad(total)(p))[0]))
 
-    assert run(in_the_loss, total) < 1e-9
-    assert run(chained, fit) < 1e-9
+    assert run(in_the_loss, total) < 1e-7
+    assert run(chained, fit) < 1e-7

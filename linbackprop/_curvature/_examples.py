@@ -115,7 +115,7 @@ def hessian_blocks(split: Split, engine: str, name: str, per_position: bool = Tr
     With ``per_position`` (the transforms that sum over H's columns, `over_columns`), each
     example's block is taken one block per position, [B, P, D, D], where the loss reads one
     output of the group, [B, P, ...] with the batch first, and H does not couple positions (a sum
-    or mean of per-position losses, checked on random values: `_positions`) — a sequence model's
+    or mean of per-position losses, proved from the program: `_positions`) — a sequence model's
     example is a whole sequence, positions × vocabulary, whose whole blocks took GiBs. Blocks
     over `MAX_HESSIAN_BLOCK_BYTES` are refused, naming their size."""
     calls = Calls(split, engine)

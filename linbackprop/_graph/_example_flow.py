@@ -89,10 +89,11 @@ class Flow(NamedTuple):
     codes: list[np.ndarray]
     mixed_at: list[str]
     summed_at: list[str]
+    in_order: list[str]
 
     def where(self, summed: bool = True) -> str:
         """The operations that mixed examples (and, with ``summed``, summed them), in words."""
-        found = self.mixed_at + (self.summed_at if summed else [])
+        found = [c for c in self.in_order if c in self.mixed_at or (summed and c in self.summed_at)]
         return ("; the operation(s) that combine examples: " + ", ".join(found[:3])) if found else ""
 
 
@@ -113,7 +114,7 @@ def example_flow(fn: Callable | Any, args: Sequence[Any], labels: Sequence[np.nd
         state.codes[v] = None if lab is None or not np.any(np.asarray(lab) != FREE) else np.asarray(lab, CODE)
     state.run(jaxpr)
     codes = [full_codes(state.code(v), v.aval.shape) for v in jaxpr.outvars]
-    return Flow(codes, state.mixed_at, state.summed_at)
+    return Flow(codes, state.mixed_at, state.summed_at, state.in_order)
 
 
 def _summary(eqn: Any) -> str:
@@ -133,6 +134,7 @@ class _State:
         self.known: dict = {}
         self.mixed_at: list[str] = []
         self.summed_at: list[str] = []
+        self.in_order: list[str] = []  # both, in program order
         self._inner_known: list | None = None
 
     def code(self, v: Any) -> np.ndarray | None:
@@ -156,6 +158,7 @@ class _State:
                     if not any(c is not None and np.any(c == code) for c in ins) and \
                             any(o is not None and np.any(o == code) for o in outs):
                         found.append(_summary(eqn))
+                        self.in_order.append(found[-1])
             for v, o in zip(eqn.outvars, outs):
                 self.codes[v] = o
             self._carry_known(eqn)
@@ -174,6 +177,7 @@ class _State:
         inner.run(jaxpr)
         self.mixed_at.extend(c for c in inner.mixed_at if c not in self.mixed_at)
         self.summed_at.extend(c for c in inner.summed_at if c not in self.summed_at)
+        self.in_order.extend(c for c in inner.in_order if c not in self.in_order)
         self._inner_known = [inner.known_of(v) for v in jaxpr.outvars]
         return [inner.code(v) for v in jaxpr.outvars]
 
