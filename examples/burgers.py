@@ -35,6 +35,10 @@ jax.config.update("jax_enable_x64", True)
 NU = 0.01 / np.pi
 
 
+class _Help(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """--help shows the description as written and each option's default."""
+
+
 def reference(x: np.ndarray, t: np.ndarray, nodes: int = 4001) -> np.ndarray:
     """The exact u(x, t) (Cole–Hopf), x and t broadcast together; t = 0 gives −sin πx."""
     x, t = np.broadcast_arrays(np.asarray(x, np.float64), np.asarray(t, np.float64))
@@ -121,7 +125,7 @@ def probed(loss, params, batch):
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=_Help)
     parser.add_argument("--seconds", type=float, default=300.0, help="step time (compile excluded)")
     parser.add_argument("--widths", default="16,16,16", help="hidden widths")
     parser.add_argument("--out", default="burgers.png", help="PNG of the error against seconds ('' for none)")

@@ -22,6 +22,10 @@ import numpy as np
 import linbackprop as lbp
 
 
+class _Help(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """--help shows the description as written and each option's default."""
+
+
 def residual(theta, u):
     w, b = theta
     return u + jnp.tanh(u @ w + b)
@@ -81,9 +85,9 @@ def main(depth: int = 512, width: int = 32, batch: int = 8, repeats: int = 20) -
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--depth", type=int, default=512)
-    parser.add_argument("--width", type=int, default=32)
-    parser.add_argument("--batch", type=int, default=8)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=_Help)
+    parser.add_argument("--depth", type=int, default=512, help="residual layers")
+    parser.add_argument("--width", type=int, default=32, help="width of each layer")
+    parser.add_argument("--batch", type=int, default=8, help="examples per batch")
     args = parser.parse_args()
     main(args.depth, args.width, args.batch)

@@ -32,6 +32,10 @@ IN, WIDTH = 8, 32
 # -- the modules, once per library ---------------------------------------------------------------------
 
 
+class _Help(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """--help shows the description as written and each option's default."""
+
+
 class EqxEmbed(eqx.Module):
     linear: eqx.nn.Linear
 
@@ -162,9 +166,9 @@ def main(steps: int = 100, depth: int = 4, seed: int = 0) -> dict:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=100)
-    parser.add_argument("--depth", type=int, default=4)
-    parser.add_argument("--seed", type=int, default=0)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=_Help)
+    parser.add_argument("--steps", type=int, default=100, help="training steps of each model")
+    parser.add_argument("--depth", type=int, default=4, help="residual blocks")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the data and the initial parameters")
     args = parser.parse_args()
     main(args.steps, args.depth, args.seed)

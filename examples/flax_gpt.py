@@ -37,6 +37,10 @@ from transformer_lm import corpus  # the text both examples train on
 
 
 # -- the model, as flax users write it ----------------------------------------------------------------
+class _Help(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """--help shows the description as written and each option's default."""
+
+
 class Attention(nnx.Module):
     """Pre-norm causal self-attention with a residual: x + Dropout(MHA(LN(x)))."""
 
@@ -221,15 +225,15 @@ def main(steps: int = 300, blocks: int = 4, width: int = 64, context: int = 64, 
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--blocks", type=int, default=4)
-    parser.add_argument("--width", type=int, default=64)
-    parser.add_argument("--context", type=int, default=64)
-    parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--dropout", type=float, default=0.1)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default="flax_gpt.png")
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=_Help)
+    parser.add_argument("--steps", type=int, default=300, help="training steps")
+    parser.add_argument("--blocks", type=int, default=4, help="transformer blocks")
+    parser.add_argument("--width", type=int, default=64, help="embedding width")
+    parser.add_argument("--context", type=int, default=64, help="tokens of context")
+    parser.add_argument("--batch", type=int, default=32, help="sequences per batch")
+    parser.add_argument("--dropout", type=float, default=0.1, help="dropout rate")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the parameters, the batches and dropout")
+    parser.add_argument("--out", default="flax_gpt.png", help="loss curve PNG ('' for none)")
     args = parser.parse_args()
     main(steps=args.steps, blocks=args.blocks, width=args.width, context=args.context, batch=args.batch,
          dropout=args.dropout, seed=args.seed, out=args.out)

@@ -26,6 +26,10 @@ import linbackprop as lbp
 jax.config.update("jax_enable_x64", True)
 
 
+class _Help(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """--help shows the description as written and each option's default."""
+
+
 def target(x: jax.Array) -> jax.Array:
     return jnp.sin(jnp.pi * x[:, :1]) * jnp.cos(jnp.pi * x[:, 1:]) + 0.5 * x[:, :1] * x[:, 1:]
 
@@ -89,9 +93,9 @@ def _timed(step, value, state, seconds: float):
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=_Help)
     parser.add_argument("--seconds", type=float, default=12.0, help="wall-time budget of each method")
-    parser.add_argument("--width", type=int, default=24)
+    parser.add_argument("--width", type=int, default=24, help="hidden width of the fitted network")
     parser.add_argument("--out", default="gauss_newton.png", help="PNG of the loss curves ('' for none)")
     args = parser.parse_args(argv)
     _, params, loss = make_problem(args.width)

@@ -47,6 +47,10 @@ import linbackprop as lbp
 jax.config.update("jax_enable_x64", True)
 
 
+class _Help(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """--help shows the description as written and each option's default."""
+
+
 def cpu_options() -> dict:
     """XLA:CPU hands float64 dots to YNNPACK fusions, which ran this problem's steps 1.3–2× slower
     than XLA's own loops (the K-FAC step on 2-64-1: 7.5 against 4.2 ms with JAX 0.10.2, 5.2
@@ -263,7 +267,7 @@ def run(step, state, error, seconds: float, overhead: float = 0.05,
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=_Help)
     parser.add_argument("--seconds", type=float, default=30.0, help="step time of each method")
     parser.add_argument("--widths", default="64", help="hidden widths, e.g. 64 or 64,64,48,48")
     parser.add_argument("--methods", default="probe,engd,hessian-free,kfac,adam",

@@ -36,6 +36,10 @@ from sklearn.model_selection import train_test_split
 import linbackprop as lbp
 
 
+class _Help(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """--help shows the description as written and each option's default."""
+
+
 def dense(theta, h):
     w, b = theta
     return jnp.tanh(h @ w + b)
@@ -148,11 +152,11 @@ def main(epochs: int = 20, sigma: float = 1.0, clip: float = 1.0, batch: int = 6
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--epochs", type=int, default=20)
-    parser.add_argument("--sigma", type=float, default=1.0)
-    parser.add_argument("--clip", type=float, default=1.0)
-    parser.add_argument("--batch", type=int, default=64)
-    parser.add_argument("--seed", type=int, default=0)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=_Help)
+    parser.add_argument("--epochs", type=int, default=20, help="passes over the training set")
+    parser.add_argument("--sigma", type=float, default=1.0, help="noise multiplier (noise std = sigma · clip)")
+    parser.add_argument("--clip", type=float, default=1.0, help="per-example clipping norm")
+    parser.add_argument("--batch", type=int, default=64, help="examples per batch")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the split, the parameters and the noise")
     args = parser.parse_args()
     main(epochs=args.epochs, sigma=args.sigma, clip=args.clip, batch=args.batch, seed=args.seed)

@@ -30,6 +30,10 @@ import optax
 import linbackprop as lbp
 
 
+class _Help(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """--help shows the description as written and each option's default."""
+
+
 def cell(theta, h, x):
     a, b, c = theta
     return jnp.tanh(h @ a + x @ b + c)
@@ -121,10 +125,10 @@ def main(steps: int = 400, length: int = 20, hidden: int = 32, delay: int = 2, b
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=400)
-    parser.add_argument("--length", type=int, default=20)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=_Help)
+    parser.add_argument("--steps", type=int, default=400, help="training steps")
+    parser.add_argument("--length", type=int, default=20, help="sequence length")
     parser.add_argument("--checkpoints", type=int, default=None, help="keep only this many states")
-    parser.add_argument("--optimizer", choices=("adam", "kfac"), default="adam")
+    parser.add_argument("--optimizer", choices=("adam", "kfac"), default="adam", help="the optimizer trained with")
     args = parser.parse_args()
     main(args.steps, args.length, checkpoints=args.checkpoints, optimizer=args.optimizer)

@@ -22,6 +22,10 @@ from sklearn.model_selection import train_test_split
 import linbackprop as lbp
 
 
+class _Help(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """--help shows the description as written and each option's default."""
+
+
 def block(theta, h):  # a residual block: h + tanh(h W + b)
     w, b = theta
     return h + jnp.tanh(h @ w + b)
@@ -90,8 +94,8 @@ def main(epochs: int = 20, seed: int = 0, depth: int = 3, hidden: int = 64, batc
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--epochs", type=int, default=20)
-    parser.add_argument("--seed", type=int, default=0)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=_Help)
+    parser.add_argument("--epochs", type=int, default=20, help="passes over the training set")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the split and the parameters")
     args = parser.parse_args()
     main(args.epochs, args.seed)

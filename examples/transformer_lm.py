@@ -37,6 +37,10 @@ MODULES = ["argparse", "collections", "contextlib", "csv", "dataclasses", "datet
            "random", "re", "shutil", "statistics", "string", "textwrap", "threading", "unittest", "zipfile"]
 
 
+class _Help(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """--help shows the description as written and each option's default."""
+
+
 def corpus() -> str:
     """The docstrings of MODULES and of their public classes and functions (≈ 170 kB of English)."""
     parts = []
@@ -266,15 +270,15 @@ def main(steps: int = 800, blocks: int = 4, width: int = 64, context: int = 64, 
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=800)
-    parser.add_argument("--blocks", type=int, default=4)
-    parser.add_argument("--width", type=int, default=64)
-    parser.add_argument("--context", type=int, default=64)
-    parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--seed", type=int, default=0)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=_Help)
+    parser.add_argument("--steps", type=int, default=800, help="training steps")
+    parser.add_argument("--blocks", type=int, default=4, help="transformer blocks")
+    parser.add_argument("--width", type=int, default=64, help="embedding width")
+    parser.add_argument("--context", type=int, default=64, help="tokens of context")
+    parser.add_argument("--batch", type=int, default=32, help="sequences per batch")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the parameters and the batches")
     parser.add_argument("--out", default="transformer_lm.png", help="loss curve PNG ('' for none)")
-    parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--no-progress", action="store_true", help="logs instead of a progress bar")
     parser.add_argument("--optimizer", choices=("adamw", "kfac"), default="adamw",
                         help="kfac: lbp.kfac with one sampled column per token (H's blocks per position)")
     parser.add_argument("--draw-network", type=int, metavar="BLOCKS",
