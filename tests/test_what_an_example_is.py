@@ -187,3 +187,21 @@ def test_a_nan_example_leaves_the_others_norms_finite():
     found = jax.jit(lbp.per_example_grad_norms(losses))(p, x, labels, cw)
     assert np.isnan(found[0]) and np.isnan(expected[0])
     np.testing.assert_allclose(found[1:], expected[1:], rtol=1e-10)
+
+
+def test_a_head_whose_one_example_program_differs_is_caught_on_the_real_values():
+    """A head after the network whose losses weigh example b by its position (1 + b, from
+    jnp.arange of the batch): example b reads only its own rows (proved), but the losses traced on
+    one example weigh every example by 1. The check on the real values inside the program
+    catches it: eagerly a ValueError, under jax.jit the norms are NaN — never a wrong number."""
+    net = lbp.Network([lbp.Layer("h", lambda th, x: jnp.tanh(x @ th[0]), ("x",), ("W",))], ["x"], "h")
+    rng = np.random.default_rng(6)
+    p = {"W": jnp.asarray(rng.standard_normal((3, 4))), "head": jnp.asarray(rng.standard_normal((4, 2)))}
+    x = jnp.asarray(rng.standard_normal((5, 3)))
+    losses = lambda p, x: jnp.sum((net(p, x) @ p["head"]) ** 2, axis=1) * (1.0 + jnp.arange(x.shape[0]))
+    with pytest.raises(ValueError, match="traced on one example do not compute"):
+        lbp.per_example_grad_norms(losses)(p, x)
+    assert np.all(np.isnan(jax.jit(lbp.per_example_grad_norms(losses))(p, x)))
+    plain = lambda p, x: jnp.sum((net(p, x) @ p["head"]) ** 2, axis=1)  # the same head, no position
+    expected = jnp.linalg.norm(_flat(jax.jacrev(plain)(p, x), 5), axis=1)
+    np.testing.assert_allclose(jax.jit(lbp.per_example_grad_norms(plain))(p, x), expected, rtol=1e-10)
