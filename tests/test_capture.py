@@ -970,3 +970,32 @@ def test_a_parameter_read_both_whole_and_by_rows_keeps_its_glue():
     net = lbp.capture(loss, params, x, layers=(dense, shift)).net
     assert not any(isinstance(block, lbp.Row) for lay in net.layers for block in lay.params)
     close(jax.jit(lbp.grad_by_solve(loss, layers=(dense, shift)))(params, x), jax.grad(loss)(params, x))
+
+
+def test_a_stacked_block_read_whole_and_by_rows_is_two_uses_of_one_leaf():
+    """A stacked weight read whole by glue (a scale from all its entries) and by rows by a scan
+    over the blocks (inside a user's jax.jit or not) was refused ("used whole ... and by rows");
+    jax.grad takes it. Its rows are now a block of their own, the same leaf: the gradient and the
+    per-example gradients and norms are jax.grad's and jax.jacrev's."""
+    @lbp.layer
+    def block(W, b, h):
+        return h + jnp.tanh(h @ W + b)
+
+    rng = np.random.default_rng(11)
+    p = {"W": jnp.asarray(0.3 * rng.standard_normal((3, 4, 4))), "b": jnp.zeros((3, 4)),
+         "V": jnp.asarray(rng.standard_normal((4, 2)))}
+    x = jnp.asarray(rng.standard_normal((5, 4)))
+
+    def losses(p, x):
+        @jax.jit
+        def region(W, b, h):
+            h = h * (1 + 0.1 * jnp.mean(W))  # W read whole
+            return jax.lax.scan(lambda h, wb: (block(wb[0], wb[1], h), None), h, (W, b))[0]  # and by rows
+        return jnp.sum((region(p["W"], p["b"], jnp.tanh(x)) @ p["V"]) ** 2, axis=1)
+
+    loss = lambda p, x: jnp.mean(losses(p, x))
+    close(lbp.grad_by_solve(loss, layers=block)(p, x), jax.grad(loss)(p, x))
+    expected = jax.jacrev(losses)(p, x)
+    close(lbp.per_example_grads(losses, layers=block)(p, x), expected)
+    norms = jnp.sqrt(sum(jnp.sum(g.reshape(5, -1) ** 2, axis=1) for g in jax.tree.leaves(expected)))
+    close(lbp.per_example_grad_norms(losses, layers=block)(p, x), norms)

@@ -312,6 +312,17 @@ def build(closed: ClosedJaxpr, n_diff: int, block_names: Sequence[Hashable], cal
     in_net = [m is not None or (feeds[n] and any(a in moving for a in e.invars if not isinstance(a, Literal))
                                 and not all(o in rows_of_blocks for o in e.outvars))  # a Row: read as a block
               for n, (e, m) in enumerate(zip(eqns, marked))]
+    # a stacked block read whole by some node (glue: a norm of all the weights) and by rows by
+    # others (a scan's steps): the rows become a block of their own, the same argument leaf (its
+    # gradient the sum of both uses, as jax.grad's), since a Network reads a block one way only
+    whole_read = {a for e, inside in zip(eqns, in_net) if inside for a in e.invars
+                  if not isinstance(a, Literal) and a in block_of_var and not isinstance(block_of_var[a], Row)}
+    rows_source: dict = {}  # a block of rows made its own -> the argument leaf's var
+    for row, (source, t) in found.rows.items():
+        if source in whole_read and isinstance(block_of_var.get(row), Row):
+            rows_block = f"{block_of_var[source]} (rows)"
+            block_of_var[row] = Row(rows_block, t)
+            rows_source[rows_block] = source
     # before the network: what depends on none of its values; after it: the rest (the loss)
     tainted: set = set()
     before, after = [], []
@@ -418,7 +429,8 @@ def build(closed: ClosedJaxpr, n_diff: int, block_names: Sequence[Hashable], cal
     after, output_vars = stacked_outputs(after, tuple(outvars), output_vars)
     names = list(output_vars)
     net = Network(layers, inputs=input_names, outputs=names[0] if len(names) == 1 else names)
-    block_vars = tuple(next(v for v, b in block_of_var.items() if not isinstance(b, Row) and b == p)
+    block_vars = tuple(rows_source[p] if p in rows_source else
+                       next(v for v, b in block_of_var.items() if not isinstance(b, Row) and b == p)
                        for p in net.param_names)
     # before the network, only what the network's inputs and the loss read: the steps of an
     # unrolled scan read rows of its xs (Row inputs), which leaves the row slices unread
