@@ -51,7 +51,10 @@ def chain(depth: int, width: int, batch: int, rows: bool = True):
         params = {k: v for i in range(1, depth + 1) for k, v in ((("W", i), ws[i - 1]), (("b", i), bs[i - 1]))}
     layer = fresh(residual)
     net = lbp.Network([lbp.Layer(i, layer, (i - 1,), blocks(i)) for i in range(1, depth + 1)], [0], depth)
-    loss = lambda p, x: jnp.sum(net(p, x) ** 2)
+    def loss(p, x):
+        return jnp.sum(net(p, x) ** 2)
+
+    loss.net, loss.net_inputs = net, lambda p, x: (x,)  # its network and inputs, for eager_rows
 
     def scan_loss(stacked, x):
         u, _ = jax.lax.scan(lambda u, wb: (layer(wb, u), None), x, stacked)
@@ -99,7 +102,12 @@ def transformer(blocks: int, width: int, context: int, batch: int):
     params = lm.init(jax.random.PRNGKey(4), 96, context, width, blocks)
     tokens = jax.random.randint(jax.random.PRNGKey(5), (batch, context + 1), 0, 96)
     net = lm.network(blocks)
-    return (lambda p, t: lm.cross_entropy(net, p, t), (params, tokens),
+
+    def loss(p, t):
+        return lm.cross_entropy(net, p, t)
+
+    loss.net, loss.net_inputs = net, lambda p, t: (t[:, :-1],)  # its network and inputs, for eager_rows
+    return (loss, (params, tokens),
             lambda p, t: lm.cross_entropy(lm.scan_forward, p, t), (params, tokens))
 
 
