@@ -11,6 +11,7 @@ from typing import Any
 import jax
 from jax.extend.core import Literal
 
+from .._graph import scan_counts
 from ._marks import contains_marks, marked_index
 
 
@@ -118,12 +119,7 @@ def _unrolled_scan(eqn: Any, found: ScanRows) -> tuple[list, list, list, list]:
     from the steps'. Returns (eqns, constvars, consts, outvars of the scan)."""
     params = eqn.params
     body, length, reverse = params["jaxpr"], params["length"], params["reverse"]
-    if "num_consts" in params:
-        n_consts, n_carry = params["num_consts"], params["num_carry"]
-    else:  # JAX ≥ 0.12: the operands' groups (consts, carry, xs) as a flat tree, one marker per leaf
-        groups = params["ft_in"]
-        groups = groups.unpack() if hasattr(groups, "unpack") else groups
-        n_consts, n_carry = len(groups[0]), len(groups[1])
+    n_consts, n_carry = scan_counts(params)
     consts_in = list(eqn.invars[:n_consts])
     carry = list(eqn.invars[n_consts:n_consts + n_carry])
     xs = list(eqn.invars[n_consts + n_carry:])

@@ -25,7 +25,7 @@ from ._buffers import (
     zeros_of,
 )
 from ._example_codes import FREE, MIXED, SUMMED, describe, row_codes
-from ._example_flow import Flow, example_flow
+from ._example_flow import Flow, example_flow, scan_counts
 from ._in_turn import in_turn
 from ._jaxprs import (
     Constant,
@@ -89,6 +89,7 @@ __all__ = [
     "resolve",
     "row_codes",
     "run_equations",
+    "scan_counts",
     "sharded_as",
     "stack_states",
     "stack_trees",

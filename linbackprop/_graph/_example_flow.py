@@ -337,23 +337,23 @@ class _State:
 
     def _scan(self, eqn: Any, ins: list) -> list:
         p = eqn.params
-        consts, carry, xs = ins[:p["num_consts"]], ins[p["num_consts"]:p["num_consts"] + p["num_carry"]], \
-            ins[p["num_consts"] + p["num_carry"]:]
-        xs_vars = eqn.invars[p["num_consts"] + p["num_carry"]:]
+        n_consts, n_carry = scan_counts(p)
+        consts, carry, xs = ins[:n_consts], ins[n_consts:n_consts + n_carry], ins[n_consts + n_carry:]
+        xs_vars = eqn.invars[n_consts + n_carry:]
         slices = [None if c is None else reduce(full_codes(c, v.aval.shape), (0,), additive=False)
                   for c, v in zip(xs, xs_vars)]
-        carry_vars = eqn.invars[p["num_consts"]:p["num_consts"] + p["num_carry"]]
+        carry_vars = eqn.invars[n_consts:n_consts + n_carry]
         state = [full_codes(c, v.aval.shape) for c, v in zip(carry, carry_vars)]
         for _ in range(16):  # the carry's codes to a fixed point (the lattice is shallow)
             outs = self.run_inner(p["jaxpr"], [*consts, *state, *slices])
-            new = [join_either(s, full_codes(o, s.shape)) for s, o in zip(state, outs[:p["num_carry"]])]
+            new = [join_either(s, full_codes(o, s.shape)) for s, o in zip(state, outs[:n_carry])]
             if all(np.array_equal(a, b) for a, b in zip(new, state)):
                 break
             state = new
         else:
             state = [np.full(s.shape, MIXED, CODE) for s in state]
         ys = [np.broadcast_to(full_codes(o, v.aval.shape[1:]), v.aval.shape)
-              for o, v in zip(outs[p["num_carry"]:], eqn.outvars[p["num_carry"]:])]
+              for o, v in zip(outs[n_carry:], eqn.outvars[n_carry:])]
         return [*state, *ys]
 
     def _while(self, eqn: Any, ins: list) -> list:
@@ -430,3 +430,11 @@ def _inexact(v: Any) -> bool:
     return jnp.issubdtype(v.aval.dtype, jnp.inexact)
 
 
+def scan_counts(params: dict) -> tuple[int, int]:
+    """A ``scan``'s numbers of constants and carried values (JAX ≥ 0.12 keeps them as the
+    operands' groups, one marker per leaf)."""
+    if "num_consts" in params:
+        return params["num_consts"], params["num_carry"]
+    groups = params["ft_in"]
+    groups = groups.unpack() if hasattr(groups, "unpack") else groups
+    return len(groups[0]), len(groups[1])
