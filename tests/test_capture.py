@@ -999,3 +999,26 @@ def test_a_stacked_block_read_whole_and_by_rows_is_two_uses_of_one_leaf():
     close(lbp.per_example_grads(losses, layers=block)(p, x), expected)
     norms = jnp.sqrt(sum(jnp.sum(g.reshape(5, -1) ** 2, axis=1) for g in jax.tree.leaves(expected)))
     close(lbp.per_example_grad_norms(losses, layers=block)(p, x), norms)
+
+
+@pytest.mark.parametrize("pick", ["astype", "take", "columns"])
+def test_a_slice_of_a_stacked_block_taken_in_a_loop_is_named_as_such(pick):
+    """W[i].astype(...), jnp.take(W, i, 0) or W[:, i] with i a lax.fori_loop's index: glue computed
+    from the parameters alone, said so with the fix (lax.scan or a Python loop), not "put the
+    batch first"."""
+    @lbp.layer
+    def block(W, b, h):
+        return h + jnp.tanh(h @ W + b)
+
+    rng = np.random.default_rng(13)
+    p = {"W": jnp.asarray(0.3 * rng.standard_normal((3, 4, 4))), "b": jnp.zeros((3, 4))}
+    x = jnp.asarray(rng.standard_normal((5, 4)))
+    slices = {"astype": lambda p, i: p["W"][i].astype(jnp.float64), "take": lambda p, i: jnp.take(p["W"], i, 0),
+              "columns": lambda p, i: jnp.swapaxes(p["W"], 0, 1)[:, i]}
+
+    def losses(p, x):
+        h = jax.lax.fori_loop(0, 3, lambda i, h: block(slices[pick](p, i), p["b"][i], h), x)
+        return jnp.sum(h ** 2, axis=1)
+
+    with pytest.raises(ValueError, match=r"compute from the parameters or constants alone.*lax\.scan"):
+        lbp.per_example_grads(losses, layers=block)(p, x)
