@@ -180,16 +180,3 @@ def zero_tangent(plan: Plan, item: Hashable | Stack) -> Any:
         lead = (group.rows if rows is None else len(rows),)
         return group.full_tangent(jax.tree.map(lambda a: zeros_of(a, lead), group.row_avals(True)), lead)
     return group.full_tangent(group.row_zeros(tangent=True))
-
-
-# A network call is a jax.custom_jvp whose primal (_call_by_solve) and rule (_call_by_solve_jvp,
-# its symbolic zeros static) are each a jax.jit: called eagerly, JAX compiles the solve (and its
-# JVP and transpose) as a whole instead of dispatching its operations one by one, and the traces
-# are cached (a loss that calls one network many times traces the rule once). Under
-# differentiation only the rule is traced; a jit around the custom_jvp would trace the
-# undifferentiated forward pass as well (the tracing times: docs/performance.md).
-#
-# One custom_jvp and jit per network, the most recently used JITTED_NETWORKS kept: JAX's caches
-# hold a function's traces, executables and what its layers close over weakly keyed on the
-# function, so they go with it, and a program that builds networks in a loop keeps memory bounded.
-# (One global custom_jvp with the network as a static argument would keep every network until
