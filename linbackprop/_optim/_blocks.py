@@ -20,7 +20,7 @@ from .._curvature import BiasOf, Kronecker, is_factor
 from ._kronecker import Curvature, Diagonal
 
 
-class Block(NamedTuple):
+class CurvatureBlock(NamedTuple):
     """One preconditioned block: the weight's (or lone leaf's) index among the gradient's leaves,
     its bias's index (None without), the side of the bias's row, and the curvature."""
 
@@ -30,7 +30,7 @@ class Block(NamedTuple):
     curvature: Curvature
 
 
-def blocks_of(grad: Any, factors: Any, diagonal: Any, name: str) -> list[Block]:
+def blocks_of(grad: Any, factors: Any, diagonal: Any, name: str) -> list[CurvatureBlock]:
     """The blocks covering every leaf of ``grad`` once, in order of their first leaf. ``name``:
     the transform asking (for its errors)."""
     paths = jax.tree_util.tree_flatten_with_path(grad)[0]
@@ -63,7 +63,7 @@ def blocks_of(grad: Any, factors: Any, diagonal: Any, name: str) -> list[Block]:
             if jnp.shape(values) != jnp.shape(g):
                 raise ValueError(f"{name}: the diagonal of {keys[n]} has shape {jnp.shape(values)}, the leaf "
                                  f"{jnp.shape(g)}.")
-            out.append(Block(n, None, None, Diagonal(jnp.asarray(values))))
+            out.append(CurvatureBlock(n, None, None, Diagonal(jnp.asarray(values))))
             continue
         terms = (f,) if isinstance(f, Kronecker) else tuple(f)
         bias, side = bias_of.get(n, (None, None))
@@ -74,11 +74,11 @@ def blocks_of(grad: Any, factors: Any, diagonal: Any, name: str) -> list[Block]:
                 with_bias = "" if bias is None else f" with its bias {keys[bias]} {jnp.shape(paths[bias][1])}"
                 raise ValueError(f"{name}: the factors of {keys[n]} ({term.left.shape}, {term.right.shape}) do not "
                                  f"match its shape {jnp.shape(g)}{with_bias}.")
-        out.append(Block(n, bias, side, terms))
+        out.append(CurvatureBlock(n, bias, side, terms))
     return out
 
 
-def block_matrix(block: Block, leaves: list[jax.Array]) -> jax.Array:
+def block_matrix(block: CurvatureBlock, leaves: list[jax.Array]) -> jax.Array:
     """The block's entries: the leaf as it is, or [W; b] / [W, b] as a [..., L, R] matrix."""
     g = leaves[block.leaf]
     if block.bias is None:
@@ -93,7 +93,7 @@ def block_matrix(block: Block, leaves: list[jax.Array]) -> jax.Array:
                             b.reshape(*rows, left.shape[-1], 1)], axis=-1)
 
 
-def split_block(block: Block, matrix: jax.Array, leaves: list[jax.Array]) -> list[tuple[int, jax.Array]]:
+def split_block(block: CurvatureBlock, matrix: jax.Array, leaves: list[jax.Array]) -> list[tuple[int, jax.Array]]:
     """(index, value) of the block's leaves from its matrix (shaped as ``leaves``)."""
     if block.bias is None:
         return [(block.leaf, matrix.reshape(jnp.shape(leaves[block.leaf])))]
@@ -105,7 +105,7 @@ def split_block(block: Block, matrix: jax.Array, leaves: list[jax.Array]) -> lis
             (block.bias, b.reshape(jnp.shape(leaves[block.bias])))]
 
 
-def blockwise(blocks: list[Block], leaves: list[jax.Array], per_block: list[jax.Array]) -> list[jax.Array]:
+def blockwise(blocks: list[CurvatureBlock], leaves: list[jax.Array], per_block: list[jax.Array]) -> list[jax.Array]:
     """The gradient's leaves from each block's matrix (``per_block``, in the order of ``blocks``)."""
     out: list[Any] = [None] * len(leaves)
     for block, matrix in zip(blocks, per_block, strict=True):

@@ -16,7 +16,7 @@ from ._arguments import accepted, params_dtype, shaped_as
 from ._blocks import blocks_of
 from ._damping import DampingBounds, gain_ratio, martens_grosse, raised
 from ._kfac_star import KfacStarStep, kfac_star
-from ._preconditioner import FactorSums, Preconditioner
+from ._preconditioner import FactorAverage, Preconditioner
 
 
 class KfacState(NamedTuple):
@@ -184,7 +184,7 @@ def kfac(damping: float = 1e-3, decay: float = 0.95, update_every: int = 5, *, l
         if factors is not None:  # the averages' structure now, from the example factors' shapes
             example = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), factors)
             fresh = [b.curvature for b in blocks_of(params, example, optax.tree.zeros_like(params), "kfac")]
-            sums, inverses = FactorSums.zeros(fresh, dtype).sums, preconditioner.placeholders(fresh, lam)
+            sums, inverses = FactorAverage.zeros(fresh, dtype).sums, preconditioner.placeholders(fresh, lam)
         return KfacState(jnp.zeros((), jnp.int32), lam, sums, weight, inverses, optax.tree.zeros_like(params),
                          nan, nan, nan)
 
@@ -198,9 +198,9 @@ def kfac(damping: float = 1e-3, decay: float = 0.95, update_every: int = 5, *, l
         blocks = blocks_of(grad, factors, diagonal, "kfac")
         fresh = [block.curvature for block in blocks]
         if state.sums is None:  # the first update: zero sums and placeholder decompositions of their shapes
-            sums, held = FactorSums.zeros(fresh, lam.dtype), preconditioner.placeholders(fresh, lam)
+            sums, held = FactorAverage.zeros(fresh, lam.dtype), preconditioner.placeholders(fresh, lam)
         else:
-            sums, held = FactorSums(state.sums, state.weight), state.inverses
+            sums, held = FactorAverage(state.sums, state.weight), state.inverses
         sums = sums.add(fresh, decay)
         # decomposed at every one of the first update_every steps (no early single-batch estimate held)
         now = ((state.count < update_every) | (state.count % update_every == 0)) & (sums.weight > 0)

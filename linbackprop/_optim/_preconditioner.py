@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from .._curvature import Kronecker
-from ._blocks import Block, block_matrix, blockwise
+from ._blocks import CurvatureBlock, block_matrix, blockwise
 from ._kronecker import apply, decompose, decompose_all
 
 
@@ -26,22 +26,22 @@ def all_finite(tree: Any) -> jax.Array:
     return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves])) if leaves else jnp.asarray(True)
 
 
-class FactorSums(NamedTuple):
+class FactorAverage(NamedTuple):
     """kfac-jax's weighted average: the decayed sums $\\sum_k d^k F_{t-k}$ and $\\sum_k d^k$."""
 
     sums: Any
     weight: jax.Array
 
     @classmethod
-    def zeros(cls, fresh: list, dtype: Any) -> FactorSums:
+    def zeros(cls, fresh: list, dtype: Any) -> FactorAverage:
         return cls(jax.tree.map(jnp.zeros_like, fresh), jnp.zeros((), dtype))
 
-    def add(self, fresh: list, decay: float) -> FactorSums:
+    def add(self, fresh: list, decay: float) -> FactorAverage:
         """The sums with this step's factors; factors that are not finite are left out (and
         ``eigh`` never sees a NaN: LAPACK's iterations need not end on one)."""
         finite = all_finite(fresh)
         sums = jax.tree.map(lambda s, f: jnp.where(finite, decay * s + f, s), self.sums, fresh)
-        return FactorSums(sums, jnp.where(finite, decay * self.weight + 1, self.weight))
+        return FactorAverage(sums, jnp.where(finite, decay * self.weight + 1, self.weight))
 
     def average(self) -> list:
         return jax.tree.map(lambda s: s / jnp.maximum(self.weight, 1e-30).astype(s.dtype), self.sums)
@@ -90,7 +90,7 @@ class Preconditioner(NamedTuple):
         return jax.lax.cond(now, fresh_or_held, lambda: held)
 
     @staticmethod
-    def direction(blocks: list[Block], leaves: list[jax.Array], inverses: list, damping: jax.Array) -> list:
+    def direction(blocks: list[CurvatureBlock], leaves: list[jax.Array], inverses: list, damping: jax.Array) -> list:
         """$(\\bar F + \\lambda I)^{-1} g$ per leaf: each block's inverse applied to its matrix
         (a weight with its bias as one more row)."""
         return blockwise(blocks, leaves, [apply(inv, block_matrix(block, leaves), damping)

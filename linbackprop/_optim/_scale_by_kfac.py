@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import optax
 
 from .._curvature import GaussNewton, Kronecker
-from ._blocks import Block, blocks_of
+from ._blocks import CurvatureBlock, blocks_of
 from ._kronecker import Diagonal
 from ._preconditioner import Preconditioner, moving_average
 
@@ -111,7 +111,7 @@ def scale_by_kfac(damping: float = 1e-3, decay: float = 0.95, update_every: int 
     return optax.GradientTransformationExtraArgs(init, update)
 
 
-def _one_term(block: Block, where: str) -> Kronecker | Diagonal:
+def _one_term(block: CurvatureBlock, where: str) -> Kronecker | Diagonal:
     if isinstance(block.curvature, Diagonal):
         return block.curvature
     if len(block.curvature) != 1:
