@@ -30,8 +30,17 @@ ELEMENTWISE = {
     "population_count", "pow", "random_gamma_grad", "regularized_incomplete_beta", "rem", "round", "rsqrt",
     "shift_left", "shift_right_arithmetic", "shift_right_logical", "sign", "sin", "sinh", "sqrt", "square", "tan",
     "tanh", "xor", "zeta", "convert_element_type", "stop_gradient", "bitcast_convert_type",
-    "random_seed", "random_fold_in", "random_clone", "threefry2x32",
+    "random_seed", "random_fold_in", "random_clone", "threefry2x32", "one_minus_square",
 } | LINEAR_UNARY | ADDITIVE | {"mul", "div", "select_n"}
+# one operand, one result of its shape, and still not elementwise: never taken for a new unary
+# operation of JAX's (those are elementwise: `unary_elementwise`)
+NOT_ELEMENTWISE = {
+    "fft", "cholesky", "eigh", "eig", "qr", "lu", "svd", "schur", "hessenberg", "tridiagonal",
+    "triangular_solve", "psum", "pmax", "pmin", "ppermute", "pbroadcast", "all_to_all", "all_gather",
+    "psum_scatter", "reduce_scatter", "axis_index", "cumsum", "cumprod", "cummax", "cummin",
+    "cumlogsumexp", "rev", "sort", "top_k", "argsort", "reduce_window", "reduce_window_sum",
+    "reduce_window_max", "reduce_window_min", "custom_linear_solve", "linear_solve",
+}
 PASS_THROUGH = {"sharding_constraint", "mesh_cast", "reshard", "device_put", "optimization_barrier", "pvary",
                  "name", "copy_p"}
 SINGLE_REDUCTIONS = {"reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or", "reduce_xor",
@@ -235,3 +244,12 @@ def window(x: np.ndarray, p: dict, shape: tuple, additive: bool) -> np.ndarray:
             continue
         out = reduce(out, (d,), additive=additive, keepdims=True)
     return np.broadcast_to(out, shape).astype(CODE)
+
+
+def unary_elementwise(eqn: Any) -> bool:
+    """An operation this module does not name that reads one operand and returns one result of
+    its shape, no sub-program, and none of the known exceptions (`NOT_ELEMENTWISE`): a unary
+    elementwise operation (JAX adds them over its versions: ``one_minus_square`` in 0.12)."""
+    return (len(eqn.invars) == 1 and len(eqn.outvars) == 1 and eqn.primitive.name not in NOT_ELEMENTWISE
+            and tuple(eqn.invars[0].aval.shape) == tuple(eqn.outvars[0].aval.shape)
+            and not any(hasattr(v, "eqns") or hasattr(getattr(v, "jaxpr", None), "eqns") for v in eqn.params.values()))

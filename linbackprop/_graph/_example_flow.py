@@ -71,6 +71,7 @@ from ._example_codes import (
     move,
     nonlinear,
     reduce,
+    unary_elementwise,
     whole,
     window,
 )
@@ -238,6 +239,8 @@ class _State:
             return self._scan(eqn, ins)
         if name == "while":
             return self._while(eqn, ins)
+        if unary_elementwise(eqn):
+            return [self._elementwise(name, eqn, full, shapes[0])]
         return [np.full(s, whole(ins), CODE) for s in shapes]  # unknown to this module: every code meets
 
     def _elementwise(self, name: str, eqn: Any, full: list, shape: tuple) -> np.ndarray:
