@@ -1022,3 +1022,32 @@ def test_a_slice_of_a_stacked_block_taken_in_a_loop_is_named_as_such(pick):
 
     with pytest.raises(ValueError, match=r"compute from the parameters or constants alone.*lax\.scan"):
         lbp.per_example_grads(losses, layers=block)(p, x)
+
+
+def test_frozen_arrays_as_long_as_the_batch_are_read_as_tables():
+    """Six frozen matrices whose leading axis equals the batch (4), read whole by a layer, and a
+    frozen (4, 4) weight read only by a layer whose output nothing uses: which arguments are data is
+    proved from the program (the 64-subset search never tried the one-leaf data subset with six
+    such leaves, and the unused layer's weight was taken for data); per_example_grads and diag_ggn
+    equal jax.jacrev's and the dense GGN's."""
+    @lbp.layer
+    def mixed(W, tables, h):
+        return jnp.tanh(h @ (W + sum(tables) / 10.0))
+
+    rng = np.random.default_rng(14)
+    batch = 4
+    W = jnp.asarray(0.5 * rng.standard_normal((batch, batch)))
+    tables = tuple(jnp.asarray(rng.standard_normal((batch, batch))) for _ in range(6))
+    unused = jnp.asarray(rng.standard_normal((batch, batch)))
+    x = jnp.asarray(rng.standard_normal((batch, batch)))
+
+    def losses(W, x, tables, unused):
+        mixed(W, tables, x @ unused)  # a layer whose output nothing reads
+        return jnp.sum(mixed(W, tables, x) ** 2, axis=1)
+
+    close(lbp.per_example_grads(losses, layers=mixed)(W, x, tables, unused), jax.jacrev(losses)(W, x, tables, unused))
+    mean = lambda *a: jnp.mean(losses(*a))
+    out = lambda W: mixed(W, tables, x).reshape(-1)
+    j = jax.jacfwd(out)(W).reshape(-1, W.size)
+    h = jax.hessian(lambda o: jnp.mean(jnp.sum(o.reshape(batch, -1) ** 2, axis=1)))(out(W))
+    close(lbp.diag_ggn(mean, layers=mixed)(W, x, tables, unused).reshape(-1), jnp.diag(j.T @ h @ j))
