@@ -110,6 +110,38 @@ def two_call_loss(widths: tuple[int, ...] = (64,), interior: int = 900):
     return loss
 
 
+def initial_parameters(widths: tuple[int, ...], init: str, seed: int = 0) -> dict:
+    """Starting parameters of the 2-widths-1 MLP: ``"uniform"`` (equinox's default, weights and
+    biases uniform in ±1/√fan_in), ``"normal"`` (weights normal/√fan_in, biases zero), or the
+    path of an .npz holding ``W0, b0, W1, b1, …`` layer by layer (``Wi`` of shape (fan_in,
+    fan_out), the last pair the linear head's)."""
+    sizes = (2, *widths, 1)
+    names = [(f"W{i}", f"b{i}") for i in range(len(widths))] + [("Wout", "bout")]
+    if init in ("uniform", "normal"):
+        keys = jax.random.split(jax.random.key(seed), 2 * len(names))
+        params = {}
+        for n, ((w, b), (m, k)) in enumerate(zip(names, itertools.pairwise(sizes))):
+            bound = 1.0 / np.sqrt(m)
+            if init == "uniform":
+                params[w] = jax.random.uniform(keys[2 * n], (m, k), jnp.float64, -bound, bound)
+                params[b] = jax.random.uniform(keys[2 * n + 1], (k,), jnp.float64, -bound, bound)
+            else:
+                params[w] = jax.random.normal(keys[2 * n], (m, k), jnp.float64) * bound
+                params[b] = jnp.zeros(k, jnp.float64)
+        return params
+    stored = np.load(init)
+    params = {}
+    for n, ((w, b), (m, k)) in enumerate(zip(names, itertools.pairwise(sizes))):
+        if f"W{n}" not in stored or f"b{n}" not in stored:
+            raise ValueError(f"--init {init}: no W{n} / b{n} (the file holds {sorted(stored.files)}; a 2-"
+                             f"{'-'.join(map(str, widths))}-1 MLP needs W0, b0 … W{len(names) - 1}, b{len(names) - 1})")
+        if stored[f"W{n}"].shape != (m, k) or stored[f"b{n}"].shape != (k,):
+            raise ValueError(f"--init {init}: W{n} is {stored[f'W{n}'].shape} and b{n} {stored[f'b{n}'].shape}, "
+                             f"where --widths {','.join(map(str, widths))} needs ({m}, {k}) and ({k},)")
+        params[w], params[b] = jnp.asarray(stored[f"W{n}"], jnp.float64), jnp.asarray(stored[f"b{n}"], jnp.float64)
+    return params
+
+
 def make_problem(widths: tuple[int, ...] = (64,), interior: int = 900, boundary: int = 120, seed: int = 0):
     """The tanh MLP as a Network, its forward-Laplacian lift, initial parameters, the points
     (interior first, then boundary: one lifted call, one batch) and the loss."""
@@ -276,6 +308,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                         help="K-FAC's factors of the weights shared by u, ∇u and Δu")
     parser.add_argument("--out", default="pinn_poisson.png", help="PNG of the error curves ('' for none)")
     parser.add_argument("--seed", type=int, default=0, help="the initial parameters' seed (the points stay)")
+    parser.add_argument("--init", default="",
+                        help="uniform (equinox's ±1/√fan_in weights and biases), normal (normal/√fan_in weights, "
+                             "zero biases), or an .npz of W0, b0, W1, b1, … (Wi of shape (fan_in, fan_out)); "
+                             "'' for the example's own start")
     parser.add_argument("--steps", type=int, default=0,
                         help="each method runs this many steps instead of --seconds (0: the seconds decide)")
     parser.add_argument("--clock", default="wall", choices=("wall", "cpu"),
@@ -283,7 +319,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     args = parser.parse_args(argv)
     widths = tuple(int(w) for w in args.widths.split(","))
     params, points, loss, error, scale = make_problem(widths)
-    if args.seed:
+    if args.init:
+        params = initial_parameters(widths, args.init, args.seed)
+    elif args.seed:
         params = make_problem(widths, seed=args.seed)[0]
     n = sum(x.size for x in jax.tree.leaves(params))
     methods = args.methods.split(",")
