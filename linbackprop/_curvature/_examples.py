@@ -132,12 +132,13 @@ def hessian_blocks(split: Split, engine: str, name: str, per_position: bool = Tr
     groups = [list(range(len(sizes)))] if len(set(sizes)) == 1 else [[c] for c in range(len(sizes))]
     batches = [sizes[g[0]] for g in groups]
     leaves, treedef = jax.tree.flatten(calls.outs)
-    read = _read_by(loss, leaves, treedef)
+    program = jax.make_jaxpr(lambda *xs: loss(treedef.unflatten(list(xs))))(*leaves)  # read, proved: one trace
+    read = _read_by(program)
     leaf_axes, leaf_groups = [0] * len(leaves), [0] * len(leaves)
     for g, (group, batch) in enumerate(zip(groups, batches)):
         for n, ax in zip(_leaf_indices(calls.outs, group), _batch_axes(calls, batch, name, group)):
             leaf_axes[n], leaf_groups[n] = ax, g
-    check_hessian_keeps_examples_apart(lambda *xs: loss(treedef.unflatten(xs)), leaves, leaf_axes, leaf_groups, name)
+    check_hessian_keeps_examples_apart(program, leaves, leaf_axes, leaf_groups, name)
     flats = [_by_example(calls, b, name, only=g, read=read) for g, b in zip(groups, batches)]
     owner = [c for c, out in enumerate(calls.outs) for _ in jax.tree.leaves(out)]  # each leaf's call
 
@@ -163,7 +164,7 @@ def hessian_blocks(split: Split, engine: str, name: str, per_position: bool = Tr
             return _by_example(calls, batch, name, hvp(unflatten([e if i == g else z for i, z in enumerate(zeros)])),
                                only=group, read=read)[0]
 
-        layout = _positions(calls, batch, group, read, leaves, treedef, loss, name) if per_position else (
+        layout = _positions(calls, batch, group, read, leaves, program, name) if per_position else (
             f"{name} needs each example's whole block")
         if isinstance(layout, tuple):  # one block per position: D columns, e_j at every position at once
             positions, coords = layout
@@ -202,13 +203,14 @@ def _check_block_size(name: str, batch: int, coords: int, dtype: Any, positions:
             "or a smaller batch per call.")
 
 
-def _positions(calls: Calls, batch: int, group: list[int], read: list[bool], leaves: list, treedef: Any,
-               loss: Callable, name: str) -> tuple[int, int] | str:
+def _positions(calls: Calls, batch: int, group: list[int], read: list[bool], leaves: list, program: Any,
+               name: str) -> tuple[int, int] | str:
     """(P, D) of blocks per position for a group, where they apply: the loss reads one output of
     the group, [B, P, ...] with the batch first and P > 1, and H does not couple its positions
     (a sum or mean of per-position terms); else why not. Each example's P blocks of D × D then
     hold all of its whole C × C block but zeros (C = P · D), from D products with H instead of C:
-    a sequence model's example (positions × vocabulary) or a loss elementwise in the outputs."""
+    a sequence model's example (positions × vocabulary) or a loss elementwise in the outputs.
+    ``program``: the loss's jaxpr at the output leaves ``leaves``."""
     kept = [(n, ax) for n, ax in zip(_leaf_indices(calls.outs, group), _batch_axes(calls, batch, name, group))
             if read[n]]
     if len(kept) != 1:
@@ -218,7 +220,7 @@ def _positions(calls: Calls, batch: int, group: list[int], read: list[bool], lea
     shape = np.shape(jnp.moveaxis(leaves[n], axis, 0))
     if len(shape) < 2 or shape[1] < 2:
         return f"the output it reads, {shape} with the batch first, has no positions"
-    coupled = check_hessian_keeps_positions_apart(lambda *xs: loss(treedef.unflatten(list(xs))), leaves, n, axis)
+    coupled = check_hessian_keeps_positions_apart(program, leaves, n, axis)
     if coupled is not None:
         return f"H couples positions of the output {shape} ({coupled}), so blocks per position do not apply"
     return shape[1], int(np.prod(shape[2:], dtype=np.int64))
@@ -291,12 +293,13 @@ def _columns(examples: Examples, samples: int | None, key: Any, name: str) -> tu
     return (lambda k: (draw(k), ones)), jax.random.split(key, samples), samples
 
 
-def _read_by(loss: Callable, leaves: list, treedef: Any) -> list[bool]:
-    """Per output leaf, whether ``loss`` reads it (an equation of its jaxpr, or its result): a
+def _read_by(program: Any) -> list[bool]:
+    """Per output leaf, whether the loss (``program``: its jaxpr at the output leaves) reads it
+    (an equation of its jaxpr, or its result): a
     leaf it never reads has zero rows and columns in H, and each of its coordinates would cost
     a back substitution for nothing (a physics-informed loss reads the lifted network's Δu, not
     its u and ∇u: one column per point instead of d + 2)."""
-    jaxpr = jax.make_jaxpr(lambda *xs: loss(treedef.unflatten(xs)))(*leaves).jaxpr
+    jaxpr = program.jaxpr
     read = {id(v) for eqn in jaxpr.eqns for v in eqn.invars} | {id(v) for v in jaxpr.outvars}
     return [id(v) in read for v in jaxpr.invars]
 

@@ -80,8 +80,7 @@ def data_read_by_row(split: Split, calls: Calls, batch: int, rest: list[int], re
     every loss i reads row i of it or none of it, for every value (a network's input, which the
     losses of the outputs do not read, is sliced too: the model traced on one example takes it
     so). A leaf read as a table (indexed by labels, or by every example) is passed whole."""
-    out_labels = [row_codes(np.shape(x), a) for call, call_axes in zip(calls.outs, calls.batch_axes())
-                  for x, a in zip(jax.tree.leaves(call), call_axes)]
+    n_outs = len(jax.tree.leaves(calls.outs))  # free here: that the losses keep them apart is proved apart
 
     def losses_of(outs: tuple, leaves: list, *diff: Any) -> jax.Array:
         args = list(split.args)
@@ -100,7 +99,7 @@ def data_read_by_row(split: Split, calls: Calls, batch: int, rest: list[int], re
             if not _rows_of_examples(x, batch):
                 group.append(False)
                 continue
-            labels = [None] * len(out_labels) + [
+            labels = [None] * n_outs + [
                 row_codes(np.shape(y)) if (h, j) == (g, k) else None
                 for h, ys in enumerate(rest_leaves) for j, y in enumerate(ys)] + [None] * n_diff
             if program is None:

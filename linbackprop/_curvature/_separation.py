@@ -144,11 +144,12 @@ def check_losses_keep_examples_apart(losses: Callable, outs: tuple, axes: list[l
             "jax.jacrev(losses) / jax.vmap(jax.grad) of a per-example loss.")
 
 
-def check_hessian_keeps_positions_apart(loss: Callable, leaves: list, n: int, axis: int) -> str | None:
+def check_hessian_keeps_positions_apart(loss: Callable | Any, leaves: list, n: int, axis: int) -> str | None:
     """Whether H = ∂²loss/∂(outputs)² couples positions of output leaf ``n`` (its batch on
     ``axis``, the positions on the axis after it): None where it does not, else what couples them.
 
-    Proved from the loss's program (`example_flow`): each (example, position) of that leaf is
+    Proved from the loss's program (`example_flow`; ``loss`` may be that program, traced at
+    ``leaves``): each (example, position) of that leaf is
     its own id, and the loss must be a sum of terms that each read one of them (`SUMMED`) —
     then H's block per example is block diagonal over positions, for every value."""
     labels = [row_codes(np.shape(x), axis, positions=True) if m == n else None for m, x in enumerate(leaves)]
@@ -159,14 +160,15 @@ def check_hessian_keeps_positions_apart(loss: Callable, leaves: list, n: int, ax
     return "the loss is not a sum of terms that each read one position" + flow.where(summed=False)
 
 
-def check_hessian_keeps_examples_apart(loss: Callable, leaves: list, axes: list[int], groups: list[int],
+def check_hessian_keeps_examples_apart(loss: Callable | Any, leaves: list, axes: list[int], groups: list[int],
                                        name: str) -> None:
     """Raise where H = ∂²loss/∂(outputs)² couples examples (a function of the batch's sum, the
     outputs normalised over the batch, a contrastive loss, a partner index): the transforms
     built on H's blocks per example (``diag_ggn``, ``ggn_factor``, ``kfac_factors``) would be
     silently wrong.
 
-    Proved from the loss's program (`example_flow`) for every value of the data: output leaf
+    Proved from the loss's program (`example_flow`; ``loss`` may be that program, traced at
+    ``leaves``) for every value of the data: output leaf
     n carries its examples along ``axes[n]``, each group's (``groups[n]``) numbered after the
     previous groups'; the loss must be a sum of terms that each read one example."""
     sizes: dict[int, int] = {}

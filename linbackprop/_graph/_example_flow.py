@@ -33,7 +33,7 @@ elements — the same facts JAX's batching rules encode:
 Values computed from literals, ``iota`` and concrete integer constants alone are carried along
 (per element: known or not), which is what tells a gather's known batch index from its data
 index. Nothing is drawn at random and no user value is evaluated: the result holds for every
-value the program can see. Where it says `MIXED`, `Flow.mixed_at` names the operations that first
+value the program can see. Where it says `MIXED`, `Flow.combined_at` names the operations that first
 mixed examples, with the user's line.
 """
 
@@ -81,20 +81,18 @@ from ._jaxprs import bind_equation
 
 
 class Flow(NamedTuple):
-    """What `example_flow` found: per output leaf its codes (an int array of its shape); the
-    operations that first mixed examples (``mixed_at``: a result reading several examples at
-    once, from operands that did not) and those that first summed them (``summed_at``: a sum of
-    terms of different examples — what a mean loss is, and what a per-example loss must not
-    be), each as the primitive and the user's line, in program order."""
+    """What `example_flow` found: per output leaf its codes (an int array of its shape), and in
+    program order ``(code, operation)`` where an operation first gave `MIXED` (a result reading
+    several examples at once, from operands that did not) or `SUMMED` (a sum of terms of
+    different examples — what a mean loss is, and what a per-example loss must not be), each
+    operation as the primitive and the user's line."""
 
     codes: list[np.ndarray]
-    mixed_at: list[str]
-    summed_at: list[str]
-    in_order: list[str]
+    combined_at: list[tuple[int, str]]
 
     def where(self, summed: bool = True) -> str:
         """The operations that mixed examples (and, with ``summed``, summed them), in words."""
-        found = [c for c in self.in_order if c in self.mixed_at or (summed and c in self.summed_at)]
+        found = [at for code, at in self.combined_at if code == MIXED or summed]
         return ("; the operation(s) that combine examples: " + ", ".join(found[:3])) if found else ""
 
 
@@ -115,7 +113,7 @@ def example_flow(fn: Callable | Any, args: Sequence[Any], labels: Sequence[np.nd
         state.codes[v] = None if lab is None or not np.any(np.asarray(lab) != FREE) else np.asarray(lab, CODE)
     state.run(jaxpr)
     codes = [full_codes(state.code(v), v.aval.shape) for v in jaxpr.outvars]
-    return Flow(codes, state.mixed_at, state.summed_at, state.in_order)
+    return Flow(codes, state.combined_at)
 
 
 def _summary(eqn: Any) -> str:
@@ -133,10 +131,7 @@ class _State:
     def __init__(self) -> None:
         self.codes: dict = {}
         self.known: dict = {}
-        self.mixed_at: list[str] = []
-        self.summed_at: list[str] = []
-        self.in_order: list[str] = []  # both, in program order
-        self._inner_known: list | None = None
+        self.combined_at: list[tuple[int, str]] = []  # (MIXED or SUMMED, the operation), in order
 
     def code(self, v: Any) -> np.ndarray | None:
         return None if isinstance(v, Literal) else self.codes.get(v)
@@ -155,17 +150,17 @@ class _State:
             else:
                 outs = self.rule(eqn, ins)
                 outs = [None if o is None or not np.any(o != FREE) else np.asarray(o, CODE) for o in outs]
-                for code, found in ((MIXED, self.mixed_at), (SUMMED, self.summed_at)):
+                for code in (MIXED, SUMMED):
                     if not any(c is not None and np.any(c == code) for c in ins) and \
                             any(o is not None and np.any(o == code) for o in outs):
-                        found.append(_summary(eqn))
-                        self.in_order.append(found[-1])
+                        self.combined_at.append((code, _summary(eqn)))
             for v, o in zip(eqn.outvars, outs):
                 self.codes[v] = o
             self._carry_known(eqn)
 
-    def run_inner(self, closed: Any, ins: list, knowns: list | None = None) -> list:
-        """A nested jaxpr's output codes from its inputs' (a call, a branch, a loop's body)."""
+    def run_inner(self, closed: Any, ins: list, knowns: list | None = None) -> tuple[list, list]:
+        """A nested jaxpr's output codes from its inputs' (a call, a branch, a loop's body), and
+        what is known of its outputs' values from what is known of its inputs'."""
         jaxpr = getattr(closed, "jaxpr", closed)
         consts = getattr(closed, "consts", ())
         inner = _State()
@@ -176,11 +171,8 @@ class _State:
             if knowns is not None and knowns[n] is not None:
                 inner.known[v] = knowns[n]
         inner.run(jaxpr)
-        self.mixed_at.extend(c for c in inner.mixed_at if c not in self.mixed_at)
-        self.summed_at.extend(c for c in inner.summed_at if c not in self.summed_at)
-        self.in_order.extend(c for c in inner.in_order if c not in self.in_order)
-        self._inner_known = [inner.known_of(v) for v in jaxpr.outvars]
-        return [inner.code(v) for v in jaxpr.outvars]
+        self.combined_at.extend(c for c in inner.combined_at if c not in self.combined_at)
+        return [inner.code(v) for v in jaxpr.outvars], [inner.known_of(v) for v in jaxpr.outvars]
 
     # the rules: operands' codes -> results' codes
 
@@ -193,7 +185,9 @@ class _State:
             knowns = [self.known_of(v) for v in eqn.invars]
             inner = p[CALLS[name]]
             offset = len(eqn.invars) - len(getattr(inner, "jaxpr", inner).invars)
-            return self.run_inner(inner, ins[offset:], knowns[offset:])
+            codes, known = self.run_inner(inner, ins[offset:], knowns[offset:])
+            self.known.update((v, k) for v, k in zip(eqn.outvars, known) if k is not None)
+            return codes
         if name in ELEMENTWISE:
             return [self._elementwise(name, eqn, full, shapes[0])] * len(shapes)
         if name == "random_wrap":  # a key from its data's trailing axes
@@ -331,7 +325,7 @@ class _State:
         index, operands = ins[0], ins[1:]
         out = None
         for branch in eqn.params["branches"]:
-            got = [full_codes(c, v.aval.shape) for c, v in zip(self.run_inner(branch, operands), eqn.outvars)]
+            got = [full_codes(c, v.aval.shape) for c, v in zip(self.run_inner(branch, operands)[0], eqn.outvars)]
             out = got if out is None else [join_either(a, b) for a, b in zip(out, got)]
         if index is not None and np.any(index != FREE):  # which branch runs depends on an example
             which = whole([index])
@@ -348,7 +342,7 @@ class _State:
         carry_vars = eqn.invars[n_consts:n_consts + n_carry]
         state = [full_codes(c, v.aval.shape) for c, v in zip(carry, carry_vars)]
         for _ in range(16):  # the carry's codes to a fixed point (the lattice is shallow)
-            outs = self.run_inner(p["jaxpr"], [*consts, *state, *slices])
+            outs = self.run_inner(p["jaxpr"], [*consts, *state, *slices])[0]
             new = [join_either(s, full_codes(o, s.shape)) for s, o in zip(state, outs[:n_carry])]
             if all(np.array_equal(a, b) for a, b in zip(new, state)):
                 break
@@ -365,14 +359,14 @@ class _State:
         cond_consts, body_consts, carry = ins[:nc], ins[nc:nc + nb], ins[nc + nb:]
         state = [full_codes(c, v.aval.shape) for c, v in zip(carry, eqn.invars[nc + nb:])]
         for _ in range(16):
-            outs = self.run_inner(p["body_jaxpr"], [*body_consts, *state])
+            outs = self.run_inner(p["body_jaxpr"], [*body_consts, *state])[0]
             new = [join_either(s, full_codes(o, s.shape)) for s, o in zip(state, outs)]
             if all(np.array_equal(a, b) for a, b in zip(new, state)):
                 break
             state = new
         else:
             state = [np.full(s.shape, MIXED, CODE) for s in state]
-        pred = self.run_inner(p["cond_jaxpr"], [*cond_consts, *state])[0]
+        pred = self.run_inner(p["cond_jaxpr"], [*cond_consts, *state])[0][0]
         if pred is not None and np.any(pred != FREE):  # how many steps run depends on an example
             which = np.asarray(whole([pred]), CODE)
             state = [join_single(s, which) for s in state]
@@ -382,14 +376,7 @@ class _State:
 
     def _carry_known(self, eqn: Any) -> None:
         name = eqn.primitive.name
-        if name in CALLS and getattr(self, "_inner_known", None) is not None and CALLS[name] is not None:
-            for v, k in zip(eqn.outvars, self._inner_known):
-                if k is not None:
-                    self.known[v] = k
-            self._inner_known = None
-            return
-        self._inner_known = None
-        if len(eqn.outvars) != 1:
+        if name in CALLS or len(eqn.outvars) != 1:  # a call's: from its program, as it ran (`rule`)
             return
         out = eqn.outvars[0]
         dtype = out.aval.dtype
