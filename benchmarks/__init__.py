@@ -7,6 +7,7 @@ families `gradient_rows`, `curvature_rows`, `private_rows`, `capture_rows`, `gru
 `pinn_rows`, `kfac_rows`, `lm_rows`, `digits_problems` (the digits data and initial parameters both
 sides of the K-FAC comparison use, no linbackprop in it), and `tables` (printing and writing into
 the docs).
+`pinn_starts.py` (the probed Gauss–Newton step from many starts, and its rule's ablation),
 `profile.py` (the memory and engine profiles), `kfac_jax_digits.py` (kfac-jax's side, in its
 own environment) and `program_hashes.py` (hashes of the programs the package builds, to check that
 a refactor changes none) are scripts.

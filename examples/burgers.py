@@ -110,7 +110,7 @@ def make_problem(widths: tuple[int, ...] = (16, 16, 16), interior: int = 1200, i
 
 
 def probed(loss, params, batch):
-    tx = optax.chain(lbp.scale_by_gauss_newton(step="probe", probes=32), optax.scale(-1.0))
+    tx = optax.chain(lbp.scale_by_gauss_newton(step="probe"), optax.scale(-1.0))
 
     @jax.jit
     def step(state):

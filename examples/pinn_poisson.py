@@ -11,8 +11,9 @@ is then a loss of the lifted network's outputs, and the Gauss–Newton matrix of
 the Gramian of energy natural gradient descent (ENGD). Methods, each in one jitted step:
 
 - Gauss–Newton to machine precision (``probe``): ``lbp.scale_by_gauss_newton(step="probe")`` on
-  the residuals and their Jacobian rows (``lbp.ggn_factor(loss, rank=1, residuals=True)``): one
-  SVD a step, 32 damping values probed at once, the longest step whose gain ratio meets the target;
+  the loss's terms (``terms=``: the residuals' Jacobian rows and the residuals from one solve): one
+  SVD a step, 24 trust radii probed at once, the radius where the safe gain ratio crosses the
+  target;
 - ENGD: ``lbp.scale_by_gauss_newton`` on the residuals' Jacobian rows (``lbp.ggn_factor(loss,
   rank=1)``: one back substitution), exact — a P × P solve, or the Woodbury solve where the
   points are fewer than the parameters — with Levenberg–Marquardt damping from the gain ratio;
@@ -110,6 +111,19 @@ def two_call_loss(widths: tuple[int, ...] = (64,), interior: int = 900):
     return loss
 
 
+def residual_terms(widths: tuple[int, ...] = (64,), interior: int = 900):
+    """The residuals of `make_problem`'s loss as named terms, for ``scale_by_gauss_newton``'s
+    ``terms=``: the PDE's at the interior points, the boundary values at the rest; with weights
+    ½ and ½ their weighted least squares Σ w_t·mean(r_t²) is that loss."""
+    lifted = lbp.forward_laplacian(network(widths))
+
+    def terms(p: dict, points: jax.Array) -> dict:
+        u, _, lap = lifted(p, points)
+        return {"pde": lap[:interior, 0] + source(points[:interior]), "bc": u[interior:, 0]}
+
+    return terms
+
+
 def initial_parameters(widths: tuple[int, ...], init: str, seed: int = 0) -> dict:
     """Starting parameters of the 2-widths-1 MLP: ``"uniform"`` (equinox's default, weights and
     biases uniform in ±1/√fan_in), ``"normal"`` (weights normal/√fan_in, biases zero), or the
@@ -197,20 +211,20 @@ def engd(loss, params, points, jit_step=None):
     return step, (params, tx.init(params))
 
 
-def probed(loss, params, points, probes: int = 32):
-    """Gauss–Newton to machine precision: one SVD of the residuals' Jacobian rows a step, the
-    directions of ``probes`` damping values from it, their losses in one batched call, the longest
-    step whose gain ratio meets the target (``step="probe"``); the directions from the residuals
-    themselves (``ggn_factor(..., residuals=True)``), so they keep κ(K)'s digits, not κ(K)²'s."""
-    tx = optax.chain(lbp.scale_by_gauss_newton(step="probe", probes=probes), optax.scale(-1.0))
+def probed(terms, params, points, probes: int = 24, target: float = 0.075, sketch: int | None = None):
+    """Gauss–Newton to machine precision: the loss's terms named to the step (``terms=``, weights
+    ½ and ½: `make_problem`'s loss), which makes the residuals' Jacobian rows and the residuals by
+    one solve; one SVD of the rows a step, ``probes`` trust radii around the last, their losses in
+    one batched call, the radius where the safe gain ratio crosses ``target`` (``step="probe"``);
+    the directions from the residuals themselves, so they keep κ(K)'s digits, not κ(K)²'s.
+    ``sketch``: rows of a fresh count sketch of the rows every step (DSGNAR's 2,000), or None."""
+    tx = optax.chain(lbp.scale_by_gauss_newton(step="probe", probes=probes, target=target, sketch=sketch,
+                                               weights={"pde": 0.5, "bc": 0.5}), optax.scale(-1.0))
 
     @jit
     def step(state):
         p, s = state
-        value, grad = lbp.value_and_grad_by_solve(loss)(p, points)
-        rows, residuals = lbp.ggn_factor(loss, rank=1, residuals=True)(p, points)
-        updates, s = tx.update(grad, s, p, rows=rows, residuals=residuals, value=value,
-                               value_fn=lambda q: loss(q, points))
+        updates, s = tx.update(p, s, p, terms=lambda q: terms(q, points))  # p: the updates' shape
         return optax.apply_updates(p, updates), s
 
     return step, (params, tx.init(params))
@@ -334,7 +348,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         solver = "Woodbury" if points.shape[0] < n else "dense"
         runs[f"ENGD ({solver})"] = lambda: engd(loss, params, points)
     if "probe" in methods:
-        runs["Gauss–Newton, probed (SVD)"] = lambda: probed(loss, params, points)
+        runs["Gauss–Newton, probed (SVD)"] = lambda: probed(residual_terms(widths), params, points)
     if "hessian-free" in methods:
         runs["Hessian-free (CG)"] = lambda: hessian_free(loss, params, points)
     if "kfac" in methods:

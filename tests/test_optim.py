@@ -122,7 +122,7 @@ def test_woodbury_solve_is_exact_where_woodburys_formula_cancels(lam):
     """float64: the Gram form with iterative refinement against the SVD's componentwise formula
     V diag(1/(σ² + λ)) Vᵀg + (g − VVᵀg)/λ, where λ ≪ ‖KKᵀ‖ makes Woodbury's own subtraction
     lose ε‖KKᵀ‖/λ; the QR form agrees."""
-    from linbackprop._optim._gauss_newton import _woodbury_qr, woodbury_solve
+    from linbackprop._optim._woodbury import _woodbury_qr, woodbury_solve
 
     k, sigma, v = _ill_conditioned_rows()
     g = jnp.asarray(np.random.default_rng(4).standard_normal(k.shape[1]))
@@ -136,7 +136,7 @@ def test_woodbury_solve_is_exact_where_woodburys_formula_cancels(lam):
 def test_woodbury_solve_takes_the_qr_where_there_is_no_cholesky_factor_and_in_float32():
     """λ below KKᵀ's round-off with K of rank 6 < 12 rows: no Cholesky factor of λI + KKᵀ, so the QR
     form (finite, the same numbers); float32 always the QR form."""
-    from linbackprop._optim._gauss_newton import _woodbury_qr, woodbury_solve
+    from linbackprop._optim._woodbury import _woodbury_qr, woodbury_solve
 
     k, _, _ = _ill_conditioned_rows()
     k = k.at[6:].set(k[:6])  # repeated rows: KKᵀ singular

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 # the arguments the transforms consume themselves; the rest go on to value_fn where it takes them
-OWN = frozenset({"curvature", "factors", "diagonal", "value", "value_fn", "grad", "rows", "residuals"})
+OWN = frozenset({"curvature", "factors", "diagonal", "value", "value_fn", "grad", "rows", "residuals", "terms"})
 
 
 def accepted(fn: Callable, extra: dict[str, Any]) -> dict[str, Any]:

@@ -4,6 +4,7 @@ transform: by conjugate gradients on G's products, or exactly from its rows (Woo
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, Literal, NamedTuple
 
@@ -15,7 +16,10 @@ from jax.flatten_util import ravel_pytree
 from .._curvature import GaussNewton
 from ._arguments import accepted, params_dtype, shaped_as
 from ._damping import DampingBounds, nielsen
-from ._spectral import directions, probed, spectral
+from ._probed import count_sketch, first_radius, probed
+from ._spectral import directions, spectral
+from ._terms import adapted, from_terms
+from ._woodbury import woodbury_solve
 
 Solver = Literal["auto", "cg", "woodbury", "dense", "svd"]
 Step = Literal["lm", "probe"]
@@ -30,20 +34,29 @@ class ScaleByGaussNewtonState(NamedTuple):
         count: the steps taken.
         nu: ν, λ's factor at the next step that fails to lower the loss (2, doubled by each
             failure in a row: Nielsen's rule).
+        radius: the probed step's trust radius Δ (NaN before its first step, where Δ₀ is the
+            length of the direction at λ₀; unused by ``step="lm"``).
+        weights: the terms' weights w_t (``update(..., terms=)``), or None (every weight 1).
+        key: the probed step's PRNG key for its row sketches (``sketch=``), or None.
     """
 
     damping: jax.Array
     direction: Any
     count: jax.Array
     nu: jax.Array
+    radius: jax.Array
+    weights: Any = None
+    key: Any = None
 
 
 def scale_by_gauss_newton(damping: float | None = None, maxiter: int = 50, *, tol: float = 1e-5,
                           solver: Solver = "auto", adapt: bool = True, min_damping: float | None = None,
                           max_damping: float = 1e8, reject: bool = True, warm_start: bool = True,
-                          damping_scale: float = 1e-3, step: Step = "lm", probes: int = 32, spread: float = 3.0,
-                          target: float = 0.1, momentum: float | None = None,
-                          probe_batch: int | None = 8) -> optax.GradientTransformationExtraArgs:
+                          damping_scale: float = 1e-3, step: Step = "lm", probes: int = 24, spread: float = 3.0,
+                          target: float = 0.075, momentum: float | None = None,
+                          probe_batch: int | None = 8, weights: Any = None,
+                          adapt_weights: float | None = None, sketch: int | None = None,
+                          seed: int = 0) -> optax.GradientTransformationExtraArgs:
     r"""The damped Gauss–Newton direction d = (G + λI)⁻¹ g, with G from ``update(...,
     curvature=G)`` ([`gauss_newton`][linbackprop.gauss_newton]) or from its rows, ``update(..., rows=K)`` with
     G = KᵀK ([`ggn_factor`][linbackprop.ggn_factor]: the examples' Jacobian rows), and g the incoming updates
@@ -92,19 +105,38 @@ def scale_by_gauss_newton(damping: float | None = None, maxiter: int = 50, *, to
     next step is more damped). ``value=`` saves one call of ``value_fn`` at θ. Without
     ``value_fn`` λ stays fixed.
 
-    The probed step (``step="probe"``; needs ``rows=``, ``value_fn`` and ``params``): one SVD
-    of the rows serves ``probes`` damping values $\lambda_c \cdot 10^t$, t evenly spaced in
-    [−``spread``, ``spread``] around the carried $\lambda_c$; the loss at every candidate
-    $\theta - d_j$ comes from ``value_fn`` batched over them (``jax.lax.map`` in batches of
-    ``probe_batch``), and with the exact predicted decreases the gain ratios $\rho_j$. The step
-    is the longest candidate (the smallest λ) that lowers the loss with $\rho_j \ge$ ``target``
-    — the trust radius where the gain
-    ratio crosses the target, DSGNAR's rule on the probes — and its λ is the next centre;
-    where none qualifies the step is zeros and the grid moves up ``spread`` decades. Its λ has
-    no floor beyond round-off by default (``min_damping=None``): the directions are exact at any
-    λ. Give it the residuals: from g alone the directions along K's small singular values carry
-    g's round-off divided by s², and the steps stall orders of magnitude above the fit's
-    round-off (docs/guides/training.md, "Gauss–Newton to machine precision").
+    The probed step (``step="probe"``; needs ``rows=``, ``value_fn`` and ``params``): a trust
+    radius Δ carried in the state (the first: the direction's length at λ₀), ``probes`` radii
+    $\Delta \cdot \text{spread}^t$, t evenly spaced in [−1, 1], each candidate from one SVD of the
+    rows at the λ whose step has that length (the secular equation, solved to round-off), the
+    loss at every candidate from ``value_fn`` batched over them (``jax.lax.map`` in batches of
+    ``probe_batch``) and with the exact predicted decreases the gain ratios $\rho_j$. The radius
+    taken is where the *safe* ratio — $\rho_j$'s running minimum over increasing radius —
+    crosses ``target`` (interpolated in log r, that candidate evaluated once more; DSGNAR's rule),
+    and it is the next Δ; where every probe is above, the largest, and Δ grows by ``spread``;
+    where none, no step (zeros) and Δ shrinks by ``spread``. A step never raises the loss. Its λ
+    has no floor beyond round-off by default (``min_damping=None``): the directions are exact at
+    any λ. Give it the residuals: from g alone the directions along K's small singular values
+    carry g's round-off divided by s², and the steps stall orders of magnitude above the fit's
+    round-off (docs/guides/training.md, "Gauss–Newton to machine precision", with the rule's
+    ablation from 16 starts).
+
+    The loss's terms (``update(..., terms=fn)``, ``fn(params, **extra)`` returning the residuals
+    as a pytree of terms, one leaf a term — a PDE's interior, its boundary): the step is for the
+    weighted least squares $L = \sum_t w_t \operatorname{mean}(r_t^2)$, its rows, residuals, value
+    and ``value_fn`` made from ``fn`` by the library's own solve (``lbp.ggn_factor(L, rank=1,
+    residuals=True)``, ``fn`` calling the network); the incoming updates are replaced by ∇L
+    (their values are not read: the weights live in the state, so no gradient computed outside
+    can be L's). ``weights`` (one number per term, the terms' tree; None: every weight 1) start
+    in the state, and with ``adapt_weights=rate`` move every step by DSGNAR's rule
+    $w_t \leftarrow w_t (m / (l_t + 10^{-8}))^{\text{rate}}$, $w \leftarrow w/\operatorname{mean}(w)$,
+    $l_t = w_t \operatorname{mean}(r_t^2)$, m their mean. Weights with ``rows=``
+    instead raise: those rows are used as given.
+
+    A row sketch (``sketch=rows``) makes each probed step's model that of a fresh random count
+    sketch of the rows: the model moves from step to step, and on the 2-64-1 Poisson PINN every
+    measured start reached round-off with it, where without it some ended in minima of the fitted
+    points' loss at 10⁻¹³–10⁻¹² (docs/guides/training.md, the ablation).
 
     ``momentum=μ`` (SPRING, Goldshlager, Abrahamsen & Lin): the direction minimises
     ‖Kd − b‖² + λ‖d − μ d_prev‖², i.e. d = μ d_prev + (G + λI)⁻¹(g − μ G d_prev), with d_prev
@@ -126,17 +158,25 @@ def scale_by_gauss_newton(damping: float | None = None, maxiter: int = 50, *, to
         damping_scale: τ of $\lambda_0 = \tau \max_i G_{ii}$ where ``damping`` is None (Marquardt's; 1e-3
             where the start is far from a minimum, 1e-6 near one).
         step: ``"lm"`` (Levenberg–Marquardt, as before) or ``"probe"`` (the probed step).
-        probes: how many damping values the probed step tries at once.
-        spread: the probes span $\lambda_c \cdot 10^{[-\text{spread}, \text{spread}]}$.
-        target: the gain ratio a probed step needs.
+        probes: how many trust radii the probed step tries at once.
+        spread: the probes span radii Δ / ``spread`` … Δ · ``spread`` (> 1), and Δ grows or
+            shrinks by it where every probe or none meets the target.
+        target: the safe gain ratio at the probed step's radius.
         momentum: SPRING's μ in [0, 1), or None (no momentum).
         probe_batch: the probes' losses are computed this many at a time (``jax.lax.map``'s
             ``batch_size``; None: one at a time).
+        weights: the terms' starting weights (``update(..., terms=)``), or None (every weight 1).
+        adapt_weights: the weights' adaptation rate in (0, 1] (DSGNAR's 0.05), or None (fixed).
+        sketch: the probed step's row sketch: that many rows of a fresh count sketch S of the rows
+            and residuals every step (each row into 4 buckets, signs ±½; DSGNAR's 2000), the
+            candidates those of min ‖S(Kd − b)‖² + λ‖d‖², their gain ratios of the true loss;
+            None: no sketch. Needs the residuals (``residuals=`` or ``terms=``).
+        seed: the sketches' PRNG seed (the key lives in the state).
 
     Returns:
         An ``optax.GradientTransformationExtraArgs`` whose ``update(grad, state, params, *,
-            curvature=None, rows=None, residuals=None, value=None, value_fn=None, **extra)`` returns
-            the direction d (not −d).
+            curvature=None, rows=None, residuals=None, value=None, value_fn=None, terms=None,
+            **extra)`` returns the direction d (not −d).
 
     Raises:
         ValueError: an argument out of range, or a solver the given curvature cannot serve.
@@ -159,18 +199,40 @@ def scale_by_gauss_newton(damping: float | None = None, maxiter: int = 50, *, to
         [0.1111, 0.7778]
     """
     o = _options(damping, maxiter, tol, solver, adapt, min_damping, max_damping, reject, warm_start, damping_scale,
-                 step, probes, spread, target, momentum, probe_batch)
+                 step, probes, spread, target, momentum, probe_batch, sketch)
+    if sketch is not None and (step != "probe" or not isinstance(sketch, int) or sketch < 1):
+        raise ValueError(f"scale_by_gauss_newton(sketch={sketch!r}): a row sketch serves step='probe', with "
+                         "a positive number of rows (DSGNAR's: 2000).")
+    if adapt_weights is not None and (weights is None or not 0 < adapt_weights <= 1):
+        raise ValueError(f"scale_by_gauss_newton(adapt_weights={adapt_weights!r}): the adaptation's rate is in "
+                         "(0, 1] (DSGNAR's: 0.05) and needs weights= to start from, one per term of "
+                         "update(..., terms=fn): e.g. weights={'pde': 1e-2, 'bc': 1.0}.")
 
     def init(params: Any) -> ScaleByGaussNewtonState:
         zeros = optax.tree.zeros_like(params)
         dtype = params_dtype(params)
         first = jnp.nan if damping is None else damping
+        ws = None if weights is None else jax.tree.map(lambda w: jnp.asarray(w, dtype), weights)
+        key = None if sketch is None else jax.random.key(seed)
         return ScaleByGaussNewtonState(jnp.asarray(first, dtype), zeros, jnp.zeros((), jnp.int32),
-                                       jnp.asarray(2, dtype))
+                                       jnp.asarray(2, dtype), jnp.asarray(jnp.nan, dtype), ws, key)
 
     def update(updates: Any, state: ScaleByGaussNewtonState, params: Any = None, *,
                curvature: GaussNewton | None = None, rows: Any = None, residuals: Any = None, value: Any = None,
-               value_fn: Callable | None = None, **extra: Any) -> tuple[Any, ScaleByGaussNewtonState]:
+               value_fn: Callable | None = None, terms: Callable | None = None,
+               **extra: Any) -> tuple[Any, ScaleByGaussNewtonState]:
+        made = None
+        if terms is not None:
+            if rows is not None or curvature is not None or residuals is not None:
+                raise ValueError("scale_by_gauss_newton: terms= makes the rows, residuals and loss itself; "
+                                 "give terms= alone, or rows=/residuals=/curvature= without it.")
+            made = from_terms(functools.partial(terms, **accepted(terms, extra)), state.weights, params)
+            rows, residuals, value, value_fn = made.rows, made.residuals, made.value, made.value_fn
+            updates = shaped_as(made.gradient, updates)
+        elif state.weights is not None:
+            raise ValueError("scale_by_gauss_newton(weights=...): the weights apply to the terms' residuals "
+                             "(update(..., terms=fn), fn(params) -> {term: residuals}); rows= and residuals= "
+                             "are used as given, with no weights: drop weights= or pass terms=.")
         if rows is None and not isinstance(curvature, GaussNewton):
             raise TypeError("scale_by_gauss_newton needs the Gauss–Newton matrix: "
                             "value, grad, G = lbp.gauss_newton(loss)(params, *batch); "
@@ -186,7 +248,10 @@ def scale_by_gauss_newton(damping: float | None = None, maxiter: int = 50, *, to
             first = lambda: o.bounds.clip(damping_scale * matrix.scale(updates)).astype(lam.dtype)
             lam = jax.lax.cond(~jnp.isfinite(lam), first, lambda: lam)
         take = _probed_step if step == "probe" else _levenberg_marquardt_step
-        return take(o, matrix, updates, state, lam, params, residuals, value, value_fn, extra)
+        direction, new = take(o, matrix, updates, state, lam, params, residuals, value, value_fn, extra)
+        if adapt_weights is not None:
+            new = new._replace(weights=adapted(state.weights, made.mean_squares, adapt_weights))
+        return direction, new
 
     return optax.GradientTransformationExtraArgs(init, update)
 
@@ -206,18 +271,19 @@ class _Options(NamedTuple):
     target: float
     momentum: float | None
     probe_batch: int | None
+    sketch: int | None
 
 
 def _options(damping: float | None, maxiter: int, tol: float, solver: Solver, adapt: bool,
              min_damping: float | None, max_damping: float, reject: bool, warm_start: bool, damping_scale: float,
              step: Step, probes: int, spread: float, target: float, momentum: float | None,
-             probe_batch: int | None) -> _Options:
+             probe_batch: int | None, sketch: int | None) -> _Options:
     if solver not in ("auto", "cg", "woodbury", "dense", "svd"):
         raise ValueError(f"scale_by_gauss_newton(solver={solver!r}): use 'auto', 'cg', 'woodbury', 'dense' or 'svd'.")
     if step not in ("lm", "probe"):
         raise ValueError(f"scale_by_gauss_newton(step={step!r}): use 'lm' (Levenberg–Marquardt) or 'probe'.")
-    if step == "probe" and (not isinstance(probes, int) or probes < 2 or not spread > 0 or not 0 <= target < 1):
-        raise ValueError(f"scale_by_gauss_newton(step='probe'): needs probes ≥ 2 (got {probes!r}), spread > 0 "
+    if step == "probe" and (not isinstance(probes, int) or probes < 2 or not spread > 1 or not 0 <= target < 1):
+        raise ValueError(f"scale_by_gauss_newton(step='probe'): needs probes ≥ 2 (got {probes!r}), spread > 1 "
                          f"(got {spread!r}) and 0 ≤ target < 1 (got {target!r}).")
     if momentum is not None and not 0 <= momentum < 1:
         raise ValueError(f"scale_by_gauss_newton(momentum={momentum!r}): SPRING's μ is in [0, 1), or None.")
@@ -230,7 +296,7 @@ def _options(damping: float | None, maxiter: int, tol: float, solver: Solver, ad
         raise ValueError(f"scale_by_gauss_newton(damping_scale={damping_scale}): τ of λ₀ = τ · max diag G must "
                          "be positive.")
     return _Options(maxiter, tol, solver, adapt, DampingBounds(min_damping, max_damping), reject, warm_start,
-                    probes, spread, target, momentum, probe_batch)
+                    probes, spread, target, momentum, probe_batch, sketch)
 
 
 def _levenberg_marquardt_step(o: _Options, matrix: _Curvature, g: Any, state: ScaleByGaussNewtonState,
@@ -242,7 +308,7 @@ def _levenberg_marquardt_step(o: _Options, matrix: _Curvature, g: Any, state: Sc
     start = shaped_as(state.direction, g) if o.warm_start else None
     direction = matrix.solve(_chosen(o.solver, matrix), g, lam, start, o.maxiter, o.tol, residuals, prior)
     if value_fn is None or not o.adapt:
-        return direction, ScaleByGaussNewtonState(lam, direction, state.count + 1, state.nu)
+        return direction, state._replace(damping=lam, direction=direction, count=state.count + 1)
     if params is None:
         raise ValueError("scale_by_gauss_newton with value_fn needs params: tx.update(grad, state, params, ...).")
     kwargs = accepted(value_fn, extra)
@@ -252,14 +318,14 @@ def _levenberg_marquardt_step(o: _Options, matrix: _Curvature, g: Any, state: Sc
     lam, nu, decreased = nielsen(lam, state.nu, before, after, predicted, o.bounds)
     if o.reject:
         direction = jax.tree.map(lambda d: jnp.where(decreased, d, jnp.zeros_like(d)), direction)
-    return direction, ScaleByGaussNewtonState(lam, direction, state.count + 1, nu)
+    return direction, state._replace(damping=lam, direction=direction, count=state.count + 1, nu=nu)
 
 
 def _probed_step(o: _Options, matrix: _Curvature, g: Any, state: ScaleByGaussNewtonState, lam: jax.Array,
                  params: Any, residuals: Any, value: Any, value_fn: Callable | None,
                  extra: dict) -> tuple[Any, ScaleByGaussNewtonState]:
-    """The probed step (`_spectral.probed`): candidates from one SVD of the rows, their losses
-    measured, the longest whose gain ratio meets the target."""
+    """The probed step (`_probed.probed`): candidates from one SVD of the rows at radii around the
+    carried one, their losses measured, the radius where the safe gain ratio meets the target."""
     if matrix.flat is None or value_fn is None or params is None:
         raise ValueError("scale_by_gauss_newton(step='probe') needs the rows, value_fn and params: "
                          "tx.update(grad, state, params, rows=K, residuals=b, value_fn=lambda p: loss(p, *batch)) "
@@ -269,14 +335,28 @@ def _probed_step(o: _Options, matrix: _Curvature, g: Any, state: ScaleByGaussNew
     kwargs = accepted(value_fn, extra)
     before = value_fn(params, **kwargs) if value is None else value
     value_of = lambda d: value_fn(optax.tree.sub(params, unravel(d)), **kwargs)
-    sp = spectral(matrix.flat, g_flat, residuals)
+    k, key = matrix.flat, state.key
+    if o.sketch is not None:
+        if residuals is None:
+            raise ValueError("scale_by_gauss_newton(sketch=...) sketches the residuals with the rows: give "
+                             "residuals= (lbp.ggn_factor(loss, rank=1, residuals=True)) or terms=.")
+        key, fresh = jax.random.split(key)
+        k, sketched = count_sketch(fresh, k, residuals, o.sketch)
+        # what g holds besides Kᵀb stays as it is; Kᵀb's part becomes the sketch's (SK)ᵀ(Sb)
+        g_flat = g_flat - matrix.flat.T @ residuals + k.T @ sketched
+        residuals = sketched
+    sp = spectral(k, g_flat, residuals)
+    radius = jnp.where(jnp.isfinite(state.radius), state.radius, first_radius(sp, lam, prior))
     # the candidates' losses by lax.map in batches of probe_batch: a vmap over all of them ran
     # the PINN's lifted network 3–4× slower on the CPU (batched products of batched weights)
-    values = lambda ds: jax.lax.map(value_of, ds, batch_size=o.probe_batch)
-    d, lam = probed(sp, lam, before, values, o.probes, o.spread, o.target, o.bounds.min_damping,
-                    o.bounds.max_damping, prior)
-    direction = unravel(d)
-    return direction, ScaleByGaussNewtonState(lam, direction, state.count + 1, state.nu)
+    taken = probed(sp, radius, before, value_of, o.probes, o.spread, o.target, o.bounds.min_damping,
+                   o.bounds.max_damping, prior, o.probe_batch)
+    direction = unravel(taken.direction)
+    # Δ no shorter than a step that can still move θ in floating point (ε‖θ‖): converged, it
+    # rests there instead of underflowing to 0, from where growing by `spread` could never return
+    least = jnp.finfo(g_flat.dtype).eps * jnp.maximum(jnp.linalg.norm(ravel_pytree(params)[0]), 1.0)
+    return direction, state._replace(damping=taken.damping, direction=direction, count=state.count + 1,
+                                     radius=jnp.maximum(taken.radius, least), key=key)
 
 
 class _Curvature:
@@ -337,67 +417,6 @@ class _Curvature:
         dense = self.G.todense() if self.flat is None else self.flat.T @ self.flat
         matrix = dense + lam * jnp.eye(g_flat.size, dtype=g_flat.dtype)
         return unravel(jax.scipy.linalg.cho_solve(jax.scipy.linalg.cho_factor(matrix), g_flat))
-
-
-# steps of iterative refinement after the Gram form's first solve: each multiplies the error by
-# about ε·‖KKᵀ‖/λ; three left residuals below the QR form's at every λ from 1e-2 to 1e-12 on the
-# deep-wide PINN's rows (`python benchmarks/profile.py woodbury`; docs/performance.md)
-REFINEMENTS = 3
-# the Gram form only where ε·‖KKᵀ‖/λ ≤ 1/GRAM_MARGIN (‖KKᵀ‖ bounded by its trace): there the first
-# solve and three refinements bring the error to (1/GRAM_MARGIN)⁴ ≈ ε; below, refining amplifies
-# the error (22–97 % off at λ = 1e-10 with ‖KKᵀ‖ = 1e6) and the QR form serves
-GRAM_MARGIN = 1e4
-
-
-def woodbury_solve(k: jax.Array, g: jax.Array, lam: jax.Array) -> jax.Array:
-    r"""(λI + KᵀK)⁻¹ g for R rows K [R, P], R < P, by Woodbury's identity
-
-    $$(\lambda I + K^T K)^{-1} g = \big(g - K^T (\lambda I + K K^T)^{-1} K g\big) / \lambda.$$
-
-    In float64 (and wider) from the Gram KKᵀ — one matrix product and an R × R Cholesky
-    factor — refined ``REFINEMENTS`` times, x ← x + W(g − λx − Kᵀ(Kx)) with W the formula
-    above on the same factor: the subtraction of nearly equal vectors loses about ε·‖KKᵀ‖/λ of
-    the components along K's large singular values, and each refinement multiplies that
-    error by the same factor. The QR of Kᵀ (`_woodbury_qr`) costs 2–3× as much on the
-    deep-wide PINN's 1,020 × 9,873 rows (its Householder panels are not matrix products)
-    and left larger residuals at every λ measured; it serves float32 (where ε·‖KKᵀ‖/λ
-    reaches 1 at λ ≈ 1e-7 ‖KKᵀ‖, and refining would not converge) and, under ``lax.cond``,
-    every λ below ``GRAM_MARGIN`` · ε · tr(KKᵀ), where refining would amplify the error (and
-    λI + KKᵀ may have no Cholesky factor in floating point). ``solver="svd"`` is exact to
-    round-off at every λ (and from the residuals, to κ(K)'s round-off rather than κ(K)²'s)."""
-    if jnp.finfo(g.dtype).bits < 64:
-        return _woodbury_qr(k, g, lam)
-    bare = k @ k.T
-    gram = bare + lam * jnp.eye(k.shape[0], dtype=k.dtype)
-    factor = jax.scipy.linalg.cho_factor(gram)
-    converges = lam >= GRAM_MARGIN * jnp.finfo(g.dtype).eps * jnp.trace(bare)
-
-    def refined() -> jax.Array:
-        inverse = lambda r: (r - k.T @ jax.scipy.linalg.cho_solve(factor, k @ r)) / lam
-        x = inverse(g)
-        for _ in range(REFINEMENTS):
-            x = x + inverse(g - lam * x - k.T @ (k @ x))
-        return x
-
-    return jax.lax.cond(converges & jnp.all(jnp.isfinite(factor[0])), refined, lambda: _woodbury_qr(k, g, lam))
-
-
-def _woodbury_qr(k: jax.Array, g: jax.Array, lam: jax.Array) -> jax.Array:
-    """`woodbury_solve` from the thin QR Kᵀ = QR: Q(RRᵀ + λI)⁻¹Qᵀg + (g − QQᵀg)/λ, the
-    projection written out, so that float32 keeps its precision (Woodbury's own form subtracts
-    nearly equal vectors). Q is kept as LAPACK's Householder reflectors and applied (ormqr),
-    never formed: forming it cost as much again as the factorisation."""
-    h, taus = jnp.linalg.qr(k.T, mode="raw")
-    reflectors = h.T  # [P, R]: R on and above the diagonal, the reflectors below
-    m = min(reflectors.shape)
-    r = jnp.triu(reflectors[:m])
-    apply_q = lambda c, transpose: jax.lax.linalg.ormqr(reflectors, taus, c[:, None], transpose=transpose)[:, 0]
-    inside = apply_q(g, True)[:m]  # Qᵀg
-    small = r @ r.T + lam * jnp.eye(m, dtype=r.dtype)
-    solved = jax.scipy.linalg.cho_solve(jax.scipy.linalg.cho_factor(small), inside)
-    # Q (RRᵀ + λI)⁻¹ Qᵀg + (g − QQᵀg)/λ, both Q products in one
-    padded = jnp.zeros_like(g).at[:m].set(solved - inside / lam)
-    return apply_q(padded, False) + g / lam
 
 
 def _flat_rows(rows: Any) -> jax.Array:

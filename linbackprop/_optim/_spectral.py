@@ -1,5 +1,5 @@
-r"""Damped least-squares directions from one SVD of the rows, for every λ at once, and the
-probed step that picks among them.
+r"""Damped least-squares directions from one SVD of the rows, for every λ at once, their
+predicted decreases and their lengths.
 
 With K = U diag(s) Vᵀ (thin) and g = Kᵀb, the direction of the damped problem
 min ‖K d − b‖² + λ‖d − p‖² (p a prior: SPRING's momentum μ·d_prev, or 0) is
@@ -18,7 +18,6 @@ $$\text{pred}(\lambda) = g^T d - \tfrac12 \lVert K d \rVert^2
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
@@ -105,24 +104,11 @@ def directions(sp: Spectral, lams: jax.Array, prior: jax.Array | None = None) ->
     return d, predicted
 
 
-def probed(sp: Spectral, center: jax.Array, before: jax.Array, values: Callable[[jax.Array], jax.Array],
-           probes: int, spread: float, target: float, floor: float, ceiling: float,
-           prior: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
-    r"""The probed step: ``probes`` damping values λ_j = λ_c · 10^t, t evenly spaced in
-    [−``spread``, ``spread``] (clipped to [``floor``, ``ceiling``]), their directions from the one
-    SVD, the loss at every θ − d_j by one batched call ``values(d)`` ([n, P] → [n]), and the gain
-    ratios ρ_j = (f(θ) − f(θ − d_j)) / pred_j. The step is the longest candidate (the smallest
-    λ) that lowers the loss with ρ_j ≥ ``target``: the trust radius where the gain ratio crosses
-    the target, as DSGNAR picks it (there by interpolating ρ between its probes), and its λ the
-    next centre. Where none is accepted, no step (zeros) and the grid moves up by ``spread``
-    decades. Returns (the step [P], the next centre)."""
-    lams = jnp.clip(center * 10.0 ** jnp.linspace(-spread, spread, probes, dtype=sp.s.dtype), floor, ceiling)
-    d, predicted = directions(sp, lams, prior)
-    after = values(d)
-    rho = (before - after) / jnp.where(predicted > 0, predicted, 1.0)
-    accepted = jnp.isfinite(after) & (predicted > 0) & (after < before) & (rho >= target)
-    best = jnp.argmin(jnp.where(accepted, jnp.arange(probes), probes))  # the smallest λ: the longest step
-    found = jnp.any(accepted)
-    step = jnp.where(found, d[best], jnp.zeros_like(d[0]))
-    center = jnp.where(found, lams[best], jnp.clip(center * 10.0 ** spread, floor, ceiling))
-    return step, center
+def distances(sp: Spectral, lams: jax.Array, prior: jax.Array | None = None) -> jax.Array:
+    r"""‖d(λ) − p‖ for each λ of ``lams`` [n], without forming d: the step's length from the
+    prior (from θ where there is none), $\sqrt{\sum_i ((c_i - s_i^2 w_i)/(s_i^2 + λ))^2 +
+    \lVert g_\perp \rVert^2/λ^2}$, w = Vᵀp; V's columns are orthonormal and g_⊥ is outside them."""
+    w = jnp.zeros_like(sp.s) if prior is None else sp.from_params(prior)
+    inside = jnp.sum(((sp.c - sp.s ** 2 * w) / (sp.s ** 2 + lams[:, None])) ** 2, axis=1)
+    rest = jnp.sum(sp.rest ** 2)
+    return jnp.sqrt(inside + jnp.where(rest > 0, rest / lams ** 2, 0.0))
