@@ -43,23 +43,28 @@ class FromTerms(NamedTuple):
 def weighted(terms: Callable, weights: Any) -> Callable:
     """L(θ) = Σ_t w_t · mean(r_t(θ)²) for the terms' function and weights of the same tree (None:
     every weight 1)."""
-
-    def loss(params: Any) -> jax.Array:
-        residuals = terms(params)
-        ws = jax.tree.map(lambda _: 1.0, residuals) if weights is None else weights
-        _check_structure(residuals, ws)
-        return sum(w * jnp.mean(r ** 2) for r, w in zip(jax.tree.leaves(residuals), jax.tree.leaves(ws)))
-
-    return loss
+    return lambda params: _weighted_sum(_mean_squares(terms(params)), weights)
 
 
 def from_terms(terms: Callable, weights: Any, params: Any) -> FromTerms:
-    """K, b, L(θ), L, ∇L and the terms' mean squares at ``params`` (one solve for the rows)."""
+    """K, b, L(θ), L, ∇L and the terms' mean squares at ``params`` (one solve for the rows; the
+    terms evaluated once more for L(θ) and the mean squares together)."""
     loss = weighted(terms, weights)
     rows, b = ggn_factor(loss, rank=1, residuals=True)(params)
     gradient = jax.tree.map(lambda r: jnp.tensordot(b, r, axes=1), rows)
-    mean_squares = jax.tree.map(lambda r: jnp.mean(r ** 2), terms(params))
-    return FromTerms(rows, b, loss(params), loss, gradient, mean_squares)
+    mean_squares = _mean_squares(terms(params))
+    return FromTerms(rows, b, _weighted_sum(mean_squares, weights), loss, gradient, mean_squares)
+
+
+def _mean_squares(residuals: Any) -> Any:
+    return jax.tree.map(lambda r: jnp.mean(r ** 2), residuals)
+
+
+def _weighted_sum(mean_squares: Any, weights: Any) -> jax.Array:
+    """Σ_t w_t · mean(r_t²), the same operations wherever L is evaluated (θ and every candidate)."""
+    ws = jax.tree.map(lambda _: 1.0, mean_squares) if weights is None else weights
+    _check_structure(mean_squares, ws)
+    return sum(w * m for m, w in zip(jax.tree.leaves(mean_squares), jax.tree.leaves(ws)))
 
 
 def adapted(weights: Any, mean_squares: Any, rate: float) -> Any:
