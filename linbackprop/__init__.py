@@ -21,8 +21,7 @@ from ._curvature import (
                          per_example_grads,
 )
 from ._frameworks import Functional, functional
-from ._graph import GraphError, Layer, Network, Row, Stack
-from ._laplacian import forward_laplacian
+from ._graph import GraphError, Layer, Network, Row, Stack, forward_laplacian
 from ._operators import Block, Linearization, LinearOperator, ParamOperator, StateOperator, linearize
 from ._optim import KfacState, kfac, scale_by_gauss_newton, scale_by_kfac
 from ._options import solving

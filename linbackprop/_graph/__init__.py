@@ -7,7 +7,8 @@ substitution U = Φ(U, θ), and ``__call__``, which reads how to run from `_opti
 `_block_text` (a block pattern as text), `_in_turn` (LAPACK calls one after another) and
 `_example_flow` (which example each value of a program reads: the proof that examples stay
 apart) and `_jaxprs` (a layer's jaxpr text and constants: what a plan is checked against to find it stale;
-the one jaxpr evaluator).
+the one jaxpr evaluator), and `_laplacian` (a Network lifted to (U, ∇U, ΔU): the forward
+Laplacian, a network transformed into another).
 """
 
 from ._block_text import block_matrix_text
@@ -38,6 +39,7 @@ from ._jaxprs import (
     read,
     run_equations,
 )
+from ._laplacian import forward_laplacian
 from ._layer import (
     GraphError,
     Layer,
@@ -75,6 +77,7 @@ __all__ = [
     "evaluate",
     "example_flow",
     "explicit_sharding",
+    "forward_laplacian",
     "in_turn",
     "index_row",
     "label",

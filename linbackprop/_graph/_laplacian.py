@@ -21,7 +21,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ._graph import GraphError, Layer, Network, Row
+from ._layer import GraphError, Layer, Row
+from ._network import Network
 
 
 def forward_laplacian(net: Network, coordinates: Hashable | None = None,
