@@ -22,6 +22,7 @@ from ._curvature import (
 )
 from ._frameworks import Functional, functional
 from ._graph import GraphError, Layer, Network, Row, Stack, forward_laplacian
+from ._influence import Influence, InfluenceFit, influence
 from ._operators import Block, Linearization, LinearOperator, ParamOperator, StateOperator, linearize
 from ._optim import KfacState, kfac, scale_by_gauss_newton, scale_by_kfac
 from ._options import solving
@@ -37,6 +38,8 @@ __all__ = [
                          "Functional",
                          "GaussNewton",
                          "GraphError",
+                         "Influence",
+                         "InfluenceFit",
                          "KfacState",
                          "Kronecker",
                          "Layer",
@@ -55,6 +58,7 @@ __all__ = [
                          "gauss_newton",
                          "ggn_factor",
                          "grad_by_solve",
+                         "influence",
                          "jvp_by_solve",
                          "kfac",
                          "kfac_factors",

@@ -119,7 +119,10 @@ def _program(flat: Callable, diff: list, rest: list, entries: tuple, names: list
         raise ValueError(f"layers= names {', '.join(never)}, but fun never called it (no instance's call, no "
                          "call of the function): check what fun calls (a subclass or a wrapper is another class), "
                          "or leave it out of layers=.")
-    key = (str(closed.jaxpr), tuple(Constant(c) for c in closed.consts), tuple(names), calls, unbatched)
+    # the data arguments' names are the inputs' (a Program from another function with the same jaxpr
+    # names them otherwise, and the one-example trace, not cached with it, would not match)
+    key = (str(closed.jaxpr), tuple(Constant(c) for c in closed.consts), tuple(names), tuple(rest_names), calls,
+           unbatched)
     program = shared_value(key, lambda: build(closed, len(diff), names, calls, rest_names, unbatched), NETWORKS)
     return program, shape, _raw_keys(closed.jaxpr, closed.jaxpr.invars[len(diff):])
 

@@ -8,8 +8,11 @@ update itself, as ``optax.adam`` does. The curvature comes in as extra arguments
 (``curvature=G``, ``factors=...``), so they chain with optax's line searches and the rest.
 """
 
+from ._blocks import CurvatureBlock, block_matrix, blocks_of, split_block
 from ._gauss_newton import scale_by_gauss_newton
 from ._kfac import KfacState, kfac
+from ._kronecker import Diagonal
 from ._scale_by_kfac import scale_by_kfac
 
-__all__ = ["KfacState", "kfac", "scale_by_gauss_newton", "scale_by_kfac"]
+__all__ = ["CurvatureBlock", "Diagonal", "KfacState", "block_matrix", "blocks_of", "kfac", "scale_by_gauss_newton",
+           "scale_by_kfac", "split_block"]
