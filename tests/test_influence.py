@@ -127,6 +127,8 @@ def test_every_method_matches_its_dense_reference_on_an_mlp():
                                    atol=1e-12 * np.abs(expected).max(), err_msg=method)
         own = np.einsum("np,np->n", gi, np.linalg.solve(curvature + damping * np.eye(len(curvature)), gi.T).T)
         np.testing.assert_allclose(fit.self_scores(params, *train), own, rtol=1e-9, err_msg=method)
+    np.testing.assert_allclose(fit.scores(losses, params, query, train, by="forward"), expected, rtol=1e-9,
+                               atol=1e-12 * np.abs(expected).max())  # no training gradient formed
     swept = fit.with_damping(3 * damping)  # the exact G's: a sweep without fitting again
     np.testing.assert_allclose(swept.scores(losses, params, query, train),
                                damped_scores(gq, gi, curvature, 3 * damping), rtol=1e-9,
@@ -223,8 +225,9 @@ def test_nnx_model_through_layers():
     curvature = kronecker_reference(factors, state, ggn, refit=True)
     fit = lbp.influence(losses, method="ekfac", damping=1e-2, layers=nnx.Linear).fit(model, *train)
     expected = damped_scores(gq, gi, curvature, 1e-2)
-    np.testing.assert_allclose(fit.scores(losses, model, query, train), expected, rtol=1e-9,
-                               atol=1e-12 * np.abs(expected).max())
+    for by in ("gradients", "forward"):
+        np.testing.assert_allclose(fit.scores(losses, model, query, train, by=by), expected, rtol=1e-9,
+                                   atol=1e-12 * np.abs(expected).max(), err_msg=by)
 
 
 def test_refusals_name_the_fix():
@@ -245,6 +248,8 @@ def test_refusals_name_the_fix():
     fit = lbp.influence(losses, method="diagonal").fit(params, *train)
     with pytest.raises(TypeError, match="tuple of arrays"):
         fit.scores(losses, params, query[0], train)
+    with pytest.raises(ValueError, match="by='backward'"):
+        fit.scores(losses, params, query, train, by="backward")
     with pytest.raises(ValueError, match="4 examples, the fit 13"):
         fit.scores(losses, params, query, query)
     pairing = lambda p, x, y: cross_entropy(net(p, x), y) + cross_entropy(jnp.roll(net(p, x), 1, axis=0), y)

@@ -130,14 +130,24 @@ def eigen_curvature(blocks: list[CurvatureBlock], treedef: Any) -> EigenCurvatur
     return EigenCurvature(bases, values, tuple((b.leaf, b.bias, b.side) for b in blocks), treedef)
 
 
-def refitted(curvature: EigenCurvature, rows: Any) -> list:
+def refitted(curvature: EigenCurvature, rows: Any, block: int = 256) -> list:
     """Σ over the rows r of K (G = Σ_r k_r k_rᵀ; a pytree with a leading axis of rows) of the
     squares of each block's rotated rows, (Q_Aᵀ K_r Q_Γ)²: G's diagonal in the eigenbasis, the
-    eigenvalues EK-FAC refits (diagonal leaves: None, their diagonal is exact already)."""
+    eigenvalues EK-FAC refits (diagonal leaves: None, their diagonal is exact already). The rows
+    go ``block`` at a time (zero rows pad the last: they add nothing), so the rotated rows never
+    all exist at once."""
     leaves = curvature.treedef.flatten_up_to(rows)
+    count = leaves[0].shape[0]
+    size = min(block, count)
+    steps = -(-count // size)
+    padded = [jnp.pad(x, [(0, steps * size - count)] + [(0, 0)] * (x.ndim - 1)).reshape(steps, size, *x.shape[1:])
+              for x in leaves]
 
     def squares(n: int) -> jax.Array:
-        return jnp.sum(jax.vmap(lambda *row: curvature.rotated(n, list(row)) ** 2)(*leaves), axis=0)
+        def add(total: jax.Array, chunk: list) -> tuple[jax.Array, None]:
+            return total + jnp.sum(jax.vmap(lambda *row: curvature.rotated(n, list(row)) ** 2)(*chunk), axis=0), None
+
+        return jax.lax.scan(add, jnp.zeros_like(curvature.values[n]), padded)[0]
 
     return [None if basis is None else squares(n) for n, basis in enumerate(curvature.bases)]
 

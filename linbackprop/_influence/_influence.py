@@ -34,6 +34,7 @@ from .._curvature import (
 )
 from .._curvature import Kronecker as KroneckerPair
 from .._optim import Diagonal, blocks_of
+from .._solve import jvp_by_solve
 from ._chunks import chunked, concatenated, example_count, summed
 from ._curvatures import (
     DenseCurvature,
@@ -267,8 +268,17 @@ class InfluenceFit:
     def _preconditioned(self, per_example: Any) -> Any:
         return jax.vmap(lambda g: self.curvature.apply(g, self.damping))(per_example)
 
-    def scores(self, measure: Callable, params: Any, query: tuple, train: tuple) -> jax.Array:
+    def scores(self, measure: Callable, params: Any, query: tuple, train: tuple, *,
+               by: Literal["gradients", "forward"] = "gradients") -> jax.Array:
         r"""S[q, i] = ∇f_q(θ)ᵀ (G + λI)⁻¹ ∇ℓ_i(θ), shape (Q, N).
+
+        The query gradients are preconditioned a chunk at a time, v_q = (G + λI)⁻¹ ∇f_q; then
+        ``by="gradients"`` forms each training chunk's per-example gradients (one back
+        substitution, [chunk, P]) and multiplies, S = V Gᵀ; ``by="forward"`` never forms a
+        training gradient: S[q, i] is the directional derivative of ℓ_i along v_q, the forward
+        substitution ℒZ = ℳ*v_q over the training chunk for all of a chunk's queries at once
+        ([`jvp_by_solve`][linbackprop.jvp_by_solve]) — memory of the chunk's activations per
+        query instead of P per training example, about twice the multiplications.
 
         Args:
             measure: ``measure(params, *query) -> (Q,)``, one value per query (its loss, a
@@ -276,22 +286,34 @@ class InfluenceFit:
             params: the parameters (as ``fit`` had them).
             query: the queries' data, a tuple of arrays with a leading axis Q.
             train: the training data, as ``fit`` had it: a tuple with a leading axis N.
+            by: ``"gradients"`` or ``"forward"`` (above).
 
         Returns:
-            The (Q, N) scores: the query gradients preconditioned a chunk at a time, each
-            chunk's inner products with the training gradients a chunk at a time.
+            The (Q, N) scores.
         """
         n = example_count(train, "train")
         if n != self.examples:
             raise ValueError(f"InfluenceFit.scores: train has {n} examples, the fit {self.examples}; pass the "
                              "training data the curvature was fitted on.")
+        if by not in ("gradients", "forward"):
+            raise ValueError(f"InfluenceFit.scores(by={by!r}): 'gradients' (per-example training gradients, "
+                             "multiplied) or 'forward' (directional derivatives, no training gradient formed).")
 
         def query_rows(*q: Any) -> jax.Array:
-            v = flattened(self._preconditioned(self._grads(measure, params, q)))  # [q, P]
-            return concatenated(lambda *t: v @ flattened(self._grads(self.losses, params, t)).T, train,
+            v = self._preconditioned(self._grads(measure, params, q))  # [q, ...] like the gradient
+            if by == "forward":
+                along = lambda t: jax.vmap(lambda v_q: self._directional(params, t, v_q))(v)
+                return concatenated(lambda *t: along(t), train, self.batch_size, "train", axis=1)
+            flat = flattened(v)
+            return concatenated(lambda *t: flat @ flattened(self._grads(self.losses, params, t)).T, train,
                                 self.batch_size, "train", axis=1)
 
         return concatenated(query_rows, query, self.batch_size, "query", axis=0)
+
+    def _directional(self, params: Any, train: tuple, tangent: Any) -> jax.Array:
+        """(N,): each training loss's derivative along ``tangent`` (the forward substitution)."""
+        at = lambda p: self.losses(*_with_params(p, train, self.argnums))
+        return jvp_by_solve(at, (params,), (tangent,), layers=self.layers)[1]
 
     def self_scores(self, params: Any, *train: Any) -> jax.Array:
         r"""s_i = ∇ℓ_i(θ)ᵀ (G + λI)⁻¹ ∇ℓ_i(θ), shape (N,): how much each training example
