@@ -198,6 +198,7 @@ def main() -> None:
     parser.add_argument("--methods", nargs="+", default=["identity", "diagonal", "kfac", "ekfac"])
     parser.add_argument("--trak-dim", type=int, default=2048)
     parser.add_argument("--fresh", action="store_true", help="retrain the ground truth")
+    parser.add_argument("--out", help="a PNG of the LDS against the damping, per method")
     args = parser.parse_args()
     train, query = split()
     forward = MODELS[args.model]
@@ -208,6 +209,7 @@ def main() -> None:
     losses = lambda p, x, y: cross_entropy(forward(p, x), y)
     measure = lambda p, x, y: margin(forward(p, x), y)
     layers = dense if args.model == "mlp" else (cell, dense)
+    curves: dict[str, list] = {}
     print("| method | λ / mean eigenvalue | LDS | fit + scores |")
     print("|---|---|---|---|")
     for method in args.methods:
@@ -216,18 +218,44 @@ def main() -> None:
         scores = np.asarray(fit.scores(measure, params, query, train))
         seconds = time.perf_counter() - start
         if method == "identity":
-            print(f"| identity | — | {shown(*lds(scores, masks, margins))} | {seconds:.1f} s |")
+            curves[method] = [lds(scores, masks, margins)] * len(args.dampings)
+            print(f"| identity | — | {shown(*curves[method][0])} | {seconds:.1f} s |")
             continue
         default = fit.damping / 0.1
+        curves[method] = []
         for factor in args.dampings:
             scores = np.asarray(fit.with_damping(factor * default).scores(measure, params, query, train))
-            print(f"| {method} | {factor:g} | {shown(*lds(scores, masks, margins))} | {seconds:.1f} s |")
+            curves[method].append(lds(scores, masks, margins))
+            print(f"| {method} | {factor:g} | {shown(*curves[method][-1])} | {seconds:.1f} s |")
     start = time.perf_counter()
     scores = trak(args.model, params, train, query, args.trak_dim)
     seconds = time.perf_counter() - start
+    curves["TRAK-1"] = []
     for factor in args.dampings:  # TRAK's ridge, swept as ours
-        print(f"| TRAK-1 (k = {args.trak_dim}) | {factor:g} | "
-              f"{shown(*lds(scores(factor), masks, margins, sign=1.0))} | {seconds:.1f} s |")
+        curves["TRAK-1"].append(lds(scores(factor), masks, margins, sign=1.0))
+        print(f"| TRAK-1 (k = {args.trak_dim}) | {factor:g} | {shown(*curves['TRAK-1'][-1])} | {seconds:.1f} s |")
+    if args.out:
+        draw(curves, args.dampings, f"{args.model}: {args.subsets} subsets × {args.seeds} seeds", args.out)
+
+
+def draw(curves: dict, dampings: list, title: str, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for method, points in curves.items():
+        mean, half = np.asarray(points).T
+        style = {"identity": ":", "TRAK-1": "--"}.get(method, "-")
+        ax.errorbar(dampings, mean, yerr=half, label=method, linestyle=style, marker="o", capsize=3)
+    ax.set_xscale("log")
+    ax.set_xlabel("damping λ / mean eigenvalue (TRAK: its ridge)")
+    ax.set_ylabel("LDS (mean Spearman, 95 % interval)")
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 if __name__ == "__main__":

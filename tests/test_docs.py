@@ -69,7 +69,8 @@ def test_guides_have_code():
     """The guides that show code keep showing it (a page losing its blocks would pass silently)."""
     with_code = {p for p in PAGES if _python_blocks(ROOT / p)}
     expected = {"docs/getting-started.md", "docs/guides/networks.md", "docs/guides/sequences.md",
-                "docs/guides/curvature.md", "docs/guides/bring-your-model.md", "docs/guides/training.md"}
+                "docs/guides/curvature.md", "docs/guides/bring-your-model.md", "docs/guides/training.md",
+                "docs/guides/influence.md"}
     assert expected <= with_code
 
 

@@ -139,7 +139,29 @@ def _with_params(params: Any, data: tuple, argnums: int) -> tuple:
 class Influence:
     """Influence functions of ``losses`` with one method, before the fit: see
     [`influence`][linbackprop.influence]. ``fit(params, *train)`` forms the training set's
-    curvature."""
+    curvature (``jax.jit(attr.fit)`` too: the result is a pytree).
+
+    Attributes:
+        losses: the per-example training losses, ``losses(params, *train) -> (N,)``.
+        argnums: the position of the parameters among their arguments.
+        method: the approximation of G.
+        damping: λ, or None for the default.
+        samples: sampled columns of H per example, or None.
+        key: the PRNG key of the samples.
+        layers: the layers of a model written as it is, or None.
+        batch_size: examples per chunk, or None.
+
+    Examples:
+        >>> import jax.numpy as jnp, linbackprop as lbp
+        >>> layer = lbp.Layer("y", lambda th, x: x @ th[0], ("x",), ("w",))
+        >>> net = lbp.Network([layer], ["x"], "y")
+        >>> losses = lambda p, x, y: 0.5 * (net(p, x)[:, 0] - y) ** 2
+        >>> attr = lbp.influence(losses, method="exact", damping=1.0)
+        >>> x, y = jnp.array([[1.0, 0.0], [0.0, 2.0]]), jnp.array([0.0, 1.0])
+        >>> fit = attr.fit({"w": jnp.ones((2, 1))}, x, y)     # G = diag(1/2, 2)
+        >>> jnp.round(fit.curvature.values, 4).tolist(), float(fit.damping)   # its eigenvalues
+        ([0.5, 2.0], 1.0)
+    """
 
     losses: Callable
     argnums: int
@@ -155,7 +177,15 @@ class Influence:
 
     def fit(self, params: Any, *train: Any) -> InfluenceFit:
         """The training set's curvature at ``params`` (G of the mean of ``losses`` over
-        ``train``), decomposed once; λ fixed (given, or the default from it)."""
+        ``train``), decomposed once; λ fixed (given, or the default from it).
+
+        Args:
+            params: the parameters (``losses``' argument ``argnums``).
+            *train: the training data, arrays (or pytrees) with a leading axis N.
+
+        Returns:
+            The [`InfluenceFit`][linbackprop.InfluenceFit].
+        """
         n = example_count(train, "train")
         curvature = self._curvature(params, train, n)
         damping = jnp.zeros(()) if self.method == "identity" else (
@@ -242,6 +272,16 @@ class InfluenceFit:
     """The training set's curvature, fitted: scores of training examples on queries. A pytree
     (``jax.jit(attr.fit)`` returns one).
 
+    Examples:
+        >>> import jax.numpy as jnp, linbackprop as lbp
+        >>> layer = lbp.Layer("y", lambda th, x: x @ th[0], ("x",), ("w",))
+        >>> net = lbp.Network([layer], ["x"], "y")
+        >>> losses = lambda p, x, y: 0.5 * (net(p, x)[:, 0] - y) ** 2
+        >>> x, y, p = jnp.array([[1.0, 0.0], [0.0, 2.0]]), jnp.array([0.0, 1.0]), {"w": jnp.ones((2, 1))}
+        >>> fit = lbp.influence(losses, method="diagonal", damping=1.0).fit(p, x, y)
+        >>> fit.scores(losses, p, (x, y), (x, y)).tolist()   # ∇ℓ_qᵀ (diag G + I)⁻¹ ∇ℓ_i
+        [[0.6666666865348816, 0.0], [0.0, 1.3333333730697632]]
+
     Attributes:
         curvature: the approximation of G, decomposed.
         damping: λ (0 for the identity method).
@@ -257,7 +297,14 @@ class InfluenceFit:
     examples: int
 
     def with_damping(self, damping: float | jax.Array) -> InfluenceFit:
-        """The same fit with another λ (a damping sweep without fitting again)."""
+        """The same fit with another λ (a damping sweep without fitting again).
+
+        Args:
+            damping: the new λ.
+
+        Returns:
+            The [`InfluenceFit`][linbackprop.InfluenceFit] with it.
+        """
         if isinstance(self.curvature, Identity):
             raise ValueError("InfluenceFit.with_damping: the identity method has no damping.")
         return dataclasses.replace(self, damping=jnp.asarray(damping))
@@ -270,13 +317,13 @@ class InfluenceFit:
 
     def scores(self, measure: Callable, params: Any, query: tuple, train: tuple, *,
                by: Literal["gradients", "forward"] = "gradients") -> jax.Array:
-        r"""S[q, i] = ∇f_q(θ)ᵀ (G + λI)⁻¹ ∇ℓ_i(θ), shape (Q, N).
+        r"""$S_{qi} = \nabla f_q(\theta)^T (G + \lambda I)^{-1} \nabla \ell_i(\theta)$, shape (Q, N).
 
-        The query gradients are preconditioned a chunk at a time, v_q = (G + λI)⁻¹ ∇f_q; then
-        ``by="gradients"`` forms each training chunk's per-example gradients (one back
-        substitution, [chunk, P]) and multiplies, S = V Gᵀ; ``by="forward"`` never forms a
-        training gradient: S[q, i] is the directional derivative of ℓ_i along v_q, the forward
-        substitution ℒZ = ℳ*v_q over the training chunk for all of a chunk's queries at once
+        The query gradients are preconditioned a chunk at a time, $v_q = (G + \lambda I)^{-1}
+        \nabla f_q$; then ``by="gradients"`` forms each training chunk's per-example gradients
+        (one back substitution, [chunk, P]) and multiplies; ``by="forward"`` never forms a
+        training gradient: $S_{qi}$ is the directional derivative of $\ell_i$ along $v_q$, the
+        forward substitution $ℒZ = ℳ^* v_q$ over the training chunk for all of a chunk's queries at once
         ([`jvp_by_solve`][linbackprop.jvp_by_solve]) — memory of the chunk's activations per
         query instead of P per training example, about twice the multiplications.
 
@@ -316,9 +363,18 @@ class InfluenceFit:
         return jvp_by_solve(at, (params,), (tangent,), layers=self.layers)[1]
 
     def self_scores(self, params: Any, *train: Any) -> jax.Array:
-        r"""s_i = ∇ℓ_i(θ)ᵀ (G + λI)⁻¹ ∇ℓ_i(θ), shape (N,): how much each training example
-        influences itself (large for mislabelled and atypical examples). For the identity method
-        the squared gradient norms, without forming the gradients (ghost norms)."""
+        r"""$s_i = \nabla \ell_i(\theta)^T (G + \lambda I)^{-1} \nabla \ell_i(\theta)$, shape (N,): how
+        much each training example influences itself (large for mislabelled and atypical
+        examples). For the identity method the squared gradient norms, without forming the
+        gradients (ghost norms).
+
+        Args:
+            params: the parameters (as ``fit`` had them).
+            *train: the training data, as ``fit`` had it (a leading axis N).
+
+        Returns:
+            The (N,) self-influences, ``batch_size`` examples at a time.
+        """
         if isinstance(self.curvature, Identity):
             norms = per_example_grad_norms(self.losses, self.argnums, layers=self.layers)
             return concatenated(lambda *t: norms(*_with_params(params, t, self.argnums)) ** 2, train,
