@@ -230,6 +230,25 @@ def test_nnx_model_through_layers():
                                    atol=1e-12 * np.abs(expected).max(), err_msg=by)
 
 
+@pytest.mark.slow
+def test_sampled_columns_of_h():
+    """``samples=``: a scalar output's H is rank one, so one sampled column per example is exact
+    (each chunk's key folded in); softmax cross-entropy's sampled factors approach the exact."""
+    net, params, train, query = mlp_case()
+    train, query = [(x, y.astype(jnp.float64)) for x, y in (train, query)]
+    losses = lambda p, x, y: 0.5 * (net(p, x)[:, 0] - y) ** 2
+    for method in ["diagonal", "kfac"]:
+        exact = lbp.influence(losses, method=method).fit(params, *train).scores(losses, params, query, train)
+        sampled = lbp.influence(losses, method=method, samples=1, key=jax.random.key(0), batch_size=5)
+        np.testing.assert_allclose(sampled.fit(params, *train).scores(losses, params, query, train), exact,
+                                   rtol=1e-9, atol=1e-12 * np.abs(exact).max(), err_msg=method)
+    _, _, train, _ = mlp_case()
+    losses = losses_of(net)
+    exact = lbp.influence(losses, method="kfac").fit(params, *train).damping
+    sampled = lbp.influence(losses, method="kfac", samples=100, key=jax.random.key(1)).fit(params, *train).damping
+    np.testing.assert_allclose(sampled, exact, rtol=0.01)
+
+
 def test_refusals_name_the_fix():
     net, params, train, query = mlp_case()
     losses = losses_of(net)
