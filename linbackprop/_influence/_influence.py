@@ -277,7 +277,8 @@ class InfluenceFit:
         >>> layer = lbp.Layer("y", lambda th, x: x @ th[0], ("x",), ("w",))
         >>> net = lbp.Network([layer], ["x"], "y")
         >>> losses = lambda p, x, y: 0.5 * (net(p, x)[:, 0] - y) ** 2
-        >>> x, y, p = jnp.array([[1.0, 0.0], [0.0, 2.0]]), jnp.array([0.0, 1.0]), {"w": jnp.ones((2, 1))}
+        >>> x, y = jnp.array([[1.0, 0.0], [0.0, 2.0]]), jnp.array([0.0, 1.0])
+        >>> p = {"w": jnp.ones((2, 1))}
         >>> fit = lbp.influence(losses, method="diagonal", damping=1.0).fit(p, x, y)
         >>> fit.scores(losses, p, (x, y), (x, y)).tolist()   # ∇ℓ_qᵀ (diag G + I)⁻¹ ∇ℓ_i
         [[0.6666666865348816, 0.0], [0.0, 1.3333333730697632]]
