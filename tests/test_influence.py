@@ -165,6 +165,29 @@ def test_rnn_weights_shared_along_the_sequence():
 
 
 @pytest.mark.slow
+def test_a_tied_weight_read_transposed_by_the_decoder():
+    """W encodes (x W) and decodes (h Wᵀ): its gradient sums both uses; K-FAC gives it its
+    diagonal (no one Kronecker pair covers both orientations), the biases theirs."""
+    k = jax.random.split(jax.random.key(4), 3)
+    enc = lambda th, x: jnp.tanh(x @ th[0] + th[1])
+    dec = lambda th, h: h @ th[0].T + th[1]
+    net = lbp.Network([lbp.Layer("h", enc, ("x",), ("W", "b")), lbp.Layer("y", dec, ("h",), ("W", "c"))],
+                      ["x"], "y")
+    params = {"W": 0.5 * jax.random.normal(k[0], (4, 3)), "b": jnp.zeros(3), "c": jnp.zeros(4)}
+    x, y = jax.random.normal(k[1], (14, 4)), jax.random.randint(k[2], (14,), 0, 4)
+    train, query = (x[:11], y[:11]), (x[11:], y[11:])
+    losses = losses_of(net)
+    gi, gq, ggn = reference(net, params, train, query)
+    factors = lbp.kfac_factors(lambda p, x, y: jnp.mean(losses(p, x, y)))(params, *train)
+    for method, curvature in [("exact", np.asarray(ggn)),
+                              ("ekfac", kronecker_reference(factors, params, ggn, refit=True))]:
+        fit = lbp.influence(losses, method=method, damping=1e-2).fit(params, *train)
+        expected = damped_scores(gq, gi, curvature, 1e-2)
+        np.testing.assert_allclose(fit.scores(losses, params, query, train), expected, rtol=1e-9,
+                                   atol=1e-12 * np.abs(expected).max(), err_msg=method)
+
+
+@pytest.mark.slow
 def test_convolution_with_its_bias_and_a_dense_head():
     k = jax.random.split(jax.random.key(2), 5)
 
