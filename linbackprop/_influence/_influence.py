@@ -187,7 +187,11 @@ class Influence:
             The [`InfluenceFit`][linbackprop.InfluenceFit].
         """
         n = example_count(train, "train")
-        curvature = self._curvature(params, train, n)
+        try:
+            curvature = self._curvature(params, train, n)
+        except ValueError as error:  # the curvature transform's own message, and whose call it was
+            error.add_note(f"(while lbp.influence(method={self.method!r}) fitted the training set's curvature)")
+            raise
         damping = jnp.zeros(()) if self.method == "identity" else (
             DEFAULT_DAMPING * curvature.mean_eigenvalue() if self.damping is None else jnp.asarray(self.damping))
         return InfluenceFit(curvature, damping, self.losses, self.argnums, self.layers, self.batch_size, n)
