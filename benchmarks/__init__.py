@@ -8,12 +8,12 @@ families `gradient_rows`, `curvature_rows`, `private_rows`, `capture_rows`, `gru
 sides of the K-FAC comparison use, no linbackprop in it), and `tables` (printing and writing into
 the docs).
 `pinn_starts.py` (the probed Gauss–Newton step from many starts, and its rule's ablation),
-`profile.py` (the memory and engine profiles), `kfac_jax_digits.py` (kfac-jax's side, in its
-own environment), the influence functions' `influence_lds.py` (the linear datamodeling score
-against TRAK), `influence_cost.py` (seconds and memory against the plain form),
-`influence_mislabels.py` (self-influence on flipped labels) and `influence_kronfluence.py` with
-`kronfluence_digits.py` (kronfluence's side, in PyTorch's environment), and `program_hashes.py` (hashes of the programs the package builds, to check that
-a refactor changes none) are scripts.
+`profile.py` (the memory and engine profiles), `kfac_jax_digits.py` (kfac-jax's side, in its own
+environment), the influence functions' `influence_lds.py` (the linear datamodeling score against
+TRAK), `influence_cost.py` (seconds and memory against the plain form), `influence_mislabels.py`
+(self-influence on flipped labels) and `influence_kronfluence.py` with `kronfluence_digits.py`
+(kronfluence's side, in PyTorch's environment), and `program_hashes.py` (hashes of the programs the
+package builds, to check that a refactor changes none) are scripts.
 """
 
 from __future__ import annotations

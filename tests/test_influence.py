@@ -150,6 +150,7 @@ def test_every_method_matches_its_dense_reference_on_an_mlp(mlp):
     np.testing.assert_allclose(fit.self_scores(params, *train), np.sum(gi ** 2, axis=1), rtol=1e-10)
 
 
+@pytest.mark.slow
 def test_rnn_weights_shared_along_the_sequence():
     """Wh, Wx and b at every step: each example's gradient summed over the steps before any
     square (EK-FAC's refit), K-FAC's factors over every use."""
