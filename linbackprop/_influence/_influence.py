@@ -50,6 +50,7 @@ from ._curvatures import (
 Method = Literal["identity", "diagonal", "kfac", "ekfac", "exact"]
 METHODS = ("identity", "diagonal", "kfac", "ekfac", "exact")
 DEFAULT_DAMPING = 0.1  # × the approximation's mean eigenvalue (kronfluence's default)
+CHUNK_BYTES = 2**28  # batch_size=None: what one chunk's per-example gradients (or the fit's rows) may take
 Curvature = Identity | DiagonalCurvature | EigenCurvature | DenseCurvature
 
 
@@ -90,7 +91,8 @@ def influence(losses: Callable, argnums: int = 0, *, method: Method = "ekfac", d
         layers: the classes or ``@lbp.layer`` functions whose calls are the layers of a model
             written as it is.
         batch_size: go through the training and query examples this many at a time (memory
-            bounded by it); None: all at once.
+            bounded by it); None: as many as keep a chunk's per-example gradients (in the
+            fit, its rows of G's factor: C per example) within 256 MiB.
 
     Returns:
         An [`Influence`][linbackprop.Influence]: ``.fit(params, *train)`` forms the curvature.
@@ -187,14 +189,28 @@ class Influence:
             The [`InfluenceFit`][linbackprop.InfluenceFit].
         """
         n = example_count(train, "train")
+        example = self._example_gradient(params, train)
+        per_example = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(example))
+        chunk = self.batch_size or max(1, CHUNK_BYTES // per_example)  # the scores' chunks
         try:
-            curvature = self._curvature(params, train, n)
+            curvature = self._curvature(params, train, n, example, self._fit_chunk(params, train, per_example))
         except ValueError as error:  # the curvature transform's own message, and whose call it was
             error.add_note(f"(while lbp.influence(method={self.method!r}) fitted the training set's curvature)")
             raise
         damping = jnp.zeros(()) if self.method == "identity" else (
             DEFAULT_DAMPING * curvature.mean_eigenvalue() if self.damping is None else jnp.asarray(self.damping))
-        return InfluenceFit(curvature, damping, self.losses, self.argnums, self.layers, self.batch_size, n)
+        return InfluenceFit(curvature, damping, self.losses, self.argnums, self.layers, chunk, n)
+
+    def _fit_chunk(self, params: Any, train: tuple, per_example: int) -> int | None:
+        """The fit's examples per chunk: ``batch_size``, or where the fit forms G's factor's rows
+        (EK-FAC's refit, the exact G: C rows of P per example, twice while they are joined) as
+        many as keep them within CHUNK_BYTES; the other fits form no per-example gradient."""
+        if self.batch_size is not None or self.method not in ("ekfac", "exact"):
+            return self.batch_size
+        one = tuple(jax.tree.map(lambda x: x[:1], train))
+        factor = ggn_factor(self._mean_loss(1), self.argnums, layers=self.layers)
+        rows = jax.tree.leaves(jax.eval_shape(lambda *c: factor(*_with_params(params, c, self.argnums)), *one))
+        return max(1, CHUNK_BYTES // (2 * rows[0].shape[0] * per_example))
 
     def _mean_loss(self, n: int) -> Callable:
         return lambda *args: jnp.sum(self.losses(*args)) / n  # each chunk's share of the mean over all n
@@ -202,7 +218,7 @@ class Influence:
     def _key(self, index: jax.Array) -> jax.Array | None:
         return None if self.key is None else jax.random.fold_in(self.key, index)
 
-    def _curvature(self, params: Any, train: tuple, n: int) -> Curvature:
+    def _curvature(self, params: Any, train: tuple, n: int, example: Any, size: int | None) -> Curvature:
         mean = self._mean_loss(n)
         at = lambda chunk: _with_params(params, chunk, self.argnums)
         if self.method == "identity":
@@ -210,17 +226,15 @@ class Influence:
         if self.method == "diagonal":
             return DiagonalCurvature(summed(lambda i, *c: diag_ggn(mean, self.argnums, samples=self.samples,
                                                                    key=self._key(i), layers=self.layers)(*at(c)),
-                                            train, self.batch_size, "train"))
+                                            train, size, "train"))
         if self.method == "exact":
             def gram(_, *chunk):
                 rows = flattened(ggn_factor(mean, self.argnums, layers=self.layers)(*at(chunk)))
                 return rows.T @ rows
-            example = self._example_gradient(params, train)
             leaves, treedef = jax.tree.flatten(example)
-            return dense_curvature(summed(gram, train, self.batch_size, "train"), treedef,
+            return dense_curvature(summed(gram, train, size, "train"), treedef,
                                    tuple(jnp.shape(x) for x in leaves))
-        factors = self._factors(params, train, n)
-        example = self._example_gradient(params, train)
+        factors = self._factors(params, train, n, size)
         blocks = blocks_of(example, factors, None, f"influence(method={self.method!r})")
         for block in blocks:
             if not isinstance(block.curvature, Diagonal) and len(block.curvature) > 1:
@@ -233,18 +247,18 @@ class Influence:
         if self.method == "kfac":
             return curvature
         refit = summed(lambda _, *c: refitted(curvature, ggn_factor(mean, self.argnums, layers=self.layers)(*at(c))),
-                       train, self.batch_size, "train")
+                       train, size, "train")
         values = [v if r is None else r for v, r in zip(curvature.values, refit)]
         return dataclasses.replace(curvature, values=values)
 
-    def _factors(self, params: Any, train: tuple, n: int) -> Any:
+    def _factors(self, params: Any, train: tuple, n: int, size: int | None) -> Any:
         """K-FAC's factors over all of ``train``: each chunk's A weighted by its share of the
         examples (A is a mean over the examples a call sees), Γ and the diagonals summed (the
         chunk's loss carries 1/n already)."""
         mean = self._mean_loss(n)
         parts = chunked(lambda i, *c: kfac_factors(mean, self.argnums, samples=self.samples, key=self._key(i),
                                                    layers=self.layers)(*_with_params(params, c, self.argnums)),
-                        train, self.batch_size, "train")
+                        train, size, "train")
 
         def combine(*stacks: Any) -> Any:
             first = stacks[0]
@@ -291,6 +305,7 @@ class InfluenceFit:
         curvature: the approximation of G, decomposed.
         damping: λ (0 for the identity method).
         examples: N, the training examples it was fitted on.
+        batch_size: the examples per chunk of the scores (``influence``'s, or the default's).
     """
 
     curvature: Curvature
@@ -298,7 +313,7 @@ class InfluenceFit:
     losses: Callable
     argnums: int
     layers: Any
-    batch_size: int | None
+    batch_size: int
     examples: int
 
     def with_damping(self, damping: float | jax.Array) -> InfluenceFit:
