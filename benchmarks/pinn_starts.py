@@ -172,7 +172,7 @@ def run_start(pinn, make, error, params, seconds: float, marks: tuple[float, ...
             curve.append((spent, best))
             while len(at) < len(marks) and spent >= marks[len(at)]:
                 at.append(best)
-    return at + [best] * (len(marks) - len(at)), best, steps, np.array(curve)
+    return at + [best] * (len(marks) - len(at)), best, steps, np.array(curve), state[0]
 
 
 def main(argv: list[str] | None = None) -> list[float]:
@@ -187,6 +187,7 @@ def main(argv: list[str] | None = None) -> list[float]:
     parser.add_argument("--float32-steps", type=int, default=0,
                         help="library: this many first steps in float32 (DSGNAR's first pass), then float64")
     parser.add_argument("--out", default="", help="a PNG of every start's error curve ('' for none)")
+    parser.add_argument("--verbose", action="store_true", help="also each start's last loss on the fitted points")
     args = parser.parse_args(argv)
     pinn = example("pinn_poisson")
     widths = tuple(int(w) for w in args.widths.split(","))
@@ -200,14 +201,18 @@ def main(argv: list[str] | None = None) -> list[float]:
     print(f"2-{'-'.join(map(str, widths))}-1, variant {args.variant}, target {args.target}, {args.probes} probes, "
           f"sketch {args.sketch or 'none'} (library), {args.float32_steps} float32 steps, "
           f"{args.seconds:g} s a start (jax {jax.__version__})")
-    print("| start | " + " | ".join(f"{m:g} s" for m in marks) + " | least | steps |")
-    print("|---" * (len(marks) + 3) + "|")
+    last = " | last loss" if args.verbose else ""
+    print("| start | " + " | ".join(f"{m:g} s" for m in marks) + f" | least | steps{last} |")
+    print("|---" * (len(marks) + 3 + args.verbose) + "|")
     finals, curves = [], {}
     for init, seed in starts(args.starts):
         params = pinn.initial_parameters(widths, init, seed)
-        at, best, steps, curves[f"{init} {seed}"] = run_start(pinn, make, error, params, args.seconds, tuple(marks))
+        at, best, steps, curves[f"{init} {seed}"], final = run_start(pinn, make, error, params, args.seconds,
+                                                                      tuple(marks))
         finals.append(best)
         cells = [f"{init} {seed}", *(f"{e:.1e}" for e in at[:len(marks)]), f"{best:.1e}", str(steps)]
+        if args.verbose:
+            cells.append(f"{float(loss(final, points)):.2e}")
         print("| " + " | ".join(cells) + " |", flush=True)
     print(f"median {np.median(finals):.1e}, worst {np.max(finals):.1e} (L2 error; relative: ÷ {scale:.3f})")
     if args.out:
