@@ -119,6 +119,7 @@ def mlp():
     return (net, params, train, query, *reference(net, params, train, query))
 
 
+@pytest.mark.users_settings
 def test_every_method_matches_its_dense_reference_on_an_mlp(mlp):
     """Dense weights with their biases; K-FAC's and EK-FAC's fits (their factors combined over
     chunks) in chunks of 5 of the 13 examples: two in one map, three after."""
