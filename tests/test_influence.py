@@ -119,7 +119,6 @@ def mlp():
     return (net, params, train, query, *reference(net, params, train, query))
 
 
-@pytest.mark.users_settings
 def test_every_method_matches_its_dense_reference_on_an_mlp(mlp):
     """Dense weights with their biases; K-FAC's and EK-FAC's fits (their factors combined over
     chunks) in chunks of 5 of the 13 examples: two in one map, three after."""
@@ -215,6 +214,20 @@ def test_convolution_with_its_bias_and_a_dense_head():
         expected = damped_scores(gq, gi, curvature, 1e-2)
         np.testing.assert_allclose(fit.scores(losses, params, query, train), expected, rtol=1e-8,
                                    atol=1e-11 * np.abs(expected).max(), err_msg=method)
+
+
+@pytest.mark.users_settings
+def test_the_default_method_at_the_settings_users_run(mlp):
+    """EK-FAC at its default damping (the defaults) against its dense reference: in the slow tier
+    also compiled at XLA's defaults (tests/test_users_settings.py)."""
+    net, params, train, query, gi, gq, ggn = mlp
+    losses = losses_of(net)
+    factors = lbp.kfac_factors(lambda p, x, y: jnp.mean(losses(p, x, y)))(params, *train)
+    curvature = kronecker_reference(factors, params, ggn, refit=True)
+    fit = lbp.influence(losses).fit(params, *train)
+    expected = damped_scores(gq, gi, curvature, 0.1 * np.trace(curvature) / len(curvature))
+    np.testing.assert_allclose(fit.scores(losses, params, query, train), expected, rtol=1e-9,
+                               atol=1e-12 * np.abs(expected).max())
 
 
 def test_under_jit_and_in_float32(mlp):
