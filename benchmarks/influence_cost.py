@@ -4,12 +4,18 @@ gradients preconditioned by the same fitted curvature, one product).
 
     OPENBLAS_NUM_THREADS=1 python -m benchmarks.influence_cost
 
-The influence benchmark's MLP (ReLU 64-128-64-10, float32, 17,226 parameters) on N training
-images (the digits tiled with noise up to N) and 300 queries; ``batch_size`` 1,000. Each program
+The influence benchmark's MLP (ReLU 64-128-64-10, float32, 17,226 parameters; ``--widths``
+other hidden widths) on N training images (the digits tiled with noise up to N) and
+``--queries`` queries (300); ``batch_size`` 1,000. Each program
 compiled once (excluded), then the median of ``--repeats`` runs; peak memory is the compiled
 program's arguments + outputs + temporaries (``memory_analysis``). ``scores(by="gradients")``
-forms a chunk's training gradients ([1,000, P]); ``by="forward"`` none (directional derivatives
-along the 300 preconditioned query gradients); the plain form all N at once.
+forms a chunk's training gradients ([1,000, P]); ``by="ghost"`` none (each layer's parameter
+tangent along a preconditioned query gradient contracted with the adjoints); ``by="forward"``
+none (directional derivatives); the plain form all N at once. A wide MLP with a few queries
+at a time, where a training gradient is large against the states:
+
+    OPENBLAS_NUM_THREADS=1 python -m benchmarks.influence_cost --widths 1024,1024 --queries 16 --method kfac \
+        --sizes 1000 --batch-size 250
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ import numpy as np
 
 import linbackprop as lbp
 
-from .influence_lds import cross_entropy, dense, init, margin, mlp
+from .influence_lds import cross_entropy, dense, margin, mlp
 from .timing import compiled, memory
 
 
@@ -55,9 +61,16 @@ def main() -> None:
     parser.add_argument("--method", default="ekfac")
     parser.add_argument("--batch-size", type=int, default=1000)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--widths", default="128,64", help="the MLP's hidden widths")
+    parser.add_argument("--queries", type=int, default=300)
     args = parser.parse_args()
-    params = init("mlp", jax.random.key(0))
-    query = data(300, jax.random.key(1))
+    sizes = (64, *(int(w) for w in args.widths.split(",")), 10)
+    keys = jax.random.split(jax.random.key(0), len(sizes))
+    params = [{"W": jax.random.normal(k, (m, n), jnp.float32) / jnp.sqrt(m), "b": jnp.zeros(n, jnp.float32)}
+              for k, m, n in zip(keys, sizes[:-1], sizes[1:])]
+    print(f"MLP {'-'.join(map(str, sizes))}: {sum(x.size for x in jax.tree.leaves(params)):,} parameters, "
+          f"{args.queries} queries, batch_size {args.batch_size}, {args.method}")
+    query = data(args.queries, jax.random.key(1))
     losses = lambda p, x, y: cross_entropy(mlp(p, x), y)
     measure = lambda p, x, y: margin(mlp(p, x), y)
     attr = lbp.influence(losses, method=args.method, layers=dense, batch_size=args.batch_size)
@@ -68,7 +81,7 @@ def main() -> None:
         fit_seconds, fit_bytes = timed(lambda p, x, y: attr.fit(p, x, y), (params, *train), args.repeats)
         fit = jax.jit(attr.fit)(params, *train)
         rows = [("fit", fit_seconds, fit_bytes)]
-        for by in ("gradients", "forward"):
+        for by in ("gradients", "ghost", "forward"):
             scores = lambda p, q, t, by=by: fit.scores(measure, p, q, t, by=by)
             rows.append((f'scores(by="{by}")', *timed(scores, (params, query, train), args.repeats)))
 

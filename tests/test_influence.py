@@ -139,8 +139,9 @@ def test_every_method_matches_its_dense_reference_on_an_mlp(mlp):
         if method in ("exact", "ekfac"):
             own = np.einsum("np,np->n", gi, np.linalg.solve(curvature + damping * np.eye(len(curvature)), gi.T).T)
             np.testing.assert_allclose(fit.self_scores(params, *train), own, rtol=1e-9, err_msg=method)
-    np.testing.assert_allclose(fit.scores(losses, params, query, train, by="forward"), expected, rtol=1e-9,
-                               atol=1e-12 * np.abs(expected).max())  # no training gradient formed
+    for by in ("ghost", "forward"):  # no training gradient formed
+        np.testing.assert_allclose(fit.scores(losses, params, query, train, by=by), expected, rtol=1e-9,
+                                   atol=1e-12 * np.abs(expected).max(), err_msg=by)
     swept = fit.with_damping(3 * damping)  # the exact G's: a sweep without fitting again
     np.testing.assert_allclose(swept.scores(losses, params, query, train),
                                damped_scores(gq, gi, curvature, 3 * damping), rtol=1e-9,
@@ -161,8 +162,9 @@ def test_rnn_weights_shared_along_the_sequence():
     curvature = kronecker_reference(factors, params, ggn, refit=True)
     fit = lbp.influence(losses, method="ekfac", damping=1e-3).fit(params, *train)
     expected = damped_scores(gq, gi, curvature, 1e-3)
-    np.testing.assert_allclose(fit.scores(losses, params, query, train), expected, rtol=1e-8,
-                               atol=1e-11 * np.abs(expected).max())
+    for by in ("gradients", "ghost"):  # the ghost products sum the steps' uses too
+        np.testing.assert_allclose(fit.scores(losses, params, query, train, by=by), expected, rtol=1e-8,
+                                   atol=1e-11 * np.abs(expected).max(), err_msg=by)
 
 
 @pytest.mark.slow
@@ -212,8 +214,9 @@ def test_convolution_with_its_bias_and_a_dense_head():
         curvature = kronecker_reference(factors, params, ggn, refit=method == "ekfac")
         fit = lbp.influence(losses, method=method, damping=1e-2).fit(params, *train)
         expected = damped_scores(gq, gi, curvature, 1e-2)
-        np.testing.assert_allclose(fit.scores(losses, params, query, train), expected, rtol=1e-8,
-                                   atol=1e-11 * np.abs(expected).max(), err_msg=method)
+        for by in ("gradients", "ghost"):  # the ghost products over the kernel's patches
+            np.testing.assert_allclose(fit.scores(losses, params, query, train, by=by), expected, rtol=1e-8,
+                                       atol=1e-11 * np.abs(expected).max(), err_msg=f"{method}, {by}")
 
 
 @pytest.mark.users_settings
@@ -276,7 +279,7 @@ def test_nnx_model_through_layers():
     curvature = kronecker_reference(factors, state, ggn, refit=True)
     fit = lbp.influence(losses, method="ekfac", damping=1e-2, layers=nnx.Linear).fit(model, *train)
     expected = damped_scores(gq, gi, curvature, 1e-2)
-    for by in ("gradients", "forward"):
+    for by in ("gradients", "ghost", "forward"):
         np.testing.assert_allclose(fit.scores(losses, model, query, train, by=by), expected, rtol=1e-9,
                                    atol=1e-12 * np.abs(expected).max(), err_msg=by)
 

@@ -16,13 +16,16 @@ Modules, lowest first: `_split` (``fun`` as model and loss), `_operator` (G as a
 operator), `_separation` (the checks that examples stay apart), `_ghost` (per-example norms),
 `_calls` (the calls' forward pass, adjoints, products and per-example products), `_sampling`
 (samples of H's per-example blocks), `_examples` (what an example is: the set-up of every
-per-example transform, and H's blocks), `_per_example` (per-example gradients and norms), `_ggn`
+per-example transform, and H's blocks), `_per_example` (per-example gradients and norms),
+`_example_products` (each example's gradient against given directions, as ghost inner
+products), `_ggn`
 (the GGN diagonal and its factor), `_kfac` (K-FAC's factors), `_one_pass` (value, gradient, G,
 the factors and the diagonal from one pass), `_gauss_newton` (the transform), `_clipping`
 (DP-SGD's clipped sum).
 """
 
 from ._clipping import clipped_grad
+from ._example_products import per_example_products
 from ._gauss_newton import gauss_newton
 from ._ggn import diag_ggn, ggn_factor
 from ._kfac import BiasOf, Kronecker, is_factor, kfac_factors
@@ -30,4 +33,4 @@ from ._operator import GaussNewton
 from ._per_example import per_example_grad_norms, per_example_grads
 
 __all__ = ["BiasOf", "GaussNewton", "Kronecker", "clipped_grad", "diag_ggn", "gauss_newton", "ggn_factor",
-           "is_factor", "kfac_factors", "per_example_grad_norms", "per_example_grads"]
+           "is_factor", "kfac_factors", "per_example_grad_norms", "per_example_grads", "per_example_products"]

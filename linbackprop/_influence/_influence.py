@@ -31,6 +31,7 @@ from .._curvature import (
     kfac_factors,
     per_example_grad_norms,
     per_example_grads,
+    per_example_products,
 )
 from .._curvature import Kronecker as KroneckerPair
 from .._optim import Diagonal, blocks_of
@@ -336,16 +337,19 @@ class InfluenceFit:
         return jax.vmap(lambda g: self.curvature.apply(g, self.damping))(per_example)
 
     def scores(self, measure: Callable, params: Any, query: tuple, train: tuple, *,
-               by: Literal["gradients", "forward"] = "gradients") -> jax.Array:
+               by: Literal["gradients", "ghost", "forward"] = "gradients") -> jax.Array:
         r"""$S_{qi} = \nabla f_q(\theta)^T (G + \lambda I)^{-1} \nabla \ell_i(\theta)$, shape (Q, N).
 
         The query gradients are preconditioned a chunk at a time, $v_q = (G + \lambda I)^{-1}
         \nabla f_q$; then ``by="gradients"`` forms each training chunk's per-example gradients
-        (one back substitution, [chunk, P]) and multiplies; ``by="forward"`` never forms a
-        training gradient: $S_{qi}$ is the directional derivative of $\ell_i$ along $v_q$, the
-        forward substitution $ℒZ = ℳ^* v_q$ over the training chunk for all of a chunk's queries at once
-        ([`jvp_by_solve`][linbackprop.jvp_by_solve]) — memory of the chunk's activations per
-        query instead of P per training example, about twice the multiplications.
+        (one back substitution, [chunk, P]) and multiplies; ``by="ghost"`` never forms a
+        training gradient: after the one back substitution (Λ) each layer's parameter tangent
+        along $v_q$ ($ℳ^* v_q$, no substitution) is contracted with Λ example by example
+        (for a dense layer $\sum_t a_t^T V_q \delta_t$); ``by="forward"`` forms none either:
+        $S_{qi}$ is the directional derivative of $\ell_i$ along $v_q$, the forward
+        substitution $ℒZ = ℳ^* v_q$ over the training chunk for all of a chunk's queries at
+        once ([`jvp_by_solve`][linbackprop.jvp_by_solve]), a forward pass per chunk. The last
+        two hold a state-shaped tangent per query instead of P numbers per training example.
 
         Args:
             measure: ``measure(params, *query) -> (Q,)``, one value per query (its loss, a
@@ -353,7 +357,7 @@ class InfluenceFit:
             params: the parameters (as ``fit`` had them).
             query: the queries' data, a tuple of arrays with a leading axis Q.
             train: the training data, as ``fit`` had it: a tuple with a leading axis N.
-            by: ``"gradients"`` or ``"forward"`` (above).
+            by: ``"gradients"``, ``"ghost"`` or ``"forward"`` (above).
 
         Returns:
             The (Q, N) scores.
@@ -362,12 +366,17 @@ class InfluenceFit:
         if n != self.examples:
             raise ValueError(f"InfluenceFit.scores: train has {n} examples, the fit {self.examples}; pass the "
                              "training data the curvature was fitted on.")
-        if by not in ("gradients", "forward"):
+        if by not in ("gradients", "ghost", "forward"):
             raise ValueError(f"InfluenceFit.scores(by={by!r}): 'gradients' (per-example training gradients, "
-                             "multiplied) or 'forward' (directional derivatives, no training gradient formed).")
+                             "multiplied), 'ghost' (the parameter tangents contracted with the adjoints) or "
+                             "'forward' (directional derivatives): the last two form no training gradient.")
 
         def query_rows(*q: Any) -> jax.Array:
             v = self._preconditioned(self._grads(measure, params, q))  # [q, ...] like the gradient
+            if by == "ghost":
+                products = per_example_products(self.losses, self.argnums, layers=self.layers)
+                return concatenated(lambda *t: products(v, *_with_params(params, t, self.argnums)), train,
+                                    self.batch_size, "train", axis=1)
             if by == "forward":
                 along = lambda t: jax.vmap(lambda v_q: self._directional(params, t, v_q))(v)
                 return concatenated(lambda *t: along(t), train, self.batch_size, "train", axis=1)
