@@ -325,6 +325,9 @@ def test_refusals_name_the_fix():
         fit.scores(losses, params, query, train, by="backward")
     with pytest.raises(ValueError, match="4 examples, the fit 13"):
         fit.scores(losses, params, query, query)
+    twice = lambda p, x, y: cross_entropy(net(p, x), y) + cross_entropy(net(p, 2 * x), y)  # two calls: two terms
+    with pytest.raises(NotImplementedError, match=r"the weight \['W1'\] has 2 Kronecker terms"):
+        lbp.influence(twice, method="kfac").fit(params, *train)
     pairing = lambda p, x, y: cross_entropy(net(p, x), y) + cross_entropy(jnp.roll(net(p, x), 1, axis=0), y)
     with pytest.raises(ValueError, match="example"):  # loss i reads examples i and i - 1: no influence of one
         lbp.influence(pairing, method="identity").fit(params, *train).self_scores(params, *train)

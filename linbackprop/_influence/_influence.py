@@ -266,10 +266,8 @@ class Influence:
             if isinstance(first, KroneckerPair):
                 return KroneckerPair(sum(jnp.sum(s.left, axis=0) * (m / n) for s, (_, m) in zip(stacks, parts)),
                                      sum(jnp.sum(s.right, axis=0) for s in stacks))
-            if isinstance(first, tuple):
-                raise NotImplementedError(f"influence(method={self.method!r}): a weight with several Kronecker "
-                                          "terms (the losses call its network more than once per example); use "
-                                          "method='diagonal' or 'exact'.")
+            if isinstance(first, tuple):  # one pair per term: `_curvature` refuses them, naming the weight
+                return tuple(combine(*terms) for terms in zip(*stacks))
             if first is None or isinstance(first, BiasOf):
                 return first  # the block, decided by kfac_factors
             return sum(jnp.sum(s, axis=0) for s in stacks)
